@@ -1,0 +1,50 @@
+"""sharetree: explicit parameter sharing (tied weights) in JAX pytrees.
+
+A tie is data: ``Tied(ref, transform)`` is a leafless pytree node placed where
+the shared value goes. See the README for a tour.
+"""
+
+from sharetree._detect import find_ties, tie_identical
+from sharetree._errors import TieError
+from sharetree._flat import Restructure, destructure
+from sharetree._graph import Buffer, SharingGraph, View, canonicalize
+from sharetree._materialize import materialize
+from sharetree._tie import tie
+from sharetree._tied import Tied
+from sharetree._transforms import (
+    T,
+    Transform,
+    astype,
+    fn,
+    identity,
+    reshape,
+    scale,
+    transform_from_spec,
+    transpose,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Buffer",
+    "Restructure",
+    "SharingGraph",
+    "T",
+    "Tied",
+    "TieError",
+    "Transform",
+    "View",
+    "astype",
+    "canonicalize",
+    "destructure",
+    "find_ties",
+    "fn",
+    "identity",
+    "materialize",
+    "reshape",
+    "scale",
+    "tie",
+    "tie_identical",
+    "transform_from_spec",
+    "transpose",
+]
