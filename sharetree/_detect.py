@@ -89,6 +89,20 @@ def find_ties(
     """
     for t in transforms:
         check_transform(t, "in find_ties")
+    with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+        return _find_ties(tree, transforms, atol)
+
+
+def _view(t: Transform, a: np.ndarray) -> np.ndarray | None:
+    try:
+        return np.asarray(t(a))
+    except Exception:  # noqa: BLE001 - a transform that does not apply to this leaf
+        return None
+
+
+def _find_ties(
+    tree: Any, transforms: Sequence[Transform], atol: float
+) -> dict[str | Path, Tied]:
     candidates = [
         (path, np.asarray(x))
         for path, x in _positions(tree)
@@ -104,22 +118,17 @@ def find_ties(
                 found[path] = Tied(hit[0], hit[1])
                 continue
             for t in transforms:
-                try:
-                    view = np.asarray(t(a))
-                except Exception:  # noqa: BLE001 - a transform that does not apply
-                    continue
-                index.setdefault(_digest(view), (path, t))
+                view = _view(t, a)
+                if view is not None:
+                    index.setdefault(_digest(view), (path, t))
     else:
         buffers: list[tuple[Path, np.ndarray]] = []
         for path, a in candidates:
             match = None
             for bpath, b in buffers:
                 for t in transforms:
-                    try:
-                        view = np.asarray(t(b))
-                    except Exception:  # noqa: BLE001 - a transform that does not apply
-                        continue
-                    if view.shape == a.shape and view.dtype == a.dtype and np.allclose(
+                    view = _view(t, b)
+                    if view is not None and view.shape == a.shape and view.dtype == a.dtype and np.allclose(
                         view, a, rtol=0.0, atol=atol
                     ):
                         match = Tied(bpath, t)

@@ -27,9 +27,12 @@ class _Static:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        self._key: Any
+        if isinstance(value, jax.core.Tracer):  # an integer leaf under jit: same trace only
+            self._key = ("id", id(value))
+        elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
             arr = np.asarray(value)
-            self._key: Any = ("array", arr.shape, arr.dtype.str, arr.tobytes())
+            self._key = ("array", arr.shape, arr.dtype.str, arr.tobytes())
         else:
             try:
                 hash(value)

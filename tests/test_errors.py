@@ -1,0 +1,132 @@
+"""One test per row of docs/errors.md, in the same order."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import sharetree as st
+
+W = jnp.ones((2, 3))
+
+
+def test_01_dangling_ref_names_closest_path():
+    tree = {"encoder": {"kernel": W}, "decoder": {"kernel": st.Tied("encoder/kernal", st.T)}}
+    with pytest.raises(st.TieError, match=r"'decoder/kernel'.*'encoder/kernal'.*closest.*'encoder/kernel'"):
+        st.materialize(tree)
+
+
+def test_02_cycle_shows_whole_cycle():
+    tree = {"a": st.Tied("b"), "b": st.Tied("c"), "c": st.Tied("a"), "w": W}
+    with pytest.raises(st.TieError, match=r"cycle of ties: 'a' -> 'b' -> 'c' -> 'a'"):
+        st.canonicalize(tree)
+
+
+def test_03_self_reference():
+    with pytest.raises(st.TieError, match=r"'a/y' refers to 'a', a subtree that contains it"):
+        st.materialize({"a": {"x": W, "y": st.Tied("a")}})
+    with pytest.raises(st.TieError, match=r"'a' refers to 'a', itself"):
+        st.materialize({"a": st.Tied("a"), "w": W})
+
+
+def test_04_ref_below_a_leaf():
+    with pytest.raises(st.TieError, match=r"'w/0' goes below the leaf 'w'"):
+        st.materialize({"w": W, "v": st.Tied("w/0")})
+
+
+def test_05_tie_target_missing():
+    with pytest.raises(st.TieError, match=r"'dec/kernel' does not exist.*'dec/kern'"):
+        st.tie({"enc": W, "dec": {"kern": W}}, {"dec/kernel": "enc"})
+
+
+def test_06_overlapping_targets():
+    with pytest.raises(st.TieError, match=r"'dec' and 'dec/w' overlap"):
+        st.tie({"enc": {"w": W}, "dec": {"w": W}}, {"dec": "enc", "dec/w": "enc/w"})
+
+
+def test_07_shape_mismatch_both_shapes():
+    with pytest.raises(st.TieError, match=r"view is float32\[3, 2\].*replaces is float32\[2, 3\]"):
+        st.tie({"enc": W, "dec": W}, {"dec": st.Tied("enc", st.T)})
+
+
+def test_08_structure_mismatch():
+    with pytest.raises(st.TieError, match=r"structure differs.*view has.*target has"):
+        st.tie({"enc": W, "dec": {"w": W}}, {"dec": "enc"})
+
+
+def test_09_transform_failure():
+    tree = {"a": W, "b": st.Tied("a", st.transpose(0, 1, 2))}
+    with pytest.raises(st.TieError, match=r"view 'b'.*transpose\(0, 1, 2\).*buffer 'a' of float32\[2, 3\]"):
+        st.materialize(tree)
+    with pytest.raises(st.TieError, match=r"transpose\(0, 1, 2\)"):
+        st.canonicalize(tree).views  # noqa: B018
+
+
+def test_10_restructure_wrong_length():
+    _, re = st.destructure({"a": W})
+    with pytest.raises(st.TieError, match=r"length 6.*got length 4 \(-2\)"):
+        re(jnp.zeros(4))
+    with pytest.raises(st.TieError, match="length 6"):
+        re.canonical(jnp.zeros(7))
+
+
+def test_11_restructure_wrong_ndim():
+    _, re = st.destructure({"a": W})
+    with pytest.raises(st.TieError, match=r"shape \(2, 3\) \(ndim 2\).*vmap"):
+        re(jnp.zeros((2, 3)))
+
+
+def test_12_restructure_wrong_dtype_kind():
+    _, re = st.destructure({"a": W})
+    with pytest.raises(st.TieError, match="got dtype bool"):
+        re(jnp.zeros(6, bool))
+
+
+def test_13_bad_or_unhashable_transform():
+    with pytest.raises(st.TieError, match=r"wrap the function with st.fn"):
+        st.Tied("a", lambda x: x)
+    with pytest.raises(st.TieError, match="expected a sharetree transform, got list"):
+        st.Tied("a", [1, 2])
+
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, x):
+            return x
+
+    with pytest.raises(st.TieError, match="not hashable"):
+        st.fn(Unhashable())
+
+
+def test_14_tied_at_root():
+    with pytest.raises(st.TieError, match="root"):
+        st.materialize(st.Tied("a"))
+
+
+def test_15_ref_not_a_path():
+    for bad in (3, "", "a//b", ("a", 1.5)):
+        with pytest.raises(st.TieError):
+            st.Tied(bad)
+
+
+class _Pair:
+    """A custom node whose two children have the same key name."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Pair,
+    lambda p: (((jax.tree_util.GetAttrKey("w"), p.a), (jax.tree_util.DictKey("w"), p.b)), None),
+    lambda _, children: _Pair(*children),
+)
+
+
+def test_16_ambiguous_paths():
+    with pytest.raises(st.TieError, match="share the path 'p/w'"):
+        st.materialize({"p": _Pair(W, W), "v": st.Tied("p/w")})
+
+
+def test_17_bad_transform_spec():
+    with pytest.raises(st.TieError, match="unknown transform name 'flip'.*known"):
+        st.transform_from_spec({"name": "flip"})

@@ -1,0 +1,146 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import sharetree as st
+
+
+def _ref_tree():
+    return {"x": jnp.array([7.0, 7.0]), "y": jnp.array([3.0, 4.0]), "z": st.Tied("x")}
+
+
+def test_optimisers_jl_reference_cases():
+    flat, re = st.destructure(_ref_tree())
+    np.testing.assert_array_equal(flat, [7, 7, 3, 4])
+    m = re(jnp.array([1.0, 10.0, 100.0, 1000.0]))
+    np.testing.assert_array_equal(m["x"], [1, 10])
+    assert m["z"] is m["x"]
+    g1 = jax.grad(lambda v: 3 * re(v)["x"].sum() + 13 * re(v)["z"].sum())(jnp.zeros(4))
+    np.testing.assert_array_equal(g1, [16, 16, 0, 0])
+    g2 = jax.grad(lambda v: 4 * (re(v)["x"].sum() + re(v)["y"].sum()) + 13 * re(v)["z"].sum())(
+        jnp.zeros(4)
+    )
+    np.testing.assert_array_equal(g2, [17, 17, 4, 4])
+
+
+def _tied_model():
+    k = jax.random.split(jax.random.key(1), 4)
+    return {
+        "emb": jax.random.normal(k[0], (5, 3)),
+        "mid": {"w": jax.random.normal(k[1], (3, 3)).astype(jnp.float16), "n": jnp.int32(2)},
+        "head": st.Tied("emb", st.T),
+        "act": "tanh",
+        "half": st.Tied("mid/w", st.astype(jnp.float32) >> st.scale(0.5)),
+    }
+
+
+def _loss(m):
+    h = jnp.tanh(jnp.ones(5) @ m["emb"]) @ m["mid"]["w"].astype(jnp.float32) @ m["half"]
+    return jnp.sum(jnp.sin(h @ m["head"])) * m["mid"]["n"]
+
+
+def test_layout_dtypes_and_statics():
+    tree = _tied_model()
+    flat, re = st.destructure(tree)
+    assert flat.dtype == jnp.float32 and flat.shape == (15 + 9,)
+    np.testing.assert_array_equal(flat[:15], tree["emb"].ravel())
+    m = re(flat)
+    assert m["mid"]["w"].dtype == jnp.float16 and m["act"] == "tanh" and int(m["mid"]["n"]) == 2
+    np.testing.assert_array_equal(m["head"], tree["emb"].T)
+    c = re.canonical(flat)
+    assert c["head"] == st.Tied("emb", st.T)
+    assert jax.tree.structure(c) == jax.tree.structure(tree)
+    expected_leaves, _ = ravel_pytree([tree["emb"], tree["mid"]["w"]])
+    np.testing.assert_array_equal(flat, expected_leaves)
+
+
+def test_gradient_equals_materialize_gradient():
+    tree = _tied_model()
+    flat, re = st.destructure(tree)
+    g_flat = jax.grad(lambda v: _loss(re(v)))(flat)
+    arrays, static = _split(tree)
+    g_tree = jax.grad(lambda a: _loss(st.materialize(_join(a, static))))(arrays)
+    expected = jnp.concatenate([g_tree["emb"].ravel(), g_tree["mid"]["w"].ravel().astype(jnp.float32)])
+    np.testing.assert_allclose(g_flat, expected, rtol=2e-3, atol=1e-3)
+
+
+def _split(tree):
+    arrays = {"emb": tree["emb"], "mid": {"w": tree["mid"]["w"]}}
+    return arrays, tree
+
+
+def _join(arrays, tree):
+    return dict(tree, emb=arrays["emb"], mid=dict(tree["mid"], w=arrays["mid"]["w"]))
+
+
+def test_forward_mode_and_vmap():
+    tree = {"a": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": st.Tied("a", st.T), "c": jnp.ones(2)}
+    flat, re = st.destructure(tree)
+
+    def f(v):
+        m = re(v)
+        return jnp.sum(m["a"] @ m["b"] @ m["c"] ** 2)
+
+    g = jax.grad(f)(flat)
+    _, jv = jax.jvp(f, (flat,), (jnp.ones_like(flat),))
+    np.testing.assert_allclose(jv, g.sum(), rtol=1e-5)
+    np.testing.assert_allclose(jax.jacfwd(f)(flat), g, rtol=1e-5)
+    np.testing.assert_allclose(jax.hessian(f)(flat), jax.jacfwd(jax.jacrev(f))(flat), rtol=1e-5)
+    batch = jnp.stack([flat, 2 * flat, -flat])
+    np.testing.assert_allclose(jax.vmap(f)(batch), jnp.array([f(v) for v in batch]), rtol=1e-5)
+
+
+def test_restructure_is_hashable_and_does_not_retrace():
+    traces = []
+
+    def run(re, v):
+        traces.append(1)
+        return re(v)["x"].sum()
+
+    jitted = jax.jit(run, static_argnums=0)
+    f1, re1 = st.destructure(_ref_tree())
+    f2, re2 = st.destructure(_ref_tree())
+    assert re1 == re2 and hash(re1) == hash(re2) and re1 is not re2
+    jitted(re1, f1)
+    jitted(re2, f2)
+    assert len(traces) == 1
+    other = {"x": jnp.array([7.0, 7.0]), "y": jnp.array([3.0, 4.0]), "z": st.Tied("x", st.scale(2.0))}
+    assert st.destructure(other)[1] != re1
+
+
+def test_static_int_arrays_compare_by_value():
+    _, r1 = st.destructure({"a": jnp.ones(2), "n": np.arange(3)})
+    _, r2 = st.destructure({"a": jnp.ones(2), "n": np.arange(3)})
+    _, r3 = st.destructure({"a": jnp.ones(2), "n": np.arange(3) + 1})
+    assert r1 == r2 and r1 != r3
+
+
+def test_works_under_jit_on_traced_trees():
+    tree = {k: v for k, v in _tied_model().items() if k != "act"}
+
+    @jax.jit
+    def f(t):
+        flat, re = st.destructure(t)
+        return re(flat * 2)["head"]
+
+    np.testing.assert_allclose(f(tree), 2 * tree["emb"].T, rtol=1e-6)
+
+
+def test_bad_flat_inputs():
+    _, re = st.destructure(_ref_tree())
+    with pytest.raises(st.TieError, match=r"length 4.*got length 5 \(\+1\)"):
+        re(jnp.zeros(5))
+    with pytest.raises(st.TieError, match=r"1-D.*shape \(2, 2\)"):
+        re(jnp.zeros((2, 2)))
+    with pytest.raises(st.TieError, match="floating or complex.*int32"):
+        re(jnp.zeros(4, jnp.int32))
+    with pytest.raises(st.TieError, match="1-D array"):
+        re([0.0, 1.0, 2.0, 3.0])
+
+
+def test_empty_and_no_inexact():
+    flat, re = st.destructure({"n": np.int32(1), "s": "x"})
+    assert flat.shape == (0,)
+    assert re(flat) == {"n": np.int32(1), "s": "x"}

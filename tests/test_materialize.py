@@ -1,0 +1,118 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharetree as st
+
+KEY = jax.random.key(0)
+
+
+def _params():
+    k1, k2, k3 = jax.random.split(KEY, 3)
+    return {
+        "enc": {"w": jax.random.normal(k1, (4, 3)), "b": jax.random.normal(k2, (3,))},
+        "dec": {"w": st.Tied("enc/w", st.T), "b": jax.random.normal(k3, (4,))},
+        "gate": st.Tied("enc/w", st.scale(0.5)),
+    }
+
+
+def _model(m, x):
+    h = jnp.tanh(x @ m["enc"]["w"] + m["enc"]["b"])
+    y = h @ m["dec"]["w"] + m["dec"]["b"]
+    return jnp.sum(y**2) + jnp.sum(jnp.sin(x @ m["gate"]))
+
+
+X = jnp.linspace(-1, 1, 8).reshape(2, 4)
+
+
+def test_identity_view_is_the_same_object():
+    p = {"a": jnp.ones(3), "b": st.Tied("a")}
+    m = st.materialize(p)
+    assert m["b"] is p["a"] and m["a"] is p["a"]
+
+
+def test_gradient_equals_untied_reference_summed_through_views():
+    p = _params()
+    g = jax.grad(lambda t: _model(st.materialize(t), X))(p)
+    assert jax.tree.structure(g) == jax.tree.structure(p)
+    assert g["dec"]["w"] == p["dec"]["w"]
+    # reference: an untied copy, then each view's VJP summed onto its buffer
+    w = p["enc"]["w"]
+    untied = {"enc": dict(p["enc"]), "dec": {"w": w.T, "b": p["dec"]["b"]}, "gate": 0.5 * w}
+    gu = jax.grad(lambda t: _model(t, X))(untied)
+    expected_w = gu["enc"]["w"] + gu["dec"]["w"].T + 0.5 * gu["gate"]
+    np.testing.assert_allclose(g["enc"]["w"], expected_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g["dec"]["b"], gu["dec"]["b"], rtol=1e-6)
+
+
+def test_materialized_gradient_shows_accumulated_value_at_each_tied_position():
+    # seed 001: the gradient at every tied position is the accumulated one, the same object
+    p = {"l1": {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}, "l2": st.Tied("l1")}
+    x = jnp.array([1.0, 2.0])
+
+    def loss(t):
+        m = st.materialize(t)
+        h = m["l1"]["w"] @ x + m["l1"]["b"]
+        return jnp.sum(m["l2"]["w"] @ h + m["l2"]["b"])
+
+    g = st.materialize(jax.grad(loss)(p))
+    assert g["l2"]["w"] is g["l1"]["w"] and g["l2"]["b"] is g["l1"]["b"]
+    untied = jax.grad(
+        lambda a, b: jnp.sum(b["w"] @ (a["w"] @ x + a["b"]) + b["b"]), argnums=(0, 1)
+    )(p["l1"], p["l1"])
+    np.testing.assert_allclose(g["l1"]["w"], untied[0]["w"] + untied[1]["w"])
+    np.testing.assert_allclose(g["l1"]["b"], untied[0]["b"] + untied[1]["b"])
+
+
+def test_finite_differences():
+    p = _params()
+    f = lambda t: _model(st.materialize(t), X)  # noqa: E731
+    g = jax.grad(f)(p)
+    eps = 1e-3
+    for idx in [(0, 0), (3, 2), (1, 1)]:
+        bump = jnp.zeros((4, 3)).at[idx].set(eps)
+        up = dict(p, enc=dict(p["enc"], w=p["enc"]["w"] + bump))
+        down = dict(p, enc=dict(p["enc"], w=p["enc"]["w"] - bump))
+        fd = (f(up) - f(down)) / (2 * eps)
+        np.testing.assert_allclose(g["enc"]["w"][idx], fd, rtol=2e-2, atol=2e-3)
+
+
+def test_jit_vmap_jvp():
+    p = _params()
+    eager = _model(st.materialize(p), X)
+    np.testing.assert_allclose(jax.jit(lambda t: _model(st.materialize(t), X))(p), eager, rtol=1e-6)
+    batched = jax.vmap(lambda t: _model(st.materialize(t), X))(jax.tree.map(lambda a: jnp.stack([a, 2 * a]), p))
+    np.testing.assert_allclose(batched[0], eager, rtol=1e-6)
+    tangent = jax.tree.map(jnp.ones_like, p)
+    _, jv = jax.jvp(lambda t: _model(st.materialize(t), X), (p,), (tangent,))
+    g = jax.grad(lambda t: _model(st.materialize(t), X))(p)
+    np.testing.assert_allclose(jv, sum(jnp.sum(x) for x in jax.tree.leaves(g)), rtol=1e-4)
+
+
+def test_ties_survive_astype_and_device_put():
+    # seed 002: `m |> f64` and `gpu(m)` must not untie a transposed weight
+    p = _params()
+    touched = []
+
+    def cast(x):
+        touched.append(x)
+        return x.astype(jnp.bfloat16)
+
+    low = jax.tree.map(cast, p)
+    assert len(touched) == st.canonicalize(p).num_unique
+    assert low["dec"]["w"] == st.Tied("enc/w", st.T)
+    np.testing.assert_array_equal(st.materialize(low)["dec"]["w"], low["enc"]["w"].T)
+    with jax.enable_x64(True):
+        hi = jax.tree.map(lambda x: x.astype(jnp.float64), p)
+        assert st.materialize(hi)["dec"]["w"].dtype == jnp.float64
+        assert hi["gate"] == p["gate"]
+    moved = jax.device_put(p, jax.devices()[0])
+    assert moved["dec"]["w"] == p["dec"]["w"]
+    assert len(jax.tree.leaves(moved)) == 3
+
+
+def test_transform_failure_names_tie_transform_and_shape():
+    p = {"a": jnp.ones((2, 3)), "b": st.Tied("a", st.reshape(7))}
+    with pytest.raises(st.TieError, match=r"'b'.*reshape\(7\).*float32\[2, 3\]"):
+        st.materialize(p)

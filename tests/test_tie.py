@@ -1,0 +1,76 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharetree as st
+
+
+def _untied():
+    return {
+        "enc": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)},
+        "dec": {"w": jnp.zeros((3, 2)), "b": jnp.ones(2)},
+        "copy": {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)},
+    }
+
+
+def test_tie_leaf_with_ref_or_tied_and_subtree():
+    t = st.tie(_untied(), {"dec/w": st.Tied("enc/w", st.T), "copy": "enc"})
+    assert t["dec"]["w"] == st.Tied("enc/w", st.T) and t["copy"] == st.Tied("enc")
+    m = st.materialize(t)
+    np.testing.assert_array_equal(m["dec"]["w"], t["enc"]["w"].T)
+    assert m["copy"]["w"] is t["enc"]["w"]
+    assert st.canonicalize(t).num_unique == 3
+
+
+def test_tuple_targets_and_retie():
+    t = st.tie(_untied(), {("dec", "w"): st.Tied(("enc", "w"), st.T)})
+    t2 = st.tie(t, {"dec/w": st.Tied("copy/w", st.T)})
+    assert t2["dec"]["w"] == st.Tied("copy/w", st.T)
+
+
+def test_check_shape_mismatch_shows_both_shapes():
+    with pytest.raises(st.TieError, match=r"'dec/w'.*float32\[2, 3\].*float32\[3, 2\]"):
+        st.tie(_untied(), {"dec/w": "enc/w"})
+
+
+def test_check_dtype_mismatch():
+    tree = {"a": jnp.ones(3), "b": jnp.ones(3, jnp.bfloat16)}
+    with pytest.raises(st.TieError, match="bfloat16"):
+        st.tie(tree, {"b": "a"})
+    ok = st.tie(tree, {"b": st.Tied("a", st.astype(jnp.bfloat16))})
+    assert st.materialize(ok)["b"].dtype == jnp.bfloat16
+
+
+def test_check_structure_mismatch():
+    with pytest.raises(st.TieError, match="structure"):
+        st.tie(_untied(), {"dec": "enc/w"})
+
+
+def test_check_false_allows_a_different_shape():
+    t = st.tie(_untied(), {"dec/w": "enc/w"}, check=False)
+    assert st.materialize(t)["dec"]["w"].shape == (2, 3)
+
+
+def test_missing_target_names_closest():
+    with pytest.raises(st.TieError, match=r"'dec/ww' does not exist.*'dec/w'"):
+        st.tie(_untied(), {"dec/ww": "enc/w"})
+
+
+def test_overlapping_targets():
+    with pytest.raises(st.TieError, match="overlap"):
+        st.tie(_untied(), {"dec": "enc", "dec/w": "enc/w"})
+
+
+def test_equinox_attribute_paths():
+    class AE(eqx.Module):
+        enc: eqx.nn.Linear
+        dec: eqx.nn.Linear
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    ae = AE(eqx.nn.Linear(4, 3, key=k1), eqx.nn.Linear(3, 4, key=k2))
+    tied = st.tie(ae, {"dec/weight": st.Tied("enc/weight", st.T)})
+    assert isinstance(tied.dec.weight, st.Tied)
+    m = st.materialize(tied)
+    np.testing.assert_array_equal(m.dec.weight, ae.enc.weight.T)
