@@ -404,6 +404,10 @@ class SharingGraph:
         )
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def transform_error(
     structure: Structure,
     i: int,

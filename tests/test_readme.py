@@ -1,0 +1,19 @@
+"""The README's Python examples run as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).parent.parent / "README.md"
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {})
+
+
+def test_quick_start_has_the_two_commands():
+    text = README.read_text()
+    assert 'pip install -e ".[demo]" && python -m sharetree demo' in text
+    assert 'pip install -e ".[test]" && python -m pytest' in text
