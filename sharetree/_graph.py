@@ -398,7 +398,7 @@ class SharingGraph:
 
     def __repr__(self) -> str:
         return (
-            f"SharingGraph({self.num_unique} buffers, {self.num_views} views; "
+            f"SharingGraph({_plural(self.num_unique, 'buffer')}, {_plural(self.num_views, 'view')}; "
             f"params {self.size_unique:,} unique / {self.size_expanded:,} expanded; "
             f"bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
         )
