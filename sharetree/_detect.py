@@ -96,13 +96,11 @@ def find_ties(
 def _view(t: Transform, a: np.ndarray) -> np.ndarray | None:
     try:
         return np.asarray(t(a))
-    except Exception:  # noqa: BLE001 - a transform that does not apply to this leaf
+    except Exception:
         return None
 
 
-def _find_ties(
-    tree: Any, transforms: Sequence[Transform], atol: float
-) -> dict[str | Path, Tied]:
+def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
     candidates = [
         (path, np.asarray(x))
         for path, x in _positions(tree)
@@ -128,8 +126,11 @@ def _find_ties(
             for bpath, b in buffers:
                 for t in transforms:
                     view = _view(t, b)
-                    if view is not None and view.shape == a.shape and view.dtype == a.dtype and np.allclose(
-                        view, a, rtol=0.0, atol=atol
+                    if (
+                        view is not None
+                        and view.shape == a.shape
+                        and view.dtype == a.dtype
+                        and np.allclose(view, a, rtol=0.0, atol=atol)
                     ):
                         match = Tied(bpath, t)
                         break

@@ -17,13 +17,15 @@ __all__ = ["destructure", "Restructure"]
 
 
 def _is_inexact_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.inexact
+    )
 
 
 class _Static:
     """A non-parameter leaf kept by ``restructure``; compared by value (arrays by content)."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("_key", "value")
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -186,8 +188,10 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     leaves, structure = leaves_and_structure(tree)
     slots = tuple(i for i, x in enumerate(leaves) if _is_inexact_array(x))
     inexact = [leaves[i] for i in slots]
-    flat_dtype = np.dtype(jnp.result_type(*(x.dtype for x in inexact))) if inexact else np.dtype(
-        jnp.result_type(float)
+    flat_dtype = (
+        np.dtype(jnp.result_type(*(x.dtype for x in inexact)))
+        if inexact
+        else np.dtype(jnp.result_type(float))
     )
     slot_set = set(slots)
     statics = tuple((i, _Static(x)) for i, x in enumerate(leaves) if i not in slot_set)
@@ -200,4 +204,3 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
         flat_dtype,
     )
     return _concat(inexact, flat_dtype), restructure
-

@@ -124,7 +124,7 @@ class _Resolver:
         if at in self.memo:
             return self.memo[at]
         if at in stack:
-            cycle = stack[stack.index(at):] + (at,)
+            cycle = stack[stack.index(at) :] + (at,)
             raise TieError(
                 "cycle of ties: "
                 + " -> ".join(repr(path_str(p)) for p in cycle)
@@ -133,8 +133,13 @@ class _Resolver:
             )
         t = self.tied_at[at]
         if t.ref[: len(at)] == at or at[: len(t.ref)] == t.ref:
-            rel = "itself" if t.ref == at else ("a path inside itself" if len(t.ref) > len(at)
-                                                  else "a subtree that contains it")
+            rel = (
+                "itself"
+                if t.ref == at
+                else (
+                    "a path inside itself" if len(t.ref) > len(at) else "a subtree that contains it"
+                )
+            )
             raise TieError(
                 f"Tied at {path_str(at)!r} refers to {path_str(t.ref)!r}, {rel}: a view cannot "
                 "be its own buffer. Fix: refer to a path outside it that holds the array."
@@ -226,9 +231,9 @@ def structure_of(treedef: Any) -> Structure:
 
 def is_array(x: Any) -> bool:
     """Whether a transform applies to ``x`` (arrays and numbers; not strings, None, functions)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, int, complex)) and not isinstance(
-        x, bool
-    )
+    return isinstance(
+        x, (jax.Array, np.ndarray, np.generic, float, int, complex)
+    ) and not isinstance(x, bool)
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct | None:
@@ -328,12 +333,14 @@ class SharingGraph:
         out = []
         for i, t, path, via in self.structure.views:
             aval = self._avals[i]
-            if aval is None or not is_array(self._leaves[i]) and not hasattr(self._leaves[i], "shape"):
+            if aval is None or (
+                not is_array(self._leaves[i]) and not hasattr(self._leaves[i], "shape")
+            ):
                 out.append(aval)
                 continue
             try:
                 out.append(t.abstract(aval))
-            except Exception as e:  # noqa: BLE001 - re-raised with the tie named
+            except Exception as e:
                 raise transform_error(self.structure, i, t, path, via, aval, e) from None
         return out
 
@@ -398,7 +405,8 @@ class SharingGraph:
 
     def __repr__(self) -> str:
         return (
-            f"SharingGraph({_plural(self.num_unique, 'buffer')}, {_plural(self.num_views, 'view')}; "
+            f"SharingGraph({_plural(self.num_unique, 'buffer')}, "
+            f"{_plural(self.num_views, 'view')}; "
             f"params {self.size_unique:,} unique / {self.size_expanded:,} expanded; "
             f"bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
         )
@@ -466,12 +474,12 @@ def expand_leaves(
     out = []
     for i, t, path, via in structure.expanded:
         x = leaves[i]
-        if t is None or t is identity or not is_array(x) and not hasattr(x, "shape"):
+        if t is None or t is identity or (not is_array(x) and not hasattr(x, "shape")):
             out.append(x)
             continue
         try:
             out.append(t(x) if apply is None else apply(t, x))
-        except Exception as e:  # noqa: BLE001 - re-raised with the tie named
+        except Exception as e:
             raise transform_error(structure, i, t, path, via, _aval(x), e) from None
     return out
 

@@ -16,7 +16,7 @@ __all__ = ["Tied", "Path", "PathLike", "to_path", "path_str", "key_name", "keypa
 Path = tuple[str, ...]
 """A normalised path: a tuple of key names (dict keys, indices and attribute names as str)."""
 
-PathLike = Union[str, Sequence[Any]]
+PathLike = Union[str, Sequence[Any]]  # noqa: UP007 - a runtime alias
 """A ``/``-joined string (``"encoder/kernel"``) or a tuple of keys (``("encoder", "kernel")``)."""
 
 
@@ -35,12 +35,14 @@ def to_path(ref: Any, what: str = "path") -> Path:
         for k in ref:
             if not isinstance(k, (str, int)):
                 raise TieError(
-                    f"{what} {tuple(ref)!r}: keys must be str or int, found {type(k).__name__} {k!r}."
+                    f"{what} {tuple(ref)!r}: keys must be str or int, "
+                    f"found {type(k).__name__} {k!r}."
                 )
     else:
         raise TieError(
             f"{what}: expected a '/'-joined string or a tuple of keys, found "
-            f"{type(ref).__name__} {ref!r}. Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
+            f"{type(ref).__name__} {ref!r}. "
+            "Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
         )
     if not parts or any(p == "" for p in parts):
         raise TieError(

@@ -11,7 +11,9 @@ W = jnp.ones((2, 3))
 
 def test_01_dangling_ref_names_closest_path():
     tree = {"encoder": {"kernel": W}, "decoder": {"kernel": st.Tied("encoder/kernal", st.T)}}
-    with pytest.raises(st.TieError, match=r"'decoder/kernel'.*'encoder/kernal'.*closest.*'encoder/kernel'"):
+    with pytest.raises(
+        st.TieError, match=r"'decoder/kernel'.*'encoder/kernal'.*closest.*'encoder/kernel'"
+    ):
         st.materialize(tree)
 
 
@@ -55,7 +57,9 @@ def test_08_structure_mismatch():
 
 def test_09_transform_failure():
     tree = {"a": W, "b": st.Tied("a", st.transpose(0, 1, 2))}
-    with pytest.raises(st.TieError, match=r"view 'b'.*transpose\(0, 1, 2\).*buffer 'a' of float32\[2, 3\]"):
+    with pytest.raises(
+        st.TieError, match=r"view 'b'.*transpose\(0, 1, 2\).*buffer 'a' of float32\[2, 3\]"
+    ):
         st.materialize(tree)
     with pytest.raises(st.TieError, match=r"transpose\(0, 1, 2\)"):
         st.canonicalize(tree).views  # noqa: B018

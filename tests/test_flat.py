@@ -62,7 +62,9 @@ def test_gradient_equals_materialize_gradient():
     g_flat = jax.grad(lambda v: _loss(re(v)))(flat)
     arrays, static = _split(tree)
     g_tree = jax.grad(lambda a: _loss(st.materialize(_join(a, static))))(arrays)
-    expected = jnp.concatenate([g_tree["emb"].ravel(), g_tree["mid"]["w"].ravel().astype(jnp.float32)])
+    expected = jnp.concatenate(
+        [g_tree["emb"].ravel(), g_tree["mid"]["w"].ravel().astype(jnp.float32)]
+    )
     np.testing.assert_allclose(g_flat, expected, rtol=2e-3, atol=1e-3)
 
 
@@ -106,7 +108,11 @@ def test_restructure_is_hashable_and_does_not_retrace():
     jitted(re1, f1)
     jitted(re2, f2)
     assert len(traces) == 1
-    other = {"x": jnp.array([7.0, 7.0]), "y": jnp.array([3.0, 4.0]), "z": st.Tied("x", st.scale(2.0))}
+    other = {
+        "x": jnp.array([7.0, 7.0]),
+        "y": jnp.array([3.0, 4.0]),
+        "z": st.Tied("x", st.scale(2.0)),
+    }
     assert st.destructure(other)[1] != re1
 
 

@@ -82,7 +82,9 @@ def test_jit_vmap_jvp():
     p = _params()
     eager = _model(st.materialize(p), X)
     np.testing.assert_allclose(jax.jit(lambda t: _model(st.materialize(t), X))(p), eager, rtol=1e-6)
-    batched = jax.vmap(lambda t: _model(st.materialize(t), X))(jax.tree.map(lambda a: jnp.stack([a, 2 * a]), p))
+    batched = jax.vmap(lambda t: _model(st.materialize(t), X))(
+        jax.tree.map(lambda a: jnp.stack([a, 2 * a]), p)
+    )
     np.testing.assert_allclose(batched[0], eager, rtol=1e-6)
     tangent = jax.tree.map(jnp.ones_like, p)
     _, jv = jax.jvp(lambda t: _model(st.materialize(t), X), (p,), (tangent,))

@@ -72,14 +72,15 @@ def tied_trees(draw):
         subtrees = [
             n
             for n in nodes
-            if target[: len(n)] != n
-            and all(p in earlier for p in leaves if p[: len(n)] == n)
+            if target[: len(n)] != n and all(p in earlier for p in leaves if p[: len(n)] == n)
         ]
         ref = draw(hs.sampled_from(earlier + subtrees))
         table[target] = (ref, draw(hs.sampled_from(TRANSFORMS)))
     canonical = tree
     for target, (ref, chain) in table.items():
-        canonical = _set(canonical, target, st.Tied(ref, st.identity if not chain else _compose(chain)))
+        canonical = _set(
+            canonical, target, st.Tied(ref, st.identity if not chain else _compose(chain))
+        )
     return tree, canonical, table
 
 
@@ -156,7 +157,7 @@ def test_gradients_equal_untied_gradient_summed_through_each_view(case):
     expected, views = _reference(tree, table)
     g_untied = jax.grad(_loss)(expected)  # one independent array per position
     reference = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(canonical)[0]:
+    for kp, _ in jax.tree_util.tree_flatten_with_path(canonical)[0]:
         path = _names(kp)
         reference[path] = _get(g_untied, path).astype(jnp.float32)
     for target, bpath, chain in views:

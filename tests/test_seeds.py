@@ -48,6 +48,7 @@ def test_seed_001_structural_gradient_of_shared_arrays_is_accumulated_and_identi
     g = jax.grad(loss)(chain)
     gm = st.materialize(g)
     assert gm["layers"][1]["weight"] is gm["layers"][0]["weight"]
+
     # implicit-params style reference: one array per parameter, contributions summed
     def untied(a, b):
         return jnp.sum(apply_dense(b, apply_dense(a, x)))

@@ -118,7 +118,12 @@ def test_tuple_ref_for_keys_containing_slash():
 
 def test_ref_to_subtree_and_chains():
     layer = {"w": W, "b": np.ones(3, np.float32)}
-    tree = {"a": layer, "b": st.Tied("a"), "c": st.Tied("b/w", st.T), "d": st.Tied("c", st.scale(2.0))}
+    tree = {
+        "a": layer,
+        "b": st.Tied("a"),
+        "c": st.Tied("b/w", st.T),
+        "d": st.Tied("c", st.scale(2.0)),
+    }
     m = st.materialize(tree)
     assert m["b"]["w"] is W and m["b"]["b"] is layer["b"]
     np.testing.assert_array_equal(m["c"], W.T)
