@@ -67,6 +67,11 @@ class Structure:
     expanded: tuple[tuple[int, Transform | None, Path, Path | None], ...]
 
     @functools.cached_property
+    def sources(self) -> tuple[int, ...]:
+        """The buffer index of each materialized leaf."""
+        return tuple(i for i, *_ in self.expanded)
+
+    @functools.cached_property
     def views(self) -> tuple[tuple[int, Transform, Path, Path], ...]:
         return tuple((i, t, p, v) for i, t, p, v in self.expanded if t is not None)  # type: ignore[misc]
 
@@ -470,7 +475,18 @@ def leaves_and_structure(tree: Any) -> tuple[list[Any], Structure]:
 def expand_leaves(
     structure: Structure, leaves: list[Any], apply: Callable[[Transform, Any], Any] | None = None
 ) -> list[Any]:
-    """The materialized leaves: each buffer, and each view computed from its buffer."""
+    """The materialized leaves: each buffer, and each view computed from its buffer.
+
+    Eager calls with many views on concrete arrays run all views in one jitted
+    call (compiled once per structure and shapes) instead of one dispatch each.
+    """
+    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
+        fn, inputs, positions = _eager_views(structure)
+        if positions and all(_concrete_array(leaves[i]) for i in inputs):
+            out = [leaves[i] for i in structure.sources]
+            for k, value in zip(positions, fn(tuple(leaves[i] for i in inputs))):
+                out[k] = value
+            return out
     out = []
     for i, t, path, via in structure.expanded:
         x = leaves[i]
@@ -479,6 +495,40 @@ def expand_leaves(
             continue
         try:
             out.append(t(x) if apply is None else apply(t, x))
+_JIT_VIEWS_MIN = 16
+"""From this many computed views on, eager ``materialize`` runs them as one jitted call."""
+
+
+def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]:
+    """One jitted function computing every non-identity view (cached per structure)."""
+    fn = structure.__dict__.get("_eager_views_fn")
+    if fn is None:
+        views = [(k, i, t, p, v) for k, (i, t, p, v) in enumerate(structure.expanded)]
+        views = [(k, i, t, p, v) for k, i, t, p, v in views if t is not None and t is not identity]
+        inputs = sorted({i for _, i, *_ in views})
+        slot = {i: n for n, i in enumerate(inputs)}
+
+        def compute(buffers: tuple[Any, ...]) -> list[Any]:
+            out = []
+            for _, i, t, path, via in views:
+                x = buffers[slot[i]]
+                try:
+                    out.append(t(x))
+                except Exception as e:
+                    raise transform_error(structure, i, t, path, via, _aval(x), e) from None
+            return out
+
+        fn = (jax.jit(compute), tuple(inputs), tuple(k for k, *_ in views))
+        structure.__dict__["_eager_views_fn"] = fn
+    return fn
+
+
+def _concrete_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic)) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+
+
         except Exception as e:
             raise transform_error(structure, i, t, path, via, _aval(x), e) from None
     return out

@@ -118,3 +118,20 @@ def test_transform_failure_names_tie_transform_and_shape():
     p = {"a": jnp.ones((2, 3)), "b": st.Tied("a", st.reshape(7))}
     with pytest.raises(st.TieError, match=r"'b'.*reshape\(7\).*float32\[2, 3\]"):
         st.materialize(p)
+
+
+def test_many_views_eager_path_matches_per_view_path():
+    # >= 16 views on concrete arrays take the one-jitted-call path; traced calls do not
+    tree = {f"l{i}": {"w": jnp.arange(6.0).reshape(2, 3) + i} for i in range(40)}
+    for i in range(1, 40, 2):
+        tree[f"l{i}"]["w"] = st.Tied(f"l{i - 1}/w", st.T >> st.scale(float(i)))
+    tree["same"] = st.Tied("l0/w")
+    eager = st.materialize(tree)
+    traced = jax.jit(st.materialize)(tree)
+    assert eager["same"] is tree["l0"]["w"]
+    for i in range(1, 40, 2):
+        np.testing.assert_allclose(eager[f"l{i}"]["w"], i * tree[f"l{i - 1}"]["w"].T)
+        np.testing.assert_allclose(traced[f"l{i}"]["w"], eager[f"l{i}"]["w"])
+    bad = dict(tree, l39={"w": st.Tied("l38/w", st.reshape(5))})
+    with pytest.raises(st.TieError, match=r"view 'l39/w'.*reshape\(5\).*float32\[2, 3\]"):
+        st.materialize(bad)
