@@ -8,6 +8,7 @@ from sharetree._detect import find_ties, tie_identical
 from sharetree._errors import TieError
 from sharetree._flat import Restructure, destructure
 from sharetree._graph import Buffer, SharingGraph, View, canonicalize
+from sharetree._io import load, save
 from sharetree._materialize import materialize
 from sharetree._tie import tie
 from sharetree._tied import Tied
@@ -15,6 +16,7 @@ from sharetree._transforms import (
     T,
     Transform,
     astype,
+    chain,
     fn,
     identity,
     reshape,
@@ -30,18 +32,21 @@ __all__ = [
     "Restructure",
     "SharingGraph",
     "T",
-    "Tied",
     "TieError",
+    "Tied",
     "Transform",
     "View",
     "astype",
     "canonicalize",
+    "chain",
     "destructure",
     "find_ties",
     "fn",
     "identity",
+    "load",
     "materialize",
     "reshape",
+    "save",
     "scale",
     "tie",
     "tie_identical",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -16,10 +17,13 @@ from sharetree._graph import Structure, expand_leaves, leaves_and_structure
 __all__ = ["destructure", "Restructure"]
 
 
+@functools.lru_cache(maxsize=None)
+def _inexact(dtype: np.dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
 def _is_inexact_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.inexact
-    )
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and _inexact(x.dtype)
 
 
 class _Static:
@@ -148,14 +152,15 @@ class Restructure:
 def _concat(leaves: list[Any], dtype: np.dtype) -> Any:
     if not leaves:
         return jnp.zeros((0,), dtype)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves) or not all(
+    on_host = jax.default_backend() == "cpu"
+    if not all(
         isinstance(x, (np.ndarray, np.generic))
-        or (isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices()))
+        or (on_host and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
         for x in leaves
     ):
         return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
     # Host arrays: one NumPy concatenate and one transfer beat thousands of dispatches.
-    return jnp.asarray(np.concatenate([np.ravel(np.asarray(x)).astype(dtype) for x in leaves]))
+    return jax.device_put(np.concatenate(leaves, axis=None, dtype=dtype))
 
 
 def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
@@ -189,7 +194,7 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     slots = tuple(i for i, x in enumerate(leaves) if _is_inexact_array(x))
     inexact = [leaves[i] for i in slots]
     flat_dtype = (
-        np.dtype(jnp.result_type(*(x.dtype for x in inexact)))
+        np.dtype(jnp.result_type(*{x.dtype for x in inexact}))
         if inexact
         else np.dtype(jnp.result_type(float))
     )

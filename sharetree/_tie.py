@@ -7,20 +7,42 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import numpy as np
 
 from sharetree._errors import TieError, closest
-from sharetree._graph import _fmt, abstract_expanded, structure_of
+from sharetree._graph import _fmt, abstract_expanded, is_array, leaves_and_structure, structure_of
 from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
+from sharetree._transforms import T, identity
 
 __all__ = ["tie"]
+
+
+def _canonical(dtype: Any) -> Any:
+    # float64 NumPy buffers become float32 views when x64 is off: compare as JAX computes
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _describe(x: Any) -> str:
     return _fmt(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
 
 
-def tie(tree: Any, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = True) -> Any:
+def tie(
+    tree: Any,
+    ties: Mapping[PathLike, PathLike | Tied],
+    *,
+    check: bool = True,
+    atol: float | None = None,
+) -> Any:
     """Replace the leaf or subtree at each target path with a ``Tied``.
+
+    The value at the ref wins: the replaced values are dropped. By default
+    their content is not looked at, as suits a freshly initialised model whose
+    copies differ by construction. When importing a checkpoint that stores a
+    tied weight twice (a PyTorch ``lm_head.weight`` equal to
+    ``embed_tokens.weight``), pass ``atol`` to make sure nothing is lost: every
+    replaced value must then equal the view that replaces it. To keep the
+    other copy instead, tie the other way round
+    (``{"embed_tokens.weight": "lm_head.weight"}``).
 
     Args:
         tree: a pytree (it may already contain ``Tied`` nodes).
@@ -28,14 +50,20 @@ def tie(tree: Any, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = Tr
             ``"a/b/0"`` strings or tuples of keys.
         check: also require every view to have exactly the shape and dtype
             (and, for a subtree, the structure) of the value it replaces.
+        atol: ``None`` (default): do not compare values. A number: require
+            ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact
+            up to NaNs in the same places), compared in float64; the arrays
+            must be concrete (not traced).
 
     Returns:
         The canonical tree; the replaced values are dropped (they are now views).
 
     Raises:
         TieError: a target that does not exist (naming the closest path),
-            overlapping targets, a bad graph, or with ``check`` a shape, dtype
-            or structure mismatch (showing both).
+            overlapping targets, a bad graph, with ``check`` a shape, dtype
+            or structure mismatch (showing both), and with ``atol`` two
+            copies that differ (naming both paths, the largest absolute
+            difference and how to choose which copy wins).
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -43,6 +71,9 @@ def tie(tree: Any, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = Tr
         >>> tree = {"enc": {"w": w}, "dec": {"w": np.zeros((3, 2), np.float32)}}
         >>> st.tie(tree, {"dec/w": st.Tied("enc/w", st.T)})["dec"]
         {'w': Tied('enc/w', T)}
+        >>> sd = {"embed": np.arange(6.0).reshape(3, 2), "head": np.arange(6.0).reshape(3, 2)}
+        >>> st.tie(sd, {"head": "embed"}, atol=0.0)["head"]
+        Tied('embed')
     """
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
@@ -55,7 +86,8 @@ def tie(tree: Any, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = Tr
             if a != b and b[: len(a)] == a:
                 raise TieError(
                     f"tie targets {path_str(a)!r} and {path_str(b)!r} overlap: the second lies "
-                    f"inside the first, which is replaced as a whole. Fix: keep only {path_str(a)!r}."
+                    "inside the first, which is replaced as a whole. "
+                    f"Fix: keep only {path_str(a)!r}."
                 )
 
     visited: set[Path] = set()
@@ -85,6 +117,8 @@ def tie(tree: Any, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = Tr
     structure_of(jtu.tree_structure(out))  # dangling refs, cycles, self-references
     if check:
         _check(tree, out, new)
+    if atol is not None:
+        _check_values(tree, out, new, atol)
     return out
 
 
@@ -105,7 +139,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
         for rel, b in before.items():
             a = after[rel]
             same = (
-                (a.shape, a.dtype) == (b.shape, b.dtype)
+                (a.shape, _canonical(a.dtype)) == (b.shape, _canonical(b.dtype))
                 if isinstance(a, jax.ShapeDtypeStruct) and isinstance(b, jax.ShapeDtypeStruct)
                 else type(a) is type(b)
             )
@@ -116,3 +150,89 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
                     f"replaces is {_describe(b)}. Fix: choose a transform that gives "
                     f"{_describe(b)} (e.g. st.T, st.reshape, st.astype), or pass check=False."
                 )
+
+
+def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
+    for t in targets:
+        if path[: len(t)] == t:
+            return t
+    return None
+
+
+def _concrete(x: Any, where: str) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except Exception as e:  # tracers have no value to compare
+        raise TieError(
+            f"tie {where!r} with atol: the value there is not concrete ({type(e).__name__}); "
+            "comparing copies needs real arrays. Fix: call st.tie outside jit/grad, or "
+            "leave atol=None."
+        ) from None
+
+
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
+    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here)."""
+    wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+    x, y = a.astype(wide), b.astype(wide)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(x - y)
+    same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaNs count as equal
+    d = np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
+    return (float(d.max()) if d.size else 0.0), d
+
+
+def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: float) -> None:
+    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
+        raise TieError(f"tie: atol must be a number >= 0 or None, got {atol!r}.")
+    old_leaves, old_structure = leaves_and_structure(old_tree)
+    old = {
+        path: (old_leaves[i] if t is None else t(old_leaves[i]))
+        for i, t, path, _ in old_structure.expanded
+        if _under(path, new) is not None
+    }
+    leaves, structure = leaves_and_structure(new_tree)
+    for i, t, path, _via in structure.expanded:
+        target = _under(path, new)
+        if target is None:
+            continue
+        where = path_str(path)
+        buffer = path_str(structure.buffer_paths[i])
+        x = leaves[i]
+        before = old.get(path)
+        if not (is_array(x) or hasattr(x, "shape")) or not (
+            is_array(before) or hasattr(before, "shape")
+        ):
+            if type(x) is not type(before) or x != before:
+                raise TieError(
+                    f"tie {where!r} <- {buffer!r}: the copies differ: {where!r} holds "
+                    f"{before!r}, {buffer!r} holds {x!r}. Fix: tie without atol to keep "
+                    f"{buffer!r}, or the other way round to keep {where!r}."
+                )
+            continue
+        with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+            view = _concrete(x if t is None else t(x), buffer)
+            b = _concrete(before, where)
+        if view.shape != b.shape:
+            raise TieError(
+                f"tie {where!r} <- {new[target]!r}: the view of {buffer!r} has shape "
+                f"{view.shape} but {where!r} holds shape {b.shape}, so the copies cannot be "
+                "compared. Fix: choose a transform that gives the shape of the value it replaces."
+            )
+        worst, d = _max_abs_diff(b, view)
+        if worst > atol:
+            n_bad = int(np.count_nonzero(d > atol))
+            tr = identity if t is None else t
+            seen = repr(buffer) if tr == identity else f"{tr!r} of {buffer!r}"
+            back = (
+                f"st.tie(tree, {{{buffer!r}: {Tied(where, tr)!r}}})"
+                if tr in (identity, T)
+                else f"tie {buffer!r} to {where!r} with the inverse of {tr!r}"
+            )
+            raise TieError(
+                f"tie {where!r} <- {new[target]!r}: the two copies differ: {where!r} and "
+                f"{seen} differ by up to {worst:.6g} (max abs difference; {n_bad} of {d.size} "
+                f"elements above atol={atol}), so they are not one tied weight. Fix: choose "
+                f"which copy wins: without atol, st.tie keeps {buffer!r} and drops {where!r}; "
+                f"to keep {where!r} instead, {back}; or raise atol to {worst:.3g} if the "
+                "difference is rounding; or leave the two untied."
+            )

@@ -97,7 +97,8 @@ class _Transpose(Transform):
         axes = self.axes if self.axes is not None else tuple(reversed(range(len(aval.shape))))
         if sorted(axes) != list(range(len(aval.shape))):
             return jax.eval_shape(self, aval)  # raises the real error
-        return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), aval.dtype)
+        dtype = jax.dtypes.canonicalize_dtype(aval.dtype)  # as jnp.transpose returns it
+        return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), dtype)
 
     def __repr__(self) -> str:
         if self.axes is None:
@@ -110,7 +111,7 @@ class _Reshape(Transform):
     shape: tuple[int, ...]
 
     def __call__(self, x: Any) -> Any:
-        return jnp.reshape(x, self.shape)
+        return jnp.reshape(jnp.asarray(x), self.shape)
 
     def spec(self) -> dict[str, Any]:
         return {"name": "reshape", "shape": list(self.shape)}
@@ -130,7 +131,7 @@ class _AsType(Transform):
         return {"name": "astype", "dtype": self.dtype}
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(aval.shape, jnp.dtype(self.dtype))
+        return jax.ShapeDtypeStruct(aval.shape, jax.dtypes.canonicalize_dtype(self.dtype))
 
     def __repr__(self) -> str:
         return f"astype({self.dtype})"

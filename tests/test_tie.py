@@ -74,3 +74,15 @@ def test_equinox_attribute_paths():
     assert isinstance(tied.dec.weight, st.Tied)
     m = st.materialize(tied)
     np.testing.assert_array_equal(m.dec.weight, ae.enc.weight.T)
+
+
+def test_float64_numpy_buffers_compare_as_jax_computes_them():
+    w = np.arange(6.0).reshape(2, 3)  # float64; views are float32 unless x64 is on
+    tied = st.tie(
+        {"w": w, "v": w.reshape(6), "t": w.T},
+        {"v": st.Tied("w", st.reshape(6)), "t": st.Tied("w", st.T)},
+    )
+    m = st.materialize(tied)
+    assert m["v"].dtype == m["t"].dtype == st.canonicalize(tied).views["t"].dtype
+    with pytest.raises(st.TieError, match="float32"):
+        st.tie({"w": w, "v": w.reshape(6).astype(np.float16)}, {"v": st.Tied("w", st.reshape(6))})
