@@ -5,6 +5,7 @@ the shared value goes. See the README for a tour.
 """
 
 from sharetree._detect import find_ties, tie_identical
+from sharetree._display import MaterializedDisplay, summary, treescope_materialized
 from sharetree._errors import TieError
 from sharetree._flat import Restructure, destructure
 from sharetree._graph import Buffer, SharingGraph, View, canonicalize
@@ -29,6 +30,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Buffer",
+    "MaterializedDisplay",
     "Restructure",
     "SharingGraph",
     "T",
@@ -48,8 +50,10 @@ __all__ = [
     "reshape",
     "save",
     "scale",
+    "summary",
     "tie",
     "tie_identical",
     "transform_from_spec",
     "transpose",
+    "treescope_materialized",
 ]

@@ -219,7 +219,9 @@ def structure_of(treedef: Any) -> Structure:
 
     def expand(kp: Any, x: Any) -> Any:
         if isinstance(x, Tied):
-            return res.tied(keypath_to_path(kp), ())
+            at = keypath_to_path(kp)
+            # resolutions are memoised across ties: name the Tied written at this position
+            return jax.tree.map(lambda r: _Ref(r.i, r.transform, at), res.tied(at, ()))
         return x
 
     expanded = jtu.tree_map_with_path(expand, placeholder, is_leaf=_is_tied)
@@ -408,6 +410,18 @@ class SharingGraph:
         """Bytes the materialized tree would take if every view were a copy."""
         return self.nbytes_unique + sum(_nbytes(a) for a in self._view_avals)
 
+    def _repr_html_(self) -> str:
+        """HTML for Jupyter: totals, buffer and view tables, and an SVG drawing."""
+        from sharetree._display import graph_html
+
+        return graph_html(self)
+
+    def to_dot(self, *, include_unshared: bool = False) -> str:
+        """Graphviz DOT text of the graph (``dot -Tsvg``); see ``sharetree._display.graph_dot``."""
+        from sharetree._display import graph_dot
+
+        return graph_dot(self, include_unshared=include_unshared)
+
     def __repr__(self) -> str:
         return (
             f"SharingGraph({_plural(self.num_unique, 'buffer')}, "
@@ -472,29 +486,6 @@ def leaves_and_structure(tree: Any) -> tuple[list[Any], Structure]:
     return leaves, structure_of(treedef)
 
 
-def expand_leaves(
-    structure: Structure, leaves: list[Any], apply: Callable[[Transform, Any], Any] | None = None
-) -> list[Any]:
-    """The materialized leaves: each buffer, and each view computed from its buffer.
-
-    Eager calls with many views on concrete arrays run all views in one jitted
-    call (compiled once per structure and shapes) instead of one dispatch each.
-    """
-    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
-        fn, inputs, positions = _eager_views(structure)
-        if positions and all(_concrete_array(leaves[i]) for i in inputs):
-            out = [leaves[i] for i in structure.sources]
-            for k, value in zip(positions, fn(tuple(leaves[i] for i in inputs))):
-                out[k] = value
-            return out
-    out = []
-    for i, t, path, via in structure.expanded:
-        x = leaves[i]
-        if t is None or t is identity or (not is_array(x) and not hasattr(x, "shape")):
-            out.append(x)
-            continue
-        try:
-            out.append(t(x) if apply is None else apply(t, x))
 _JIT_VIEWS_MIN = 16
 """From this many computed views on, eager ``materialize`` runs them as one jitted call."""
 
@@ -529,6 +520,29 @@ def _concrete_array(x: Any) -> bool:
     )
 
 
+def expand_leaves(
+    structure: Structure, leaves: list[Any], apply: Callable[[Transform, Any], Any] | None = None
+) -> list[Any]:
+    """The materialized leaves: each buffer, and each view computed from its buffer.
+
+    Eager calls with many views on concrete arrays run all views in one jitted
+    call (compiled once per structure and shapes) instead of one dispatch each.
+    """
+    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
+        fn, inputs, positions = _eager_views(structure)
+        if positions and all(_concrete_array(leaves[i]) for i in inputs):
+            out = [leaves[i] for i in structure.sources]
+            for k, value in zip(positions, fn(tuple(leaves[i] for i in inputs))):
+                out[k] = value
+            return out
+    out = []
+    for i, t, path, via in structure.expanded:
+        x = leaves[i]
+        if t is None or t is identity or (not is_array(x) and not hasattr(x, "shape")):
+            out.append(x)
+            continue
+        try:
+            out.append(t(x) if apply is None else apply(t, x))
         except Exception as e:
             raise transform_error(structure, i, t, path, via, _aval(x), e) from None
     return out

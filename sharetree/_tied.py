@@ -132,6 +132,12 @@ class Tied:
     def __reduce__(self) -> tuple[Any, ...]:
         return (Tied, (self.ref, self.transform))
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Treescope rendering: ref and transform, coloured like the buffer it refers to."""
+        from sharetree._display import tied_treescope_repr
+
+        return tied_treescope_repr(self, path, subtree_renderer)
+
     def __repr__(self) -> str:
         ref = repr(path_str(self.ref)) if not any("/" in k for k in self.ref) else repr(self.ref)
         if self.transform == identity:

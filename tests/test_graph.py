@@ -61,3 +61,17 @@ def test_no_ties():
     g = st.canonicalize(tree)
     assert (g.num_unique, g.num_expanded, g.views) == (1, 1, {})
     assert st.materialize(tree) is tree
+
+
+def test_view_names_the_tie_written_at_its_position():
+    a = np.ones((2, 3), np.float32)
+    tree = {
+        "enc": {"w": a},
+        "dec": {"w": st.Tied("enc/w", st.T)},
+        "chain": st.Tied("dec/w", st.T),
+        "sub": st.Tied("dec"),
+    }
+    g = st.canonicalize(tree)
+    assert g.views["dec/w"].tie == "dec/w"
+    assert g.views["chain"].tie == "chain" and g.views["chain"].transform == st.T >> st.T
+    assert g.views["sub/w"].tie == "sub" and g.views["sub/w"].buffer == "enc/w"

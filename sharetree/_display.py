@@ -1,0 +1,637 @@
+"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT, treescope.
+
+Everything here reads a :class:`~sharetree.SharingGraph`; nothing here changes
+a tree. Tables and drawings are cut after ``max_rows`` rows with an
+``... and K more`` line, so that a tree of thousands of leaves still prints
+instantly. All text that comes from a tree (paths, dtypes, transform reprs) is
+escaped before it goes into HTML, SVG or DOT.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+from typing import Any
+
+import jax.tree_util as jtu
+
+from sharetree._errors import TieError
+from sharetree._graph import Buffer, SharingGraph, View, canonicalize, leaves_and_structure
+from sharetree._graph import expand_leaves as _expand_leaves
+from sharetree._tied import Tied, path_str
+from sharetree._transforms import identity
+
+__all__ = [
+    "summary",
+    "graph_html",
+    "graph_svg",
+    "graph_dot",
+    "tied_treescope_repr",
+    "treescope_materialized",
+    "MaterializedDisplay",
+]
+
+MAX_ROWS = 20
+"""Default number of rows per table (and views per drawing) before cutting."""
+
+_BUFFER_FILL = "#dbeafe"
+_BUFFER_STROKE = "#1d4ed8"
+_VIEW_FILL = "#ffedd5"
+_VIEW_STROKE = "#c2410c"
+_svg_ids = itertools.count()
+
+
+# ---------------------------------------------------------------------------
+# numbers
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (binary units; bytes below 1 KiB are exact).
+
+    Example:
+        >>> from sharetree._display import format_bytes
+        >>> format_bytes(24), format_bytes(1536), format_bytes(3 * 2**20)
+        ('24 B', '1.5 KiB', '3.0 MiB')
+    """
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024.0
+        if value < 1024.0 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def saved_percent(unique: int, expanded: int) -> float:
+    """Percentage of ``expanded`` that sharing saves: ``100 * (1 - unique / expanded)``.
+
+    Example:
+        >>> from sharetree._display import saved_percent
+        >>> saved_percent(24, 48), saved_percent(0, 0)
+        (50.0, 0.0)
+    """
+    if expanded <= 0:
+        return 0.0
+    return 100.0 * (expanded - unique) / expanded
+
+
+def _graph(tree_or_graph: Any) -> SharingGraph:
+    if isinstance(tree_or_graph, SharingGraph):
+        return tree_or_graph
+    return canonicalize(tree_or_graph)
+
+
+def _shape_str(shape: tuple[int, ...] | None) -> str:
+    if shape is None:
+        return "static"
+    return "(" + ", ".join(map(str, shape)) + (",)" if len(shape) == 1 else ")")
+
+
+def _dtype_str(dtype: Any) -> str:
+    return "-" if dtype is None else str(dtype)
+
+
+def _rows(g: SharingGraph, max_rows: int) -> tuple[list[Buffer], int, list[View], int]:
+    """The buffers and views to show, and how many of each are left out.
+
+    Buffers that have views come first when the table must be cut (they are
+    the interesting ones), but rows keep flatten order.
+    """
+    buffers = g.buffers
+    if len(buffers) <= max_rows:
+        shown_buffers = list(buffers)
+    else:
+        shared = [i for i, b in enumerate(buffers) if b.num_views]
+        keep = set(shared[:max_rows])
+        for i in range(len(buffers)):
+            if len(keep) >= max_rows:
+                break
+            keep.add(i)
+        shown_buffers = [buffers[i] for i in sorted(keep)]
+    views = g.views
+    shown_views = list(itertools.islice(views.values(), max_rows))
+    return (
+        shown_buffers,
+        len(buffers) - len(shown_buffers),
+        shown_views,
+        len(views) - len(shown_views),
+    )
+
+
+def _totals(g: SharingGraph) -> list[tuple[str, str, str, str]]:
+    """(what, unique, expanded, saved) lines of the totals block."""
+    return [
+        (
+            "leaves",
+            f"{g.num_unique:,}",
+            f"{g.num_expanded:,}",
+            f"{saved_percent(g.num_unique, g.num_expanded):.1f}%",
+        ),
+        (
+            "params",
+            f"{g.size_unique:,}",
+            f"{g.size_expanded:,}",
+            f"{saved_percent(g.size_unique, g.size_expanded):.1f}%",
+        ),
+        (
+            "bytes",
+            format_bytes(g.nbytes_unique),
+            format_bytes(g.nbytes_expanded),
+            f"{saved_percent(g.nbytes_unique, g.nbytes_expanded):.1f}%",
+        ),
+    ]
+
+
+def _headline(g: SharingGraph) -> str:
+    b = "buffer" if g.num_unique == 1 else "buffers"
+    v = "view" if g.num_views == 1 else "views"
+    return f"sharing graph: {g.num_unique:,} {b}, {g.num_views:,} {v}"
+
+
+# ---------------------------------------------------------------------------
+# text
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    out = []
+    for r in [header, *rows]:
+        cells = (x.ljust(w) for x, w in zip(r, widths, strict=True))
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out
+
+
+def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
+    """A plain-text summary of the sharing in ``tree``, for terminals and logs.
+
+    Shows the totals (leaves, parameters and bytes, unique vs expanded, and
+    the share that sharing saves), the buffers (path, shape, dtype, bytes,
+    number of views) and the views (path, buffer, transform, shape, dtype).
+    Each table is cut after ``max_rows`` rows with an ``... and K more`` line;
+    buffers that have views are kept first when cutting.
+
+    Args:
+        tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
+        max_rows: the most rows shown per table.
+
+    Returns:
+        The summary, several lines without a trailing newline.
+
+    Raises:
+        TieError: when the tree's ties do not resolve (as for ``canonicalize``).
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> tree = {"enc": np.zeros((2, 3), np.float32), "dec": st.Tied("enc", st.T)}
+        >>> print(st.summary(tree))
+        sharing graph: 1 buffer, 1 view
+                    unique  expanded  saved
+          leaves    1       2         50.0%
+          params    6       12        50.0%
+          bytes     24 B    48 B      50.0%
+        buffers:
+          path  shape   dtype    bytes  views
+          enc   (2, 3)  float32  24 B   1
+        views:
+          path  buffer  transform  shape   dtype
+          dec   enc     T          (3, 2)  float32
+    """
+    g = _graph(tree)
+    if max_rows < 1:
+        raise TieError(f"summary: max_rows must be at least 1, got {max_rows!r}.")
+    shown_b, more_b, shown_v, more_v = _rows(g, max_rows)
+    lines = [_headline(g)]
+    lines += _table(("", "unique", "expanded", "saved"), _totals(g))
+    lines.append("buffers:")
+    if shown_b:
+        lines += _table(
+            ("path", "shape", "dtype", "bytes", "views"),
+            [
+                (
+                    b.path,
+                    _shape_str(b.shape),
+                    _dtype_str(b.dtype),
+                    format_bytes(b.nbytes),
+                    str(b.num_views),
+                )
+                for b in shown_b
+            ],
+        )
+    else:
+        lines.append("  (none)")
+    if more_b:
+        lines.append(f"  ... and {more_b:,} more buffers")
+    lines.append("views:")
+    if shown_v:
+        lines += _table(
+            ("path", "buffer", "transform", "shape", "dtype"),
+            [
+                (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), _dtype_str(v.dtype))
+                for v in shown_v
+            ],
+        )
+    else:
+        lines.append("  (none: nothing is shared)")
+    if more_v:
+        lines.append(f"  ... and {more_v:,} more views")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# HTML and SVG
+
+_CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e5e7eb;"
+_NUM = "padding:2px 8px;text-align:right;border-bottom:1px solid #e5e7eb;"
+_MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
+
+
+def _html_table(
+    header: tuple[str, ...], rows: list[tuple[str, ...]], numeric: set[int], more: str = ""
+) -> str:
+    e = html.escape
+    head = "".join(
+        f'<th style="{_NUM if i in numeric else _CELL}">{e(h)}</th>' for i, h in enumerate(header)
+    )
+    body = []
+    for r in rows:
+        cells = "".join(
+            f'<td style="{_NUM if i in numeric else _CELL}">{e(x)}</td>' for i, x in enumerate(r)
+        )
+        body.append(f"<tr>{cells}</tr>")
+    if more:
+        body.append(
+            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">{e(more)}</td></tr>'
+        )
+    return (
+        f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "\u2026"
+
+
+def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
+    """A small drawing of the sharing DAG as inline SVG: buffers left, views right.
+
+    Only buffers that have views are drawn; each edge is labelled with the
+    composed transform (an edge without a label is an identity view). At most
+    ``max_rows`` views are drawn, then an ``... and K more views`` line. No
+    system graphviz is needed.
+
+    Returns:
+        An ``<svg>`` element, or ``""`` when the graph has no views.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> from sharetree._display import graph_svg
+        >>> g = st.canonicalize({"a": np.zeros((2, 3)), "b": st.Tied("a", st.T)})
+        >>> svg = graph_svg(g)
+        >>> svg.startswith("<svg") and ">T</text>" in svg
+        True
+    """
+    views = g.views
+    if not views:
+        return ""
+    by_buffer: dict[str, list[View]] = {}
+    for v in itertools.islice(views.values(), max_rows):
+        by_buffer.setdefault(v.buffer, []).append(v)
+    more = len(views) - sum(len(vs) for vs in by_buffer.values())
+    order = {b.path: i for i, b in enumerate(g.buffers) if b.path in by_buffer}
+    groups = sorted(by_buffer.items(), key=lambda kv: order.get(kv[0], 0))
+
+    char_w, row_h, box_h, pad, clip, top = 7.0, 26, 20, 8, 36, 12
+    left = [_clip(b, clip) for b, _ in groups]
+    right = [_clip(v.path, clip) for _, vs in groups for v in vs]
+    labels = [_clip(repr(v.transform), 28) for _, vs in groups for v in vs]
+    left_w = max(len(s) for s in left) * char_w + 2 * pad
+    right_w = max(len(s) for s in right) * char_w + 2 * pad
+    label_w = max(len(s) for s in labels) * char_w
+    gap = max(70.0, label_w + 90)
+    x_left, x_right = 4.0, 4.0 + left_w + gap
+    n_rows = len(right)
+    more_text = f"... and {more:,} more views" if more else ""
+    height = top + n_rows * row_h + 4 + (row_h if more else 0)
+    width = max(x_right + right_w, x_right + len(more_text) * char_w) + 4
+    mid = f"stm{next(_svg_ids)}"
+    e = html.escape
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:12px;">',
+        f'<defs><marker id="{mid}" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" '
+        f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
+        f'fill="#6b7280"/></marker></defs>',
+    ]
+    row = 0
+    for (buf, vs), left_label in zip(groups, left, strict=True):
+        ys = [top + (row + k) * row_h + box_h / 2 for k in range(len(vs))]
+        by = sum(ys) / len(ys)
+        out.append(
+            f'<g><title>buffer {e(buf)}</title><rect x="{x_left}" y="{by - box_h / 2:.1f}" '
+            f'width="{left_w:.0f}" height="{box_h}" rx="3" fill="{_BUFFER_FILL}" '
+            f'stroke="{_BUFFER_STROKE}"/><text x="{x_left + pad}" y="{by + 4:.1f}">'
+            f"{e(left_label)}</text></g>"
+        )
+        for v, y in zip(vs, ys, strict=True):
+            x0, x1 = x_left + left_w, x_right
+            label = _clip(repr(v.transform), 28)
+            out.append(
+                f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
+                f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
+                f'stroke="#6b7280" marker-end="url(#{mid})"/>'
+            )
+            if v.transform != identity:
+                out.append(
+                    f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
+                    f'fill="#374151">{e(label)}</text>'
+                )
+            out.append(
+                f"<g><title>view {e(v.path)} = {e(repr(v.transform))}({e(v.buffer)})</title>"
+                f'<rect x="{x_right}" y="{y - box_h / 2:.1f}" width="{right_w:.0f}" '
+                f'height="{box_h}" rx="3" fill="{_VIEW_FILL}" stroke="{_VIEW_STROKE}" '
+                f'stroke-dasharray="4 2"/><text x="{x_right + pad}" y="{y + 4:.1f}">'
+                f"{e(_clip(v.path, clip))}</text></g>"
+            )
+        row += len(vs)
+    if more:
+        out.append(
+            f'<text x="{x_right}" y="{top + n_rows * row_h + 14}" fill="#6b7280">'
+            f"{e(more_text)}</text>"
+        )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
+    """The HTML shown for a :class:`~sharetree.SharingGraph` in Jupyter.
+
+    Totals, a buffer table, a view table and the SVG drawing, with inline
+    styles only (notebook viewers drop ``<style>`` blocks). Tables are cut
+    after ``max_rows`` rows.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> g = st.canonicalize({"a": np.zeros((2, 3)), "b<i>": st.Tied("a", st.T)})
+        >>> page = g._repr_html_()
+        >>> "b&lt;i&gt;" in page and "b<i>" not in page and "<svg" in page
+        True
+    """
+    e = html.escape
+    shown_b, more_b, shown_v, more_v = _rows(g, max_rows)
+    parts = [
+        f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
+        f"<div><b>{e(_headline(g))}</b></div>",
+        _html_table(("", "unique", "expanded", "saved"), _totals(g), numeric={1, 2, 3}),
+        "<div><b>buffers</b></div>",
+        _html_table(
+            ("path", "shape", "dtype", "bytes", "views"),
+            [
+                (
+                    b.path,
+                    _shape_str(b.shape),
+                    _dtype_str(b.dtype),
+                    format_bytes(b.nbytes),
+                    str(b.num_views),
+                )
+                for b in shown_b
+            ],
+            numeric={3, 4},
+            more=f"... and {more_b:,} more buffers" if more_b else "",
+        ),
+    ]
+    if shown_v:
+        parts += [
+            "<div><b>views</b></div>",
+            _html_table(
+                ("path", "\u2190 buffer", "transform", "shape", "dtype"),
+                [
+                    (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), _dtype_str(v.dtype))
+                    for v in shown_v
+                ],
+                numeric=set(),
+                more=f"... and {more_v:,} more views" if more_v else "",
+            ),
+            graph_svg(g, max_rows=max_rows),
+        ]
+    else:
+        parts.append("<div><i>no views: nothing is shared</i></div>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# DOT
+
+
+def _dot_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
+    r"""Graphviz DOT text of the sharing graph (render with ``dot -Tsvg``).
+
+    Buffers are filled boxes, views dashed boxes, and each edge carries the
+    composed transform. Buffers without views are left out unless
+    ``include_unshared``.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> g = st.canonicalize({"a": np.zeros((2, 3), np.float32), "b": st.Tied("a", st.T)})
+        >>> print(g.to_dot())
+        digraph sharing {
+          rankdir=LR;
+          node [shape=box, fontname="monospace", fontsize=10];
+          b0 [label="a\nfloat32[2, 3]", style="filled", fillcolor="#dbeafe"];
+          v0 [label="b\nfloat32[3, 2]", style="dashed"];
+          b0 -> v0 [label="T"];
+        }
+    """
+    index = {b.path: i for i, b in enumerate(g.buffers)}
+    used = {v.buffer for v in g.views.values()}
+    lines = [
+        "digraph sharing {",
+        "  rankdir=LR;",
+        '  node [shape=box, fontname="monospace", fontsize=10];',
+    ]
+    for i, b in enumerate(g.buffers):
+        if include_unshared or b.path in used:
+            label = f"{b.path}\n{_aval_str(b.shape, b.dtype)}"
+            lines.append(
+                f'  b{i} [label={_dot_str(label)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
+            )
+    for j, v in enumerate(g.views.values()):
+        label = f"{v.path}\n{_aval_str(v.shape, v.dtype)}"
+        lines.append(f'  v{j} [label={_dot_str(label)}, style="dashed"];')
+    for j, v in enumerate(g.views.values()):
+        lines.append(f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _aval_str(shape: tuple[int, ...] | None, dtype: Any) -> str:
+    if shape is None:
+        return "static"
+    return f"{_dtype_str(dtype)}[{', '.join(map(str, shape))}]"
+
+
+# ---------------------------------------------------------------------------
+# treescope
+
+
+def _color(buffer: str) -> str:
+    from treescope import formatting_util
+
+    return formatting_util.color_from_string(buffer)
+
+
+def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> Any:
+    """The treescope rendering of a ``Tied``: ``Tied('enc/w', T)  # view of enc/w``.
+
+    The node is coloured by its ref, the colour :func:`treescope_materialized`
+    gives the buffer at that path, and a comment names the ref and transform.
+    Used by ``Tied.__treescope_repr__``.
+    """
+    del subtree_renderer  # ref and transform are static text, not subtrees
+    from treescope import rendering_parts as rp
+
+    ref = path_str(tied.ref)
+    line = rp.siblings(
+        rp.maybe_qualified_type_name(Tied),
+        "(",
+        repr(tied.ref) if any("/" in k for k in tied.ref) else repr(ref),
+        *(() if tied.transform == identity else (", ", repr(tied.transform))),
+        ")",
+    )
+    node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
+    note = f"  # \u2192 view of {ref}"
+    if tied.transform != identity:
+        note += f" via {tied.transform!r}"
+    return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
+
+
+class _Mark:
+    """A materialized leaf wrapped with a note, for :class:`MaterializedDisplay`."""
+
+    __slots__ = ("badge", "color", "note", "value")
+
+    def __init__(self, value: Any, badge: str, note: str, color: str) -> None:
+        self.value, self.badge, self.note, self.color = value, badge, note, color
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        from treescope import rendering_parts as rp
+
+        inner = subtree_renderer(self.value, path=path)
+        badge = rp.custom_style(
+            rp.text(self.badge), f"background-color:{self.color};border-radius:3px;"
+        )
+        notes = [rp.comment_color(rp.text(f"  # {self.note}"))] if self.note else []
+        return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
+
+
+def _tie_position(ties: dict[tuple[str, ...], Tied], path: tuple[str, ...]) -> tuple[str, ...]:
+    """The position of the ``Tied`` that produced the view at materialized ``path``."""
+    for k in range(len(path), 0, -1):
+        if path[:k] in ties:
+            return path[:k]
+    return path  # pragma: no cover - every view lies at or below a Tied
+
+
+class MaterializedDisplay:
+    """A materialized tree shown by treescope with every buffer and view marked.
+
+    Made by :func:`treescope_materialized`. Views get a badge such as
+    ``[view of enc/w via T]`` and buffers that have views ``[buffer: 1 view]``;
+    a buffer and its views share a colour. Display it in Jupyter, pass it to
+    ``treescope.show``, or ``print`` it for the text rendering.
+
+    Attributes:
+        tree: the canonical tree.
+        graph: its sharing graph.
+    """
+
+    def __init__(self, tree: Any) -> None:
+        leaves, structure = leaves_and_structure(tree)
+        self.tree = tree
+        self.graph = SharingGraph(structure, leaves)
+        self._leaves = leaves
+        self._structure = structure
+
+    def marked_tree(self) -> Any:
+        """The materialized tree whose buffer and view leaves are wrapped with their notes."""
+        structure, leaves = self._structure, self._leaves
+        values = _expand_leaves(structure, leaves)
+        uses: dict[int, list[str]] = {}
+        for i, t, p, _ in structure.expanded:
+            if t is not None:
+                uses.setdefault(i, []).append(path_str(p))
+        marked = []
+        for (i, t, p, _), x in zip(structure.expanded, values, strict=True):
+            buf = path_str(structure.buffer_paths[i])
+            if t is not None:
+                how = "" if t == identity else f" via {t!r}"
+                at = _tie_position(structure.ties, p)
+                note = f"from Tied at {path_str(at)}" if at != p else ""
+                marked.append(_Mark(x, f"[view of {buf}{how}]", note, _color(buf)))
+            elif i in uses:
+                n = len(uses[i])
+                first = ", ".join(uses[i][:3]) + (f", ... ({n - 3} more)" if n > 3 else "")
+                badge = f"[buffer: {n} view{'s' if n != 1 else ''}]"
+                marked.append(_Mark(x, badge, f"shared with {first}", _color(buf)))
+            else:
+                marked.append(x)
+        return jtu.tree_unflatten(structure.expanded_treedef, marked)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        from treescope import rendering_parts as rp
+
+        head = rp.comment_color(
+            rp.text(
+                f"# materialized tree; {_headline(self.graph)} "
+                f"({saved_percent(self.graph.nbytes_unique, self.graph.nbytes_expanded):.1f}% "
+                "of bytes saved)"
+            )
+        )
+        body = subtree_renderer(self.marked_tree(), path=path)
+        return rp.siblings_with_annotations(head, rp.text("\n"), body)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        # Not ``_repr_html_``: treescope embeds any object that has one, which would recurse.
+        import treescope
+
+        page = treescope.render_to_html(self, compressed=False)
+        return {"text/html": page, "text/plain": repr(self)}
+
+    def __repr__(self) -> str:
+        import treescope
+
+        return treescope.render_to_text(self)
+
+
+def treescope_materialized(tree: Any) -> MaterializedDisplay:
+    """Show the materialized ``tree`` in treescope with its views and buffers marked.
+
+    ``treescope.show(tree)`` of a canonical tree shows each ``Tied`` as it is
+    written; this shows what the model consumes instead: every view's value,
+    badged ``[view of BUFFER via TRANSFORM]`` and coloured like its buffer,
+    and every buffer that has views badged ``[buffer: N views]``.
+
+    Args:
+        tree: a canonical tree.
+
+    Returns:
+        An object that Jupyter displays as a treescope rendering; it works with
+        ``treescope.show``, ``treescope.render_to_html`` and ``print``.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> tree = {"enc": np.arange(2, dtype=np.float32), "dec": st.Tied("enc", st.scale(2.0))}
+        >>> print(st.treescope_materialized(tree))
+        # materialized tree; sharing graph: 1 buffer, 1 view (50.0% of bytes saved)
+        {
+          'dec': [view of enc via scale(2.0)] <jax.Array([0., 2.], dtype=float32)>,
+          'enc': [buffer: 1 view] np.array([0., 1.], dtype=float32),  # shared with dec
+        }
+    """
+    return MaterializedDisplay(tree)
