@@ -17,3 +17,12 @@ def test_quick_start_has_the_two_commands():
     text = README.read_text()
     assert 'pip install -e ".[demo]" && python -m sharetree demo' in text
     assert 'pip install -e ".[test]" && python -m pytest' in text
+
+
+def test_readme_summary_output_is_what_summary_prints(capsys):
+    text = README.read_text()
+    code, shown = re.search(
+        r"```python\n(.*?print\(st\.summary\(params\)\)\n)```\n\n```text\n(.*?)```", text, re.S
+    ).groups()
+    exec(compile(code, str(README), "exec"), {})
+    assert capsys.readouterr().out == shown
