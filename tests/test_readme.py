@@ -21,8 +21,7 @@ def test_quick_start_has_the_two_commands():
 
 def test_readme_summary_output_is_what_summary_prints(capsys):
     text = README.read_text()
-    code, shown = re.search(
-        r"```python\n(.*?print\(st\.summary\(params\)\)\n)```\n\n```text\n(.*?)```", text, re.S
-    ).groups()
+    pattern = r"```python\n((?:(?!```).)*?print\(st\.summary\(params\)\)\n)```\n\n```text\n(.*?)```"
+    code, shown = re.search(pattern, text, re.S).groups()
     exec(compile(code, str(README), "exec"), {})
     assert capsys.readouterr().out == shown
