@@ -10,6 +10,7 @@ from sharetree._errors import TieError
 from sharetree._flat import Restructure, destructure
 from sharetree._graph import Buffer, SharingGraph, View, canonicalize
 from sharetree._io import load, save
+from sharetree._labels import label_by_path, mask_by_path
 from sharetree._materialize import materialize
 from sharetree._tie import tie
 from sharetree._tied import Tied
@@ -45,7 +46,9 @@ __all__ = [
     "find_ties",
     "fn",
     "identity",
+    "label_by_path",
     "load",
+    "mask_by_path",
     "materialize",
     "reshape",
     "save",

@@ -17,7 +17,7 @@ from sharetree._graph import Structure, expand_leaves, leaves_and_structure
 __all__ = ["destructure", "Restructure"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inexact(dtype: np.dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 

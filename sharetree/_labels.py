@@ -1,0 +1,180 @@
+"""Label and mask trees built from path patterns, for optax on canonical trees.
+
+optax wants a tree of labels (``optax.multi_transform`` / ``optax.partition``)
+or of booleans (the ``mask`` of ``optax.adamw``, ``optax.masked``) with the
+structure of the parameters. On a canonical tree every buffer is one leaf and
+every ``Tied`` is a leafless node, so a label tree built leaf by leaf has
+exactly the parameters' structure: ties need no label, and each shared buffer
+gets one label, one mask bit and one optimizer state.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax.tree_util as jtu
+
+from sharetree._errors import TieError, closest
+from sharetree._graph import _is_tied
+from sharetree._tied import Path, keypath_to_path, path_str
+
+__all__ = ["label_by_path", "mask_by_path"]
+
+_MISSING: Any = object()
+
+
+def _prefixes(path: Path) -> list[str]:
+    """``("a", "b")`` -> ``["a", "a/b"]``: a pattern may name any node above a leaf."""
+    return ["/".join(path[:k]) for k in range(1, len(path) + 1)]
+
+
+def _matches(pattern: str, path: Path) -> bool:
+    return any(fnmatch.fnmatchcase(p, pattern) for p in _prefixes(path))
+
+
+def _rules(rules: Any) -> list[tuple[str, Any]]:
+    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    out = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TieError(
+                f"label_by_path: expected rules {{pattern: label}} or a sequence of "
+                f"(pattern, label) pairs with str patterns, found {item!r}. "
+                "Fix: write {'embed/*': 'embed', '*bias': 'no_decay'}."
+            )
+        out.append(item)
+    return out
+
+
+def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
+    ties = [
+        (keypath_to_path(kp), x)
+        for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)[0]
+        if _is_tied(x)
+    ]
+    views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
+    nodes = {n for p in leaf_paths for n in _prefixes(p)} | {path_str(p) for p, _ in ties}
+    why = (
+        f"it names only tied position(s) {', '.join(views)}, which have no leaves: a view "
+        "shares the label, mask and optimizer state of its buffer"
+        if views
+        else closest(pattern, nodes)
+    )
+    return TieError(
+        f"{fn}: pattern {pattern!r} matches no leaf of the tree; {why}. Fix: write the "
+        "pattern for the buffer's path (patterns are fnmatch-style on '/'-joined paths and "
+        "cover every leaf under a matching node), or pass strict=False."
+    )
+
+
+def label_by_path(
+    tree: Any,
+    rules: Mapping[str, Any] | Sequence[tuple[str, Any]],
+    *,
+    default: Any = _MISSING,
+    strict: bool = True,
+) -> Any:
+    """A tree of labels, one per leaf, chosen by the first pattern that matches its path.
+
+    For ``optax.multi_transform(transforms, labels)`` and ``optax.partition``
+    on canonical trees: the result has the tree's structure (``Tied`` nodes
+    included), so every buffer gets exactly one label and ties need none.
+
+    Patterns are ``fnmatch``-style (``*``, ``?``, ``[seq]``; ``*`` also matches
+    ``/``) on ``/``-joined paths, and a pattern that matches a node covers
+    every leaf below it: ``"enc"`` labels all of ``enc``, and on an NNX state
+    ``"dec/kernel"`` labels the ``value`` leaf of that Variable.
+
+    Args:
+        tree: a canonical tree (or any pytree).
+        rules: ``{pattern: label}`` (or ``(pattern, label)`` pairs); the first
+            matching pattern wins.
+        default: the label of a leaf that no pattern matches. Without it such a
+            leaf is an error.
+        strict: also require every pattern to match at least one leaf (catches
+            typos, and patterns that name only tied positions).
+
+    Returns:
+        The tree with each leaf replaced by its label.
+
+    Raises:
+        TieError: a leaf that no pattern matches (and no ``default``), a pattern
+            that matches nothing (with ``strict``), or malformed rules.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> params = {"embed": np.ones((5, 2)), "head": st.Tied("embed", st.T), "b": np.zeros(5)}
+        >>> st.label_by_path(params, {"embed": "adam", "b": "sgd"})
+        {'b': 'sgd', 'embed': 'adam', 'head': Tied('embed', T)}
+    """
+    pairs = _rules(rules)
+    used = [False] * len(pairs)
+    leaf_paths: list[Path] = []
+
+    def label(kp: Any, _x: Any) -> Any:
+        path = keypath_to_path(kp)
+        leaf_paths.append(path)
+        for i, (pattern, value) in enumerate(pairs):
+            if _matches(pattern, path):
+                used[i] = True
+                return value
+        if default is _MISSING:
+            raise TieError(
+                f"label_by_path: leaf {path_str(path)!r} matches none of the patterns "
+                f"{[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
+                f"{path_str(path)!r} or '*'), or pass default=..."
+            )
+        return default
+
+    out = jtu.tree_map_with_path(label, tree)
+    if strict:
+        for (pattern, _), ok in zip(pairs, used, strict=True):
+            if not ok:
+                raise _unused_error(pattern, tree, leaf_paths, "label_by_path")
+    return out
+
+
+def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = True) -> Any:
+    """A tree of booleans: ``True`` for each leaf whose path matches one of ``patterns``.
+
+    For ``optax.adamw(..., mask=...)``, ``optax.masked`` and friends on
+    canonical trees: each shared buffer has one mask bit, so weight decay (or
+    any masked transform) is applied to it exactly once. Pattern rules are
+    those of :func:`label_by_path`.
+
+    Args:
+        tree: a canonical tree (or any pytree).
+        patterns: one pattern or several.
+        strict: require every pattern to match at least one leaf.
+
+    Returns:
+        The tree with each leaf replaced by ``True`` or ``False``.
+
+    Raises:
+        TieError: a pattern that matches nothing (with ``strict``).
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> params = {"dense": {"kernel": np.ones((2, 2)), "bias": np.zeros(2)},
+        ...           "out": {"kernel": st.Tied("dense/kernel", st.T)}}
+        >>> st.mask_by_path(params, "*kernel")
+        {'dense': {'bias': False, 'kernel': True}, 'out': {'kernel': Tied('dense/kernel', T)}}
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns)
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TieError(
+                f"mask_by_path: patterns must be str, found {type(p).__name__} {p!r}. "
+                "Fix: write paths like 'encoder/*/kernel'."
+            )
+    out = label_by_path(tree, [(p, True) for p in patterns], default=False, strict=False)
+    if strict:
+        leaf_paths = [keypath_to_path(kp) for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
+        for p in patterns:
+            if not any(_matches(p, path) for path in leaf_paths):
+                raise _unused_error(p, tree, leaf_paths, "mask_by_path")
+    return out

@@ -1,0 +1,234 @@
+"""Flax linen integration: ``tied(module, ties)`` ties parameters of any linen module.
+
+The wrapper keeps the ``"params"`` collection canonical (each shared buffer
+stored once, a ``Tied`` node at each view) and materializes it on every
+``apply``. It is a drop-in ``apply_fn`` for ``flax.training.train_state.TrainState``:
+``jax.grad`` returns canonical gradients, so ``state.apply_gradients`` and any
+optax chain see each buffer once and keep the ties.
+
+Import it explicitly (``import sharetree.flax``); ``import sharetree`` never needs flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    import flax.linen as nn
+    from flax.core import FrozenDict
+except ImportError as e:  # pragma: no cover - exercised only without flax
+    raise ImportError(
+        "sharetree.flax needs Flax: pip install 'sharetree[flax]' (or pip install flax)."
+    ) from e
+
+import jax.tree_util as jtu
+
+from sharetree._errors import TieError
+from sharetree._graph import structure_of
+from sharetree._materialize import materialize
+from sharetree._tie import tie
+from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
+
+__all__ = ["TiedModule", "tied"]
+
+COLLECTION = "params"
+
+
+def _normalize(ties: Mapping[PathLike, PathLike | Tied]) -> tuple[tuple[Path, Tied], ...]:
+    if not isinstance(ties, Mapping):
+        raise TieError(
+            f"tied(module, ties): expected a mapping {{target: ref or Tied}}, got "
+            f"{type(ties).__name__}. Fix: tied(model, "
+            "{'head/kernel': st.Tied('embed/embedding', st.T)})."
+        )
+    out = []
+    for target, ref in ties.items():
+        path = to_path(target, "tie target")
+        out.append((path, ref if isinstance(ref, Tied) else Tied(ref)))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TiedModule:
+    """A linen module whose ``"params"`` collection is tied (see :func:`tied`).
+
+    Attributes:
+        module: the wrapped linen module.
+        ties: ``(target path, Tied)`` pairs; paths are inside ``"params"``.
+        check: whether ``init`` requires each view to have the shape and dtype
+            of the parameter it replaces.
+    """
+
+    module: nn.Module
+    ties: tuple[tuple[Path, Tied], ...]
+    check: bool = True
+
+    def _where(self, method: str) -> str:
+        return f"tied({type(self.module).__name__}).{method}"
+
+    def tie(self, params: Any) -> Any:
+        """Tie a ``"params"`` tree of the wrapped module (e.g. untied weights from a checkpoint).
+
+        The values at the tied targets are dropped: they are views now.
+
+        Raises:
+            TieError: a target or ref that does not exist in ``params`` (naming the
+                closest existing path), or a view whose shape or dtype differs from
+                the parameter it replaces.
+        """
+        try:
+            return tie(params, dict(self.ties), check=self.check)
+        except TieError as e:
+            raise TieError(f"{self._where('tie')}: in the {COLLECTION!r} collection: {e}") from None
+
+    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.init``, with the ``"params"`` collection tied.
+
+        Args:
+            rngs: as for ``flax.linen.Module.init`` (a key or a dict of keys).
+            *args: passed on to ``module.init``.
+            **kwargs: passed on to ``module.init`` (``method``, ``mutable``, ...).
+
+        Returns:
+            The variables; ``variables["params"]`` is a canonical tree.
+        """
+        variables = self.module.init(rngs, *args, **kwargs)
+        return self._tie_variables(variables, "init")
+
+    def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """``module.init_with_output``, with the ``"params"`` collection tied."""
+        out, variables = self.module.init_with_output(rngs, *args, **kwargs)
+        return out, self._tie_variables(variables, "init_with_output")
+
+    def _tie_variables(self, variables: Any, method: str) -> Any:
+        if not self.ties:
+            return variables
+        if COLLECTION not in variables:
+            raise TieError(
+                f"{self._where(method)}: the module created no {COLLECTION!r} collection "
+                f"(collections: {sorted(variables)}), so the ties "
+                f"{[path_str(p) for p, _ in self.ties]} have nothing to tie. "
+                "Fix: initialise with the method that creates the parameters."
+            )
+        try:
+            params = tie(variables[COLLECTION], dict(self.ties), check=self.check)
+        except TieError as e:
+            where = self._where(method)
+            raise TieError(f"{where}: in the {COLLECTION!r} collection: {e}") from None
+        out = dict(variables)
+        out[COLLECTION] = params
+        return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+
+    def materialize(self, variables: Any) -> Any:
+        """The variables with the ``"params"`` collection materialized (every view computed)."""
+        if COLLECTION not in variables:
+            return variables
+        out = dict(variables)
+        out[COLLECTION] = materialize(variables[COLLECTION])
+        return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+
+    def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        """Materialize ``variables["params"]`` and call ``module.apply``.
+
+        ``rngs``, ``method``, ``mutable`` and every other keyword pass through
+        as in linen. When ``"params"`` is mutable, the returned ``"params"`` are
+        canonical again (the ties put back).
+
+        Raises:
+            TieError: with ``"params"`` mutable, when the module wrote a new value
+                to a tied position (a view cannot be assigned; write its buffer).
+        """
+        if COLLECTION not in variables:
+            return self.module.apply(variables, *args, **kwargs)
+        canonical = variables[COLLECTION]
+        materialized = self.materialize(variables)
+        result = self.module.apply(materialized, *args, **kwargs)
+        mutable = kwargs.get("mutable", False)
+        if mutable is False or not isinstance(result, tuple) or len(result) != 2:
+            return result
+        out, updated = result
+        if COLLECTION not in updated:
+            return result
+        params = self._recanonicalize(canonical, materialized[COLLECTION], updated[COLLECTION])
+        new = dict(updated)
+        new[COLLECTION] = params
+        return out, (FrozenDict(new) if isinstance(updated, FrozenDict) else new)
+
+    def _recanonicalize(self, canonical: Any, passed: Any, returned: Any) -> Any:
+        structure = structure_of(jtu.tree_structure(canonical))
+        if not structure.ties:
+            return returned
+        before = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(passed)[0]}
+        after = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(returned)[0]}
+        for i, _, path, via in structure.views:
+            if after.get(path) is not before.get(path):
+                raise TieError(
+                    f"{self._where('apply')}: the module wrote a new value to "
+                    f"{COLLECTION}/{path_str(path)}, a view ({structure.ties[via]!r} at "
+                    f"{path_str(via)!r}) of buffer {path_str(structure.buffer_paths[i])!r}; the "
+                    "write would be lost. Fix: write the buffer instead, or untie that parameter."
+                )
+        return tie(returned, structure.ties, check=False)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names that are not fields or methods of TiedModule.
+        if name.startswith("__") or name in ("module", "ties"):
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    def __repr__(self) -> str:
+        ties = ", ".join(f"{path_str(p)!r}: {t!r}" for p, t in self.ties)
+        return f"tied({self.module!r}, {{{ties}}})"
+
+
+def tied(
+    module: nn.Module, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = True
+) -> TiedModule:
+    """Wrap a linen module so that its ``"params"`` collection is tied.
+
+    ``.init`` returns the module's variables with ``"params"`` canonical (the
+    tied targets replaced by ``Tied`` nodes, their initial values dropped);
+    ``.apply`` materializes the views and calls the module. Everything else
+    (other collections, ``rngs``, ``method``, ``mutable``) passes through.
+    Use ``.apply`` as the ``apply_fn`` of a ``TrainState``.
+
+    Args:
+        module: any ``flax.linen.Module``.
+        ties: ``{target: ref or Tied(ref, transform)}``, paths inside ``"params"``
+            (e.g. ``{"head/kernel": st.Tied("embed/embedding", st.T)}``).
+        check: require each view to have exactly the shape and dtype of the
+            parameter it replaces (as :func:`sharetree.tie` does).
+
+    Returns:
+        A :class:`TiedModule` with ``init``, ``init_with_output``, ``apply``,
+        ``tie`` and ``materialize``.
+
+    Raises:
+        TieError: (at ``init``) a target or ref that does not exist in
+            ``"params"`` (naming the closest path), or a view whose shape or
+            dtype differs from the parameter it replaces.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, sharetree as st
+        >>> from sharetree.flax import tied
+        >>> class AE(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(4, use_bias=False, name="dec")(nn.Dense(2, name="enc")(x))
+        >>> model = tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)})
+        >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
+        >>> variables["params"]["dec"]
+        {'kernel': Tied('enc/kernel', T)}
+        >>> model.apply(variables, jnp.ones((1, 4))).shape
+        (1, 4)
+    """
+    if isinstance(module, TiedModule):
+        return TiedModule(module.module, module.ties + _normalize(ties), check and module.check)
+    if not isinstance(module, nn.Module):
+        raise TieError(
+            f"tied(module, ties): expected a flax.linen.Module, got {type(module).__name__}. "
+            "Fix: for NNX use sharetree.nnx.split; for other pytrees use st.tie."
+        )
+    return TiedModule(module, _normalize(ties), check)

@@ -1,0 +1,330 @@
+"""Flax NNX integration: ``split(model, ties)`` and ``merge(graphdef, state)``.
+
+``split`` is ``nnx.split`` with ties: the state it returns is a canonical
+tree (an ``nnx.State``) in which each tied Variable is a ``Tied`` node with no
+leaf, and a Variable object that the model already shares in two places
+appears once as a buffer and once as an identity tie. ``merge`` materializes
+the views and rebuilds the model with ``nnx.merge``. Train the state with
+``jax.grad`` and optax like any pytree: each buffer is seen once.
+
+Paths are written as NNX prints them: ``"dec/kernel"`` names the Variable
+node (``"dec/kernel/value"`` is accepted as the same thing).
+
+Import it explicitly (``import sharetree.nnx``); ``import sharetree`` never needs flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    from flax import nnx
+    from flax.nnx import graphlib
+except ImportError as e:  # pragma: no cover - exercised only without flax
+    raise ImportError(
+        "sharetree.nnx needs Flax: pip install 'sharetree[flax]' (or pip install flax)."
+    ) from e
+
+import jax.tree_util as jtu
+
+from sharetree._errors import TieError, closest
+from sharetree._graph import structure_of
+from sharetree._materialize import materialize
+from sharetree._tie import tie
+from sharetree._tied import Path, PathLike, Tied, path_str, to_path
+
+__all__ = ["GraphDef", "split", "merge", "update"]
+
+RawPath = tuple[Any, ...]
+"""A path with NNX's own keys (attribute names and list indices as ints)."""
+
+
+def _is_var_or_tied(x: Any) -> bool:
+    return isinstance(x, (nnx.Variable, Tied))
+
+
+def _str_path(raw: RawPath) -> Path:
+    return tuple(str(k) for k in raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphDef:
+    """The static part of a tied NNX model: ``nnx.GraphDef`` plus its shared Variables.
+
+    Hashable, so it can be a static argument of ``jax.jit``.
+
+    Attributes:
+        graphdef: the ``nnx.GraphDef`` of the model.
+        aliases: ``(state index, alias path, owner path)`` for each extra place
+            where the model holds a Variable object that is also at ``owner``;
+            the canonical state has ``Tied(owner)`` at ``alias``.
+        num_states: how many states ``split`` returned (one per filter).
+    """
+
+    graphdef: Any
+    aliases: tuple[tuple[int, Path, Path], ...] = ()
+    num_states: int = 1
+
+    def __repr__(self) -> str:
+        aliases = ", ".join(f"{path_str(a)!r} is {path_str(o)!r}" for _, a, o in self.aliases)
+        return (
+            f"sharetree.nnx.GraphDef({type(self.graphdef).__name__}, "
+            f"num_states={self.num_states}, aliases=[{aliases}])"
+        )
+
+
+def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
+    """Every path (NNX keys) at which the model holds each Variable object, by ``id``."""
+    found: dict[int, list[RawPath]] = {}
+
+    def visit(node: Any, path: RawPath, ancestors: frozenset[int]) -> None:
+        impl = graphlib.get_node_impl(node)
+        if impl is None:
+            return
+        for key, child in impl.node_dict(node).items():
+            if isinstance(child, nnx.Variable):
+                found.setdefault(id(child), []).append((*path, key))
+            elif graphlib.is_node(child) and id(child) not in ancestors:
+                visit(child, (*path, key), ancestors | {id(child)})
+
+    visit(model, (), frozenset({id(model)}))
+    return found
+
+
+def _flat(state: Any) -> list[tuple[RawPath, Any]]:
+    """(raw path, Variable or Tied) for every Variable node of a state."""
+    flat, _ = jtu.tree_flatten_with_path(state, is_leaf=_is_var_or_tied)
+    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in kp), x) for kp, x in flat]
+
+
+def _nodes(paths: list[Path]) -> set[Path]:
+    return {p[:k] for p in paths for k in range(1, len(p) + 1)}
+
+
+def _strip_value(path: Path, variables: set[Path]) -> Path:
+    if len(path) > 1 and path[-1] == "value" and path[:-1] in variables:
+        return path[:-1]
+    return path
+
+
+def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *filters: Any) -> Any:
+    """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
+
+    Args:
+        model: an NNX module (or any NNX graph node).
+        ties: ``{target: ref or Tied(ref, transform)}`` with paths as NNX prints
+            them (``{"dec/kernel": st.Tied("enc/kernel", st.T)}``). A target may
+            also name a whole submodule. ``None`` only records shared Variables.
+        *filters: NNX filters (``nnx.Param``, ``...``) as for ``nnx.split``; then
+            one state per filter is returned, and a tie must stay within one state.
+
+    Returns:
+        ``(graphdef, state)``, or ``(graphdef, state, *more_states)`` with filters.
+        ``graphdef`` is a :class:`GraphDef` for :func:`merge`. In the state each
+        tie target is a ``Tied`` node (no leaf, no Variable), and each extra place
+        where the model holds one Variable object is ``Tied(the place where the
+        NNX state keeps it)``, an identity tie.
+
+    Raises:
+        TieError: a target or ref that does not exist in the NNX state (naming the
+            closest existing path), a tie across two filtered states, a target
+            that is already the same object as another Variable, or a view whose
+            shape or dtype differs from the Variable it replaces.
+
+    Example:
+        >>> import jax.numpy as jnp, sharetree as st, sharetree.nnx
+        >>> from flax import nnx
+        >>> class AE(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
+        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
+        >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
+        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties)
+        >>> state["dec"]["kernel"]
+        Tied('enc/kernel', T)
+        >>> model = st.nnx.merge(graphdef, state)
+        >>> bool(jnp.all(model.dec.kernel[...] == model.enc.kernel[...].T))
+        True
+    """
+    graphdef, *states = nnx.split(model, *filters)
+    flats = [_flat(s) for s in states]
+    owner_state: dict[RawPath, int] = {}
+    for i, flat in enumerate(flats):
+        for raw, _ in flat:
+            owner_state[raw] = i
+
+    # Variable objects the model holds in more than one place: identity ties.
+    alias_entries: list[tuple[int, RawPath, RawPath]] = []
+    for raws in _variable_positions(model).values():
+        owners = [r for r in raws if r in owner_state]
+        if len(raws) < 2 or len(owners) != 1:
+            continue
+        for r in raws:
+            if r != owners[0]:
+                alias_entries.append((owner_state[owners[0]], r, owners[0]))
+    alias_entries.sort(key=lambda e: _str_path(e[1]))
+    aliases = {_str_path(a): (i, _str_path(o)) for i, a, o in alias_entries}
+
+    # Where each Variable lives: str path -> state index (owners and aliases).
+    where: dict[Path, int] = {_str_path(r): i for r, i in owner_state.items()}
+    where.update({a: i for a, (i, _) in aliases.items()})
+    variables = set(where)
+    nodes = _nodes(list(variables))
+
+    per_state: list[dict[Path, Tied]] = [{} for _ in states]
+    for target, ref in (ties or {}).items():
+        path, t = _check_tie(target, ref, where, variables, nodes, aliases)
+        if path is not None:
+            per_state[_state_of(path, where)][path] = t
+
+    out = []
+    for i, state in enumerate(states):
+        mine = [(a, o) for a, (j, o) in aliases.items() if j == i]
+        if mine:
+            raw_of = {_str_path(r): r for _, r, _ in alias_entries}
+            flat = [(r, x) for r, x in _flat(state)] + [(raw_of[a], Tied(o)) for a, o in mine]
+            state = nnx.from_flat_state(flat)
+        if per_state[i]:
+            try:
+                state = tie(state, per_state[i])
+            except TieError as e:
+                # (a view must fit its Variable exactly: NNX rebuilds the Variable around it)
+                msg = str(e).replace(", or pass check=False", "")
+                raise TieError(f"sharetree.nnx.split: {msg}") from None
+        out.append(state)
+    return (
+        GraphDef(
+            graphdef,
+            tuple((i, _str_path(a), _str_path(o)) for i, a, o in alias_entries),
+            len(states),
+        ),
+        *out,
+    )
+
+
+def _state_of(path: Path, where: dict[Path, int]) -> int:
+    n = len(path)
+    return {i for p, i in where.items() if p[:n] == path}.pop()
+
+
+def _check_tie(
+    target: Any,
+    ref: Any,
+    where: dict[Path, int],
+    variables: set[Path],
+    nodes: set[Path],
+    aliases: dict[Path, tuple[int, Path]],
+) -> tuple[Path | None, Tied]:
+    path = _strip_value(to_path(target, "tie target"), variables)
+    t = ref if isinstance(ref, Tied) else Tied(ref)
+    t = Tied(_strip_value(t.ref, variables), t.transform)
+    names = [path_str(p) for p in nodes]
+    checks = (
+        (path, f"tie target {path_str(path)!r}"),
+        (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
+    )
+    for p, what in checks:
+        if p not in nodes:
+            raise TieError(
+                f"sharetree.nnx.split: {what} does not exist in the NNX state; "
+                f"{closest(path_str(p), names)}. Fix: write the path as NNX prints the state "
+                "('/'-joined attribute names and list indices, naming the Variable, e.g. "
+                "'dec/kernel')."
+            )
+    n = len(path)
+    states = {i for p, i in where.items() if p[:n] == path}
+    ref_states = {i for p, i in where.items() if p[: len(t.ref)] == t.ref}
+    if len(states | ref_states) > 1:
+        raise TieError(
+            f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r} spans states "
+            f"{sorted(states | ref_states)} of the filters given to split; a view and its buffer "
+            "must be in the same state. Fix: change the filters, or tie within one state."
+        )
+    for a, (_, owner) in aliases.items():
+        if a == path and t == Tied(owner):
+            return None, t  # already this identity tie
+        if a[:n] == path or path[: len(a)] == a:
+            raise TieError(
+                f"sharetree.nnx.split: cannot tie {path_str(path)!r} <- {t!r}: in the model "
+                f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r} (an "
+                f"identity tie). Fix: tie {path_str(owner)!r} instead, or build the model "
+                "without sharing that Variable."
+            )
+    return path, t
+
+
+def _to_nnx_states(graphdef: GraphDef, states: tuple[Any, ...]) -> list[Any]:
+    """Canonical states -> plain NNX states (views computed, alias positions dropped)."""
+    if len(states) != graphdef.num_states:
+        raise TieError(
+            f"sharetree.nnx.merge: expected {graphdef.num_states} state(s), as split returned, "
+            f"got {len(states)}. Fix: pass every state split returned, in the same order."
+        )
+    out = []
+    for i, state in enumerate(states):
+        structure = structure_of(jtu.tree_structure(state))
+        aliases = {a: o for j, a, o in graphdef.aliases if j == i}
+        for a, o in aliases.items():
+            found = structure.ties.get(a)
+            if found != Tied(o):
+                raise TieError(
+                    f"sharetree.nnx.merge: state {i} at {path_str(a)!r} holds "
+                    f"{'nothing' if found is None else repr(found)}, but the model holds the "
+                    f"Variable at {path_str(o)!r} there too, so it must be Tied({path_str(o)!r}). "
+                    "Fix: keep the identity ties that split put in the state."
+                )
+        if not structure.ties:
+            out.append(state)
+            continue
+        views = list(structure.ties)
+        flat = []
+        for raw, x in _flat(materialize(state)):
+            path = _str_path(raw)
+            if path in aliases:
+                continue  # the graphdef already holds the same object there
+            if isinstance(x, nnx.Variable) and any(path[: len(v)] == v for v in views):
+                x = x.get_raw_value()  # recreated by nnx.merge from the graphdef's own metadata
+            flat.append((raw, x))
+        out.append(nnx.from_flat_state(flat))
+    return out
+
+
+def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
+    """Rebuild the model from :func:`split`'s output: materialize the views, then ``nnx.merge``.
+
+    Works inside ``jax.grad`` / ``jax.jit``: the gradient with respect to a
+    canonical state accumulates each buffer's uses, and tied targets get none.
+
+    Args:
+        graphdef: the :class:`GraphDef` from :func:`split` (a plain
+            ``nnx.GraphDef`` is accepted for a state tied with :func:`sharetree.tie`).
+        *states: the canonical state(s), as :func:`split` returned them.
+
+    Returns:
+        The model. A tied Variable holds ``transform(buffer)``, with the
+        Variable type and metadata the model gave it.
+
+    Raises:
+        TieError: a wrong number of states, a removed identity tie, or a bad graph.
+    """
+    if not isinstance(graphdef, GraphDef):
+        graphdef = GraphDef(graphdef, (), len(states))
+    return nnx.merge(graphdef.graphdef, *_to_nnx_states(graphdef, states))
+
+
+def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
+    """Write canonical state(s) into an existing ``model`` in place (``nnx.update`` with ties).
+
+    Each tied Variable of ``model`` receives ``transform(buffer)``; a Variable
+    the model shares in two places is written once.
+
+    Args:
+        model: the model ``split`` was called on (or one of the same structure).
+        graphdef: the :class:`GraphDef` from :func:`split`.
+        *states: the canonical state(s).
+    """
+    if not isinstance(graphdef, GraphDef):
+        graphdef = GraphDef(graphdef, (), len(states))
+    nnx.update(model, *_to_nnx_states(graphdef, states))

@@ -1,0 +1,147 @@
+"""Equinox: Tied as a Module field, tie by attribute path, filter_jit / filter_grad / jax.jit.
+
+Reference: the same autoencoder tied with ``eqx.nn.Shared(..., get=lambda m: m.enc.weight.T)``.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+eqx = pytest.importorskip("equinox")
+
+import sharetree as st  # noqa: E402
+
+TIES = {"dec/weight": st.Tied("enc/weight", st.T)}
+
+
+class AE(eqx.Module):
+    enc: eqx.nn.Linear
+    dec: eqx.nn.Linear
+
+    def __init__(self, key, din=6, dh=3):
+        k1, k2 = jax.random.split(key)
+        self.enc = eqx.nn.Linear(din, dh, key=k1)
+        self.dec = eqx.nn.Linear(dh, din, key=k2)
+
+    def __call__(self, x):
+        return self.dec(jnp.tanh(self.enc(x)))
+
+
+def _data(n=16, d=6):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.standard_normal((n, 2)) @ rng.standard_normal((2, d)), jnp.float32)
+
+
+def _mse(model, x):
+    return jnp.mean((jax.vmap(model)(x) - x) ** 2)
+
+
+def test_tie_by_attribute_path_puts_a_tied_field_in_the_module():
+    model = st.tie(AE(jax.random.key(0)), TIES)
+    assert isinstance(model, AE) and model.dec.weight == st.Tied("enc/weight", st.T)
+    assert model.dec.in_features == 3  # static fields untouched
+    assert len(jax.tree.leaves(model)) == 3
+    full = st.materialize(model)
+    assert isinstance(full.dec, eqx.nn.Linear)
+    np.testing.assert_array_equal(full.dec.weight, model.enc.weight.T)
+    assert st.canonicalize(model).views["dec/weight"].buffer == "enc/weight"
+
+
+def test_equinox_autoencoder_tied_with_sharetree_equals_eqx_nn_shared():
+    """>= 5 adam steps: losses, final weight and gradient norms match eqx.nn.Shared."""
+    base = AE(jax.random.key(1))
+    ours = st.tie(base, TIES)
+    shared = eqx.nn.Shared(base, where=lambda m: m.dec.weight, get=lambda m: m.enc.weight.T)
+    x = _data()
+    tx = optax.adam(5e-2)
+
+    def make_step(loss):
+        @eqx.filter_jit
+        def step(model, opt, x):
+            value, grads = eqx.filter_value_and_grad(loss)(model, x)
+            params = eqx.filter(model, eqx.is_array)
+            updates, opt = tx.update(eqx.filter(grads, eqx.is_array), opt, params)
+            norm = optax.tree.norm(eqx.filter(grads, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt, value, norm
+
+        return step
+
+    step_ours = make_step(lambda m, x: _mse(st.materialize(m), x))
+    step_ref = make_step(lambda s, x: _mse(s(), x))
+    opt_ours = tx.init(eqx.filter(ours, eqx.is_array))
+    opt_ref = tx.init(eqx.filter(shared, eqx.is_array))
+    # one moment per unique buffer, like Shared
+    assert len(jax.tree.leaves(opt_ours[0].mu)) == 3 == len(jax.tree.leaves(opt_ref[0].mu))
+    losses = []
+    for _ in range(6):
+        ours, opt_ours, l1, n1 = step_ours(ours, opt_ours, x)
+        shared, opt_ref, l2, n2 = step_ref(shared, opt_ref, x)
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+        np.testing.assert_allclose(n1, n2, rtol=1e-5)
+        losses.append(float(l1))
+    assert losses[-1] < losses[0]
+    ref_model = shared()
+    np.testing.assert_allclose(ours.enc.weight, ref_model.enc.weight, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ours.dec.bias, ref_model.dec.bias, rtol=1e-5, atol=1e-7)
+    assert ours.dec.weight == st.Tied("enc/weight", st.T)
+
+
+def test_filter_grad_and_plain_jit_agree_and_keep_the_tie():
+    model = st.tie(AE(jax.random.key(2)), TIES)
+    x = _data()
+    loss = lambda m, x: _mse(st.materialize(m), x)  # noqa: E731
+    g_filter = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+    g_plain = jax.jit(jax.grad(loss))(model, x)  # every leaf is an array
+    assert g_filter.dec.weight == g_plain.dec.weight == st.Tied("enc/weight", st.T)
+    for a, b in zip(jax.tree.leaves(g_filter), jax.tree.leaves(g_plain), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+    # independent reference: the untied gradient summed back through the view
+    g_full = jax.grad(_mse)(st.materialize(model), x)
+    np.testing.assert_allclose(
+        g_plain.enc.weight, g_full.enc.weight + g_full.dec.weight.T, rtol=1e-5, atol=1e-8
+    )
+
+
+class Handmade(eqx.Module):
+    """A Tied written directly as a field value."""
+
+    w: jax.Array
+    b1: jax.Array
+    w_out: Any
+    b2: jax.Array
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w + self.b1) @ self.w_out + self.b2
+
+
+def test_tied_as_a_field_value_matches_hand_written_w_and_w_t():
+    rng = np.random.default_rng(3)
+    w, b1, b2 = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((6, 3), (3,), (6,)))
+    model = Handmade(w, b1, st.Tied("w", st.T), b2)
+    x = _data()
+
+    def loss(m):
+        m = st.materialize(m)
+        return jnp.mean((m(x) - x) ** 2)
+
+    def hand(w, b1, b2):
+        return jnp.mean((jnp.tanh(x @ w + b1) @ w.T + b2 - x) ** 2)
+
+    g = jax.jit(jax.grad(loss))(model)
+    gw, gb1, gb2 = jax.grad(hand, argnums=(0, 1, 2))(w, b1, b2)
+    assert g.w_out == st.Tied("w", st.T)
+    np.testing.assert_allclose(g.w, gw, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g.b1, gb1, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g.b2, gb2, rtol=1e-5, atol=1e-7)
+
+
+def test_tying_a_missing_attribute_path_names_the_closest_one():
+    with pytest.raises(st.TieError) as e:
+        st.tie(AE(jax.random.key(4)), {"dec/wieght": st.Tied("enc/weight", st.T)})
+    assert "'dec/wieght'" in str(e.value) and "'dec/weight'" in str(e.value)
+    with pytest.raises(st.TieError, match=r"float32\[3, 6\].*float32\[6, 3\]"):
+        st.tie(AE(jax.random.key(4)), {"dec/weight": "enc/weight"})

@@ -1,0 +1,115 @@
+"""label_by_path / mask_by_path: label and mask trees for optax, built from path patterns."""
+
+import fnmatch
+
+import jax
+import numpy as np
+import pytest
+
+import sharetree as st
+from sharetree._tied import keypath_to_path
+
+
+def _tree():
+    return {
+        "embed": {"embedding": np.ones((7, 4), np.float32)},
+        "blocks": [
+            {"attn": {"kernel": np.ones((4, 4)), "bias": np.zeros(4)}, "ln": {"scale": np.ones(4)}},
+            {"attn": {"kernel": np.ones((4, 4)), "bias": np.zeros(4)}, "ln": {"scale": np.ones(4)}},
+        ],
+        "head": {"kernel": st.Tied("embed/embedding", st.T), "bias": np.zeros(7)},
+    }
+
+
+def _reference_labels(tree, rules, default):
+    """Independent reference: test every '/'-prefix of each leaf path; the first rule wins."""
+    out = {}
+    for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        path = keypath_to_path(kp)
+        names = ["/".join(path[: k + 1]) for k in range(len(path))]
+        label = next(
+            (lab for pat, lab in rules if any(fnmatch.fnmatchcase(n, pat) for n in names)), default
+        )
+        out["/".join(path)] = label
+    return out
+
+
+def _as_dict(tree):
+    return {
+        "/".join(keypath_to_path(kp)): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def test_labels_follow_the_first_matching_pattern_and_keep_ties():
+    tree = _tree()
+    rules = [("*/bias", "no_decay"), ("*/ln/*", "no_decay"), ("blocks/0", "frozen"), ("*", "decay")]
+    labels = st.label_by_path(tree, rules)
+    assert labels["head"]["kernel"] == st.Tied("embed/embedding", st.T)
+    assert jax.tree.structure(labels) == jax.tree.structure(tree)
+    assert _as_dict(labels) == _reference_labels(tree, rules, None)
+    assert labels["blocks"][0]["attn"]["kernel"] == "frozen"
+    assert labels["blocks"][1]["attn"]["kernel"] == "decay"
+    assert labels["blocks"][1]["attn"]["bias"] == "no_decay"
+
+
+def test_a_pattern_naming_a_node_covers_every_leaf_below_it():
+    tree = _tree()
+    labels = st.label_by_path(tree, {"blocks": "body"}, default="other")
+    assert _as_dict(labels) == _reference_labels(tree, [("blocks", "body")], "other")
+    assert set(jax.tree.leaves(labels["blocks"])) == {"body"}
+    assert labels["embed"]["embedding"] == "other"
+
+
+def test_mask_by_path():
+    tree = _tree()
+    mask = st.mask_by_path(tree, ["*kernel", "embed"])
+    expected = _reference_labels(tree, [("*kernel", True), ("embed", True)], False)
+    assert _as_dict(mask) == expected
+    assert mask["head"]["kernel"] == st.Tied("embed/embedding", st.T)
+    assert st.mask_by_path(tree, "head/bias")["head"]["bias"] is True
+    assert sum(jax.tree.leaves(st.mask_by_path(tree, "head/bias"))) == 1
+
+
+def test_a_leaf_without_a_label_is_an_error_naming_it():
+    with pytest.raises(st.TieError, match=r"leaf 'head/bias' matches none of the patterns"):
+        st.label_by_path(_tree(), {"embed": "a", "blocks": "b"})
+
+
+def test_a_pattern_that_matches_nothing_is_an_error_with_a_hint():
+    with pytest.raises(st.TieError, match=r"'embd/\*'.*closest existing path\(s\): 'embed"):
+        st.label_by_path(_tree(), {"embd/*": "a"}, default="b")
+    # a pattern that names only a tied position: the view shares its buffer's label
+    with pytest.raises(st.TieError, match=r"'head/kernel' \(Tied\('embed/embedding', T\)\)"):
+        st.mask_by_path(_tree(), "head/kernel")
+    assert st.mask_by_path(_tree(), "head/kernel", strict=False)["head"]["bias"] is False
+    assert (
+        st.label_by_path(_tree(), {"nothing": "x"}, default="y", strict=False)["head"]["bias"]
+        == "y"
+    )
+
+
+def test_bad_rules_and_patterns():
+    with pytest.raises(st.TieError, match="pattern, label"):
+        st.label_by_path(_tree(), [("*", "a", "b")])
+    with pytest.raises(st.TieError, match="patterns must be str"):
+        st.mask_by_path(_tree(), [0])
+
+
+def test_paths_with_attribute_names_and_nnx_variables():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class AE(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.Linear(3, 2, rngs=rngs)
+            self.dec = nnx.Linear(2, 3, rngs=rngs)
+
+    _, state = nnx.split(AE(nnx.Rngs(0)))
+    state = st.tie(state, {"dec/kernel": st.Tied("enc/kernel", st.T)})
+    # "enc/kernel" names the Variable; its leaf is "enc/kernel/value"
+    mask = st.mask_by_path(state, "enc/kernel")
+    assert _as_dict(mask) == {
+        "dec/bias/value": False,
+        "enc/bias/value": False,
+        "enc/kernel/value": True,
+    }
+    assert mask["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
