@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import jax.tree_util as jtu
@@ -207,16 +208,7 @@ def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
     if shown_b:
         lines += _table(
             ("path", "shape", "dtype", "bytes", "views"),
-            [
-                (
-                    b.path,
-                    _shape_str(b.shape),
-                    _dtype_str(b.dtype),
-                    format_bytes(b.nbytes),
-                    str(b.num_views),
-                )
-                for b in shown_b
-            ],
+            _buffer_rows(shown_b),
         )
     else:
         lines.append("  (none)")
@@ -226,16 +218,27 @@ def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
     if shown_v:
         lines += _table(
             ("path", "buffer", "transform", "shape", "dtype"),
-            [
-                (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), _dtype_str(v.dtype))
-                for v in shown_v
-            ],
+            _view_rows(shown_v),
         )
     else:
         lines.append("  (none: nothing is shared)")
     if more_v:
         lines.append(f"  ... and {more_v:,} more views")
     return "\n".join(lines)
+
+
+def _buffer_rows(buffers: Sequence[Buffer]) -> list[tuple[str, ...]]:
+    return [
+        (b.path, _shape_str(b.shape), _dtype_str(b.dtype), format_bytes(b.nbytes), str(b.num_views))
+        for b in buffers
+    ]
+
+
+def _view_rows(views: Sequence[View]) -> list[tuple[str, ...]]:
+    return [
+        (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), _dtype_str(v.dtype))
+        for v in views
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -387,16 +390,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         "<div><b>buffers</b></div>",
         _html_table(
             ("path", "shape", "dtype", "bytes", "views"),
-            [
-                (
-                    b.path,
-                    _shape_str(b.shape),
-                    _dtype_str(b.dtype),
-                    format_bytes(b.nbytes),
-                    str(b.num_views),
-                )
-                for b in shown_b
-            ],
+            _buffer_rows(shown_b),
             numeric={3, 4},
             more=f"... and {more_b:,} more buffers" if more_b else "",
         ),
@@ -406,10 +400,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
             "<div><b>views</b></div>",
             _html_table(
                 ("path", "\u2190 buffer", "transform", "shape", "dtype"),
-                [
-                    (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), _dtype_str(v.dtype))
-                    for v in shown_v
-                ],
+                _view_rows(shown_v),
                 numeric=set(),
                 more=f"... and {more_v:,} more views" if more_v else "",
             ),
