@@ -10,6 +10,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from sharetree._errors import TieError
 from sharetree._graph import _is_tied
 from sharetree._tie import tie
 from sharetree._tied import Path, Tied, keypath_to_path, path_str
@@ -30,6 +31,7 @@ def tie_identical(tree: Any) -> Any:
     position holding the same ``jax.Array`` or ``np.ndarray`` object becomes
     ``Tied(first)``. Python scalars, ``None`` and strings are never tied: their
     identity means nothing (equal immutables may or may not be one object).
+    A 0-d ``np.ndarray`` used twice is an array object and is tied.
     Nor do gradients that happen to be the same object: call this on
     parameters you built with sharing, not on computed values.
 
@@ -89,6 +91,11 @@ def find_ties(
     """
     for t in transforms:
         check_transform(t, "in find_ties")
+    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
+        raise TieError(
+            f"find_ties: atol must be a number >= 0, got {atol!r}. Fix: pass 0.0 for "
+            "bit-exact matches or a small tolerance such as 1e-6."
+        )
     with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
         return _find_ties(tree, transforms, atol)
 
@@ -130,7 +137,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
                         view is not None
                         and view.shape == a.shape
                         and view.dtype == a.dtype
-                        and np.allclose(view, a, rtol=0.0, atol=atol)
+                        and np.allclose(view, a, rtol=0.0, atol=atol, equal_nan=True)
                     ):
                         match = Tied(bpath, t)
                         break

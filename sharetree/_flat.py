@@ -22,6 +22,16 @@ def _inexact(dtype: np.dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
+@functools.cache
+def _complex(dtype: np.dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+
+
+def _canonical(dtype: Any) -> np.dtype:
+    # as JAX computes it: float64 buffers are float32 while x64 is off
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
 def _is_inexact_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) and _inexact(x.dtype)
 
@@ -134,6 +144,8 @@ class Restructure:
         if self.slots:
             pieces = jax.lax.split(jnp.asarray(flat), self.sizes) if len(self.slots) > 1 else [flat]
             for i, piece, shape, dtype in zip(self.slots, pieces, self.shapes, self.dtypes):
+                if _complex(piece.dtype) and not _complex(dtype):
+                    piece = jnp.real(piece)  # a real buffer in a complex vector
                 leaves[i] = piece.reshape(shape).astype(dtype)
         return leaves
 
@@ -168,6 +180,8 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
 
     Every floating or complex array buffer, in flatten order, goes into ``flat``
     in their promoted dtype (each view is computed from its buffer, never stored).
+    Dtypes are those JAX computes with: while x64 is off, float64 buffers come
+    back from ``restructure`` as float32, as from any JAX function.
     Other leaves (integer arrays, Python numbers, strings, functions) stay static
     inside ``restructure``.
 
@@ -194,7 +208,7 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     slots = tuple(i for i, x in enumerate(leaves) if _is_inexact_array(x))
     inexact = [leaves[i] for i in slots]
     flat_dtype = (
-        np.dtype(jnp.result_type(*{x.dtype for x in inexact}))
+        _canonical(jnp.result_type(*{_canonical(x.dtype) for x in inexact}))
         if inexact
         else np.dtype(jnp.result_type(float))
     )
@@ -204,7 +218,7 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
         structure,
         slots,
         tuple(tuple(np.shape(x)) for x in inexact),
-        tuple(np.dtype(x.dtype) for x in inexact),
+        tuple(_canonical(x.dtype) for x in inexact),
         statics,
         flat_dtype,
     )

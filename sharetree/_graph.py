@@ -96,7 +96,10 @@ def _subtree(tree: Any, path: Path) -> Any:
         if len(kp) == n and keypath_to_path(kp) == path:
             found.append(x)
     if len(found) != 1:
-        raise TieError(f"path {path_str(path)!r} is ambiguous: {len(found)} nodes have that name.")
+        raise TieError(
+            f"path {path_str(path)!r} is ambiguous: {len(found)} nodes have that name. "
+            "Fix: rename one of the keys so that every path names one node."
+        )
     return found[0]
 
 
@@ -182,11 +185,32 @@ class _Resolver:
                     f"{path_str(prefix)!r}, which has no children. Fix: refer to "
                     f"{path_str(prefix)!r} itself and select with a transform (st.fn)."
                 )
+        empty = _empty_node(self.placeholder, ref)
+        if empty:
+            raise TieError(
+                f"Tied at {path_str(origin)!r}: ref {path_str(ref)!r} is {empty[0]!r}, a subtree "
+                "with no leaves: there is no value to share. Fix: point the ref at a leaf or "
+                "a subtree that holds arrays."
+            )
+        candidates = [p for p in self.all_paths() if p != path_str(origin)]
         raise TieError(
             f"Tied at {path_str(origin)!r}: ref {path_str(ref)!r} does not exist in the tree; "
-            f"{closest(path_str(ref), self.all_paths())}. Fix: point the ref at an existing "
+            f"{closest(path_str(ref), candidates)}. Fix: point the ref at an existing "
             "leaf or subtree (paths are '/'-joined dict keys, indices and attribute names)."
         )
+
+
+def _empty_node(tree: Any, path: Path) -> tuple[Any, ...]:
+    """``(node,)`` if ``path`` names a node without leaves (``None``, ``{}``), else ``()``."""
+    n = len(path)
+
+    def stop(kp: Any, _x: Any) -> bool:
+        return keypath_to_path(kp) == path
+
+    for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=stop, is_leaf_takes_path=True)[0]:
+        if len(kp) == n and keypath_to_path(kp) == path and not jtu.tree_leaves(x):
+            return (x,)
+    return ()
 
 
 def _compose(template: Any, t: Transform) -> Any:
@@ -526,15 +550,27 @@ def expand_leaves(
     """The materialized leaves: each buffer, and each view computed from its buffer.
 
     Eager calls with many views on concrete arrays run all views in one jitted
-    call (compiled once per structure and shapes) instead of one dispatch each.
+    call (compiled once per structure and shapes) instead of one dispatch each;
+    transforms that cannot be traced (NumPy inside ``st.fn``) fall back to
+    one call per view, so results never depend on the number of views.
     """
-    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
+    jit_failed = False
+    if (
+        apply is None
+        and len(structure.views) >= _JIT_VIEWS_MIN
+        and structure.__dict__.get("_eager_views_ok", True)
+    ):
         fn, inputs, positions = _eager_views(structure)
         if positions and all(_concrete_array(leaves[i]) for i in inputs):
-            out = [leaves[i] for i in structure.sources]
-            for k, value in zip(positions, fn(tuple(leaves[i] for i in inputs))):
-                out[k] = value
-            return out
+            try:
+                values = fn(tuple(leaves[i] for i in inputs))
+            except Exception:
+                jit_failed = True  # e.g. NumPy inside st.fn: compute view by view below
+            else:
+                out = [leaves[i] for i in structure.sources]
+                for k, value in zip(positions, values):
+                    out[k] = value
+                return out
     out = []
     for i, t, path, via in structure.expanded:
         x = leaves[i]
@@ -545,6 +581,8 @@ def expand_leaves(
             out.append(t(x) if apply is None else apply(t, x))
         except Exception as e:
             raise transform_error(structure, i, t, path, via, _aval(x), e) from None
+    if jit_failed:  # the views work one by one but not under jit: stop trying jit
+        structure.__dict__["_eager_views_ok"] = False
     return out
 
 

@@ -17,6 +17,14 @@ from sharetree._transforms import T, identity
 __all__ = ["tie"]
 
 
+def _shape_of(positions: Mapping[Path, Any]) -> str:
+    if not positions:
+        return "empty (no leaves, e.g. None)"
+    if set(positions) == {()}:
+        return "a leaf"
+    return "a subtree with leaves " + ", ".join(repr(path_str(p)) for p in sorted(positions))
+
+
 def _canonical(dtype: Any) -> Any:
     # float64 NumPy buffers become float32 views when x64 is off: compare as JAX computes
     return jax.dtypes.canonicalize_dtype(dtype)
@@ -78,8 +86,15 @@ def tie(
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
     new: dict[Path, Tied] = {}
+    spelled: dict[Path, Any] = {}
     for target, ref in ties.items():
         path = to_path(target, "tie target")
+        if path in new:
+            raise TieError(
+                f"tie targets {spelled[path]!r} and {target!r} name the same path "
+                f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
+            )
+        spelled[path] = target
         new[path] = ref if isinstance(ref, Tied) else Tied(ref)
     for a in new:
         for b in new:
@@ -132,8 +147,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
         if before.keys() != after.keys():
             raise TieError(
                 f"tie {path_str(target)!r} <- {t!r}: the view's structure differs from the value "
-                f"it replaces: view has {sorted(map(path_str, after)) or ['<leaf>']}, "
-                f"target has {sorted(map(path_str, before)) or ['<leaf>']}. "
+                f"it replaces: the view is {_shape_of(after)}, the target is {_shape_of(before)}. "
                 "Fix: refer to a subtree of the same structure, or tie leaf by leaf."
             )
         for rel, b in before.items():

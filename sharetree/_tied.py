@@ -28,16 +28,18 @@ def to_path(ref: Any, what: str = "path") -> Path:
         >>> to_path("layers/0/w"), to_path(("a/b", 1))
         (('layers', '0', 'w'), ('a/b', '1'))
     """
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        ref = (ref,)
     if isinstance(ref, str):
         parts = tuple(ref.split("/")) if ref else ()
     elif isinstance(ref, (tuple, list)):
-        parts = tuple(k if isinstance(k, str) else str(k) for k in ref)
         for k in ref:
-            if not isinstance(k, (str, int)):
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TieError(
                     f"{what} {tuple(ref)!r}: keys must be str or int, "
-                    f"found {type(k).__name__} {k!r}."
+                    f"found {type(k).__name__} {k!r}. Fix: use the key's name or index."
                 )
+        parts = tuple(k if isinstance(k, str) else str(k) for k in ref)
     else:
         raise TieError(
             f"{what}: expected a '/'-joined string or a tuple of keys, found "

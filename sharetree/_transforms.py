@@ -213,7 +213,18 @@ def transpose(*axes: int) -> Transform:
     """
     if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
         axes = tuple(axes[0])
-    return _Transpose(tuple(int(a) for a in axes) if axes else None)
+    return _Transpose(_ints("transpose", axes) if axes else None)
+
+
+def _ints(name: str, values: tuple[Any, ...]) -> tuple[int, ...]:
+    bad = [v for v in values if not isinstance(v, (int, np.integer)) or isinstance(v, bool)]
+    if bad:
+        raise TieError(
+            f"{name}({', '.join(map(repr, values))}): expected integers, "
+            f"found {type(bad[0]).__name__} {bad[0]!r}. "
+            f"Fix: pass integer axes or sizes, e.g. {name}(1, 0)."
+        )
+    return tuple(int(v) for v in values)
 
 
 def reshape(*shape: int) -> Transform:
@@ -226,7 +237,7 @@ def reshape(*shape: int) -> Transform:
     """
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    return _Reshape(tuple(int(s) for s in shape))
+    return _Reshape(_ints("reshape", shape))
 
 
 def astype(dtype: Any) -> Transform:
@@ -239,7 +250,13 @@ def astype(dtype: Any) -> Transform:
         >>> st.astype(jnp.bfloat16)
         astype(bfloat16)
     """
-    return _AsType(jnp.dtype(dtype).name)
+    try:
+        return _AsType(jnp.dtype(dtype).name)
+    except TypeError as e:
+        raise TieError(
+            f"astype({dtype!r}): not a dtype ({e}). Fix: pass a NumPy/JAX dtype such as "
+            "jnp.bfloat16, np.float32 or 'float16'."
+        ) from None
 
 
 def scale(c: float | complex) -> Transform:
@@ -251,7 +268,10 @@ def scale(c: float | complex) -> Transform:
         2.0
     """
     if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, float, complex, np.number)):
-        raise TieError(f"scale(c) takes a Python or NumPy number; got {type(c).__name__} {c!r}.")
+        raise TieError(
+            f"scale(c) takes a Python or NumPy number; got {type(c).__name__} {c!r}. "
+            "Fix: pass a constant such as 0.5; for a learned scale use a separate buffer."
+        )
     c = complex(c) if np.iscomplexobj(c) else float(c)
     return _Scale(c)
 
@@ -269,7 +289,10 @@ def fn(f: Callable[[Any], Any]) -> Transform:
         fn(flipud)
     """
     if not callable(f):
-        raise TieError(f"fn(f) takes a callable; got {type(f).__name__} {f!r}.")
+        raise TieError(
+            f"fn(f) takes a callable; got {type(f).__name__} {f!r}. "
+            "Fix: pass a function from array to array, e.g. st.fn(jnp.flipud)."
+        )
     try:
         hash(f)
     except TypeError as e:
@@ -349,7 +372,10 @@ def transform_from_spec(spec: Any) -> Transform:
         True
     """
     if not isinstance(spec, dict) or "name" not in spec:
-        raise TieError(f"transform spec: expected a dict with a 'name', got {spec!r}.")
+        raise TieError(
+            f"transform spec: expected a dict with a 'name', got {spec!r}. "
+            "Fix: build specs with Transform.spec(), e.g. st.T.spec()."
+        )
     name = spec["name"]
     try:
         if name == "identity":
@@ -375,8 +401,11 @@ def transform_from_spec(spec: Any) -> Transform:
                     "Fix: import the module that defines it, or make it importable."
                 )
             return fn(f)
-    except (KeyError, TypeError) as e:
-        raise TieError(f"transform spec {spec!r} is malformed ({e!r}).") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise TieError(
+            f"transform spec {spec!r} is malformed ({e!r}). Fix: build specs with "
+            "Transform.spec(), e.g. st.reshape(2, 3).spec()."
+        ) from None
     known = "identity, transpose, reshape, astype, scale, fn, chain"
     raise TieError(
         f"transform spec: unknown transform name {name!r}; known: {known}. "

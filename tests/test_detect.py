@@ -74,3 +74,12 @@ def test_gradients_do_not_get_tied():
     p = {"a": jnp.ones(2), "b": jnp.ones(2)}
     g = jax.grad(lambda t: jnp.sum(t["a"] + t["b"]))(p)
     assert st.canonicalize(g).num_views == 0
+
+
+def test_find_ties_atol_validated_and_nans_match_in_place():
+    a = np.array([np.nan, 1.0, 2.0])
+    sd = {"a": a, "b": a.copy()}
+    assert st.find_ties(sd) == {"b": st.Tied("a")}
+    assert st.find_ties(sd, atol=0.1) == {"b": st.Tied("a")}
+    with pytest.raises(st.TieError, match="atol must be a number >= 0"):
+        st.find_ties(sd, atol=-1)

@@ -51,7 +51,10 @@ def test_07_shape_mismatch_both_shapes():
 
 
 def test_08_structure_mismatch():
-    with pytest.raises(st.TieError, match=r"structure differs.*view has.*target has"):
+    with pytest.raises(
+        st.TieError,
+        match=r"structure differs.*the view is a leaf, the target is a subtree with leaves 'w'",
+    ):
         st.tie({"enc": W, "dec": {"w": W}}, {"dec": "enc"})
 
 
@@ -107,7 +110,7 @@ def test_14_tied_at_root():
 
 
 def test_15_ref_not_a_path():
-    for bad in (3, "", "a//b", ("a", 1.5)):
+    for bad in (1.5, "", "a//b", ("a", 1.5), ("a", True)):
         with pytest.raises(st.TieError):
             st.Tied(bad)
 
@@ -134,3 +137,19 @@ def test_16_ambiguous_paths():
 def test_17_bad_transform_spec():
     with pytest.raises(st.TieError, match="unknown transform name 'flip'.*known"):
         st.transform_from_spec({"name": "flip"})
+
+
+def test_01b_ref_to_an_empty_subtree():
+    with pytest.raises(st.TieError, match=r"ref 'a' is None, a subtree with no leaves"):
+        st.materialize({"a": None, "b": st.Tied("a"), "w": W})
+
+
+def test_13b_bad_transform_arguments():
+    for make in (lambda: st.reshape(2.5), lambda: st.transpose("a"), lambda: st.astype("nope")):
+        with pytest.raises(st.TieError, match="Fix:"):
+            make()
+
+
+def test_06b_same_target_twice():
+    with pytest.raises(st.TieError, match="name the same path"):
+        st.tie({"a": W, "b": W, "c": W}, {"b": "a", ("b",): "c"})

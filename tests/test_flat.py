@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,27 @@ def test_empty_and_no_inexact():
     flat, re = st.destructure({"n": np.int32(1), "s": "x"})
     assert flat.shape == (0,)
     assert re(flat) == {"n": np.int32(1), "s": "x"}
+
+
+def test_complex_and_real_buffers_share_one_complex_vector():
+    tree = {"c": jnp.array([1 + 2j, 3 - 1j], jnp.complex64), "r": jnp.array([1.0, 2.0])}
+    flat, re = st.destructure(tree)
+    assert flat.dtype == jnp.complex64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = re(flat)
+        g = jax.grad(lambda v: jnp.sum(re(v)["r"] ** 2))(flat)
+    assert m["r"].dtype == jnp.float32
+    np.testing.assert_allclose(g, [0, 0, 2, 4])
+
+
+def test_gradient_is_one_split_and_one_concatenate_with_no_padding():
+    # the cotangent is assembled in one pass: no per-view full-size zero padding
+    tree = {f"l{i}": {"w": jnp.ones((3, 3)), "b": jnp.ones(3)} for i in range(50)}
+    for i in range(3, 50, 4):
+        tree[f"l{i}"]["w"] = st.Tied(f"l{i - 1}/w", st.T)
+    flat, re = st.destructure(tree)
+    loss = lambda v: sum(jnp.sum(jnp.tanh(x)) for x in jax.tree.leaves(re(v)))  # noqa: E731
+    prims = [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss))(flat).jaxpr.eqns]
+    assert prims.count("split") == 1 and prims.count("concatenate") == 1
+    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)

@@ -135,3 +135,16 @@ def test_many_views_eager_path_matches_per_view_path():
     bad = dict(tree, l39={"w": st.Tied("l38/w", st.reshape(5))})
     with pytest.raises(st.TieError, match=r"view 'l39/w'.*reshape\(5\).*float32\[2, 3\]"):
         st.materialize(bad)
+
+
+def _np_double(x):
+    return np.asarray(x) * 2  # not traceable by jax.jit
+
+
+def test_untraceable_fn_gives_the_same_result_with_few_or_many_views():
+    for n in (3, 20):
+        tree = {"a": np.ones((2, 2), np.float32)}
+        tree.update({f"v{i}": st.Tied("a", st.fn(_np_double)) for i in range(n)})
+        m = st.materialize(tree)
+        for i in range(n):
+            np.testing.assert_array_equal(m[f"v{i}"], 2 * tree["a"])

@@ -86,3 +86,19 @@ def test_float64_numpy_buffers_compare_as_jax_computes_them():
     assert m["v"].dtype == m["t"].dtype == st.canonicalize(tied).views["t"].dtype
     with pytest.raises(st.TieError, match="float32"):
         st.tie({"w": w, "v": w.reshape(6).astype(np.float16)}, {"v": st.Tied("w", st.reshape(6))})
+
+
+def test_two_spellings_of_one_target_is_an_error():
+    w = jnp.ones(2)
+    with pytest.raises(st.TieError, match=r"'b' and \('b',\) name the same path"):
+        st.tie({"a": w, "c": w, "b": w}, {"b": "a", ("b",): "c"})
+
+
+def test_integer_targets_and_refs_in_lists():
+    out = st.tie([jnp.ones(2), jnp.zeros(2)], {1: 0})
+    assert out[1] == st.Tied("0") and st.materialize(out)[1] is out[0]
+
+
+def test_empty_target_structure_message():
+    with pytest.raises(st.TieError, match="the view is a leaf, the target is empty"):
+        st.tie({"a": jnp.ones(2), "b": None}, {"b": "a"})
