@@ -6,11 +6,16 @@ first (both written as ``Tied`` nodes), then prints the sharing summary, a
 sample of generated text, and optionally saves a checkpoint. ``inspect``
 prints the sharing graph of a checkpoint written by ``sharetree.save``.
 Bad arguments and unreadable files give a one-line error and exit code 2.
+When standard output stops taking output (a reader that closed early, as in
+``python -m sharetree inspect FILE | head -2``, or a closed stdout), the
+command stops quietly with exit code 141, what a shell reports for a program
+that SIGPIPE ended (``cat FILE | head -2``), and no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import warnings
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
+EXIT_STDOUT_GONE = 128 + 13  # 128 + SIGPIPE, as a shell reports for `cat big | head -1`
 
 
 class _Parser(argparse.ArgumentParser):
@@ -231,6 +237,42 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stdout_gone(error: BaseException) -> bool:
+    """Whether ``error`` means stdout takes no more output (its reader left, or it is closed)."""
+    if isinstance(error, BrokenPipeError):
+        return True
+    out = sys.stdout
+    if out is None:
+        return False
+    if isinstance(error, ValueError):  # "I/O operation on closed file"
+        return bool(getattr(out, "closed", False))
+    if isinstance(error, OSError) and error.errno == errno.EBADF:
+        try:
+            os.fstat(out.fileno())
+        except OSError:
+            return True  # the descriptor behind stdout is closed
+        except ValueError:  # pragma: no cover - fileno of a closed stream
+            return True
+    return False
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at ``os.devnull``, so that the final flush cannot fail again.
+
+    This is the recipe of https://docs.python.org/3/library/signal.html#note-on-sigpipe:
+    whatever is still buffered goes nowhere instead of raising at interpreter exit.
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # closed, or not a file (io.StringIO)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (``sys.argv[1:]`` by default); return the exit code.
 
@@ -240,6 +282,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         2
     """
     parser = build_parser()
+    try:
+        code = _run(parser, argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a reader that left shows up here, not at interpreter exit
+        return code
+    except (OSError, ValueError) as e:
+        if not _stdout_gone(e):
+            raise
+        _discard_stdout()  # the reader closed early (| head): stop quietly, no traceback
+        return EXIT_STDOUT_GONE
+
+
+def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command == "demo":

@@ -200,7 +200,10 @@ def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
     """
     g = _graph(tree)
     if max_rows < 1:
-        raise TieError(f"summary: max_rows must be at least 1, got {max_rows!r}.")
+        raise TieError(
+            f"summary: max_rows must be at least 1, got {max_rows!r}. Fix: pass a positive "
+            "number of rows per table, e.g. st.summary(tree, max_rows=50)."
+        )
     shown_b, more_b, shown_v, more_v = _rows(g, max_rows)
     lines = [_headline(g)]
     lines += _table(("", "unique", "expanded", "saved"), _totals(g))
@@ -540,6 +543,19 @@ class MaterializedDisplay:
     Attributes:
         tree: the canonical tree.
         graph: its sharing graph.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> tree = {"w": np.arange(3, dtype=np.float32), "w10": st.Tied("w", st.scale(10.0))}
+        >>> shown = st.MaterializedDisplay(tree)  # what st.treescope_materialized(tree) returns
+        >>> shown.graph
+        SharingGraph(1 buffer, 1 view; params 3 unique / 6 expanded; bytes 12 / 24)
+        >>> print(shown)  # the text rendering; Jupyter shows it as interactive HTML
+        # materialized tree; sharing graph: 1 buffer, 1 view (50.0% of bytes saved)
+        {
+          'w': [buffer: 1 view] np.array([0., 1., 2.], dtype=float32),  # shared with w10
+          'w10': [view of w via scale(10.0)] <jax.Array([ 0., 10., 20.], dtype=float32)>,
+        }
     """
 
     def __init__(self, tree: Any) -> None:

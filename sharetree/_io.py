@@ -57,6 +57,10 @@ FORMAT_VERSION = 1
 _KEY_VERSION = "sharetree.format_version"
 _KEY_TREE = "sharetree.tree"
 _KEY_LIBRARY = "sharetree.library_version"
+_RESAVE = (
+    "The file was edited or damaged after st.save wrote it. Fix: save the tree again with "
+    "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
+)
 
 # dtypes that safetensors stores under their own code (and numpy reads back)
 _NATIVE = frozenset(
@@ -406,7 +410,8 @@ def load(path: PathOrStr, like: Any = None) -> Any:
     version = meta[_KEY_VERSION]
     if not version.isdigit():
         raise TieError(
-            f"load: {path!r} has a malformed format version {version!r}; expected an int."
+            f"load: {path!r} has a malformed format version {version!r}; expected a "
+            f"decimal integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
         )
     if int(version) > FORMAT_VERSION:
         raise TieError(
@@ -415,12 +420,15 @@ def load(path: PathOrStr, like: Any = None) -> Any:
             f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
         )
     if _KEY_TREE not in meta:
-        raise TieError(f"load: {path!r} has a format version but no {_KEY_TREE!r} metadata.")
+        raise TieError(
+            f"load: {path!r} has a format version but no {_KEY_TREE!r} metadata, so its tree "
+            f"structure is lost. {_RESAVE}"
+        )
     try:
         structure = json.loads(meta[_KEY_TREE])
     except ValueError as e:
         raise TieError(
-            f"load: the {_KEY_TREE!r} metadata of {path!r} is not valid JSON ({e})."
+            f"load: the {_KEY_TREE!r} metadata of {path!r} is not valid JSON ({e}). {_RESAVE}"
         ) from None
     tensors = dict(reader.tensors())
     builder = _Builder(path, tensors)
@@ -502,8 +510,10 @@ class _Builder:
             try:
                 transform = transform_from_spec(node["transform"])
             except TieError as e:
+                fix = "" if "Fix:" in str(e) else f" {_RESAVE}"
                 raise TieError(
-                    f"load: {self.path!r}: the tie at {path_str(path)!r} cannot be rebuilt: {e}"
+                    f"load: {self.path!r}: the tie at {path_str(path)!r} cannot be rebuilt: "
+                    f"{e}{fix}"
                 ) from None
             return Tied(tuple(str(k) for k in node["ref"]), transform)
         if t == "value":
@@ -520,7 +530,11 @@ class _Builder:
 
     def _same_length(self, keys: list[Any], children: list[Any], path: Path) -> None:
         if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
-            raise TieError(f"load: {self.path!r}: malformed node at {path_str(path)!r}.")
+            raise TieError(
+                f"load: {self.path!r}: malformed node at {path_str(path)!r}: expected as many "
+                f"distinct keys as children, found keys {keys!r} for {len(children)} "
+                f"children. {_RESAVE}"
+            )
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
         kind, v = node["type"], node["value"]
@@ -528,7 +542,10 @@ class _Builder:
             return complex(*v)
         types = {"bool": bool, "int": int, "float": float, "str": str}
         if kind not in types or not isinstance(v, (types[kind], int)):
-            raise TieError(f"load: {self.path!r}: malformed value {v!r} at {path_str(path)!r}.")
+            raise TieError(
+                f"load: {self.path!r}: malformed value {v!r} at {path_str(path)!r}: expected "
+                f"a value of type {kind!r} (one of bool, int, float, complex, str). {_RESAVE}"
+            )
         return types[kind](v)
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
@@ -539,7 +556,10 @@ class _Builder:
                 f"{name!r}, which the file does not hold. Fix: save the tree again with st.save."
             )
         if name in self.used:
-            raise TieError(f"load: {self.path!r}: the tensor {name!r} is used twice.")
+            raise TieError(
+                f"load: {self.path!r}: the tensor {name!r} is used twice (again at "
+                f"{path_str(path)!r}); each buffer has a tensor of its own. {_RESAVE}"
+            )
         self.used.add(name)
         a = self.tensors[name]
         dtype, shape = jnp.dtype(node["dtype"]), tuple(int(s) for s in node["shape"])
@@ -547,13 +567,14 @@ class _Builder:
             if a.dtype != np.uint8 or a.size != math.prod(shape) * dtype.itemsize:
                 raise TieError(
                     f"load: {self.path!r}: tensor {name!r} should hold the raw bytes of "
-                    f"{dtype.name}{list(shape)}, found {a.dtype.name}{list(a.shape)}."
+                    f"{dtype.name}{list(shape)}, found {a.dtype.name}{list(a.shape)}. {_RESAVE}"
                 )
             a = np.frombuffer(a.tobytes(), dtype).reshape(shape)
         elif a.dtype != dtype or a.shape != shape:
             raise TieError(
                 f"load: {self.path!r}: tensor {name!r} at {path_str(path)!r} is "
-                f"{a.dtype.name}{list(a.shape)} but the metadata says {dtype.name}{list(shape)}."
+                f"{a.dtype.name}{list(a.shape)} but the metadata says {dtype.name}{list(shape)}. "
+                f"{_RESAVE}"
             )
         return a[()] if node.get("scalar") else a
 

@@ -59,6 +59,28 @@ class TiedModule:
         ties: ``(target path, Tied)`` pairs; paths are inside ``"params"``.
         check: whether ``init`` requires each view to have the shape and dtype
             of the parameter it replaces.
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np, flax.linen as nn, sharetree as st
+        >>> from sharetree.flax import tied
+        >>> class AE(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(4, use_bias=False, name="dec")(nn.Dense(2, name="enc")(x))
+        >>> model = tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)})
+        >>> model.ties
+        ((('dec', 'kernel'), Tied('enc/kernel', T)),)
+        >>> untied = {  # e.g. weights from a checkpoint that stores the tie twice
+        ...     "enc": {"kernel": np.ones((4, 2), np.float32), "bias": np.zeros(2, np.float32)},
+        ...     "dec": {"kernel": np.ones((2, 4), np.float32)},
+        ... }
+        >>> variables = {"params": model.tie(untied)}
+        >>> variables["params"]["dec"]
+        {'kernel': Tied('enc/kernel', T)}
+        >>> model.materialize(variables)["params"]["dec"]["kernel"].shape
+        (2, 4)
+        >>> model.apply(variables, jnp.ones((1, 4)))
+        Array([[8., 8., 8., 8.]], dtype=float32)
     """
 
     module: nn.Module
@@ -77,6 +99,14 @@ class TiedModule:
             TieError: a target or ref that does not exist in ``params`` (naming the
                 closest existing path), or a view whose shape or dtype differs from
                 the parameter it replaces.
+
+        Example:
+            >>> import numpy as np, flax.linen as nn, sharetree as st
+            >>> from sharetree.flax import tied
+            >>> model = tied(nn.Dense(3), {"bias": st.Tied("kernel", st.reshape((3,)))})
+            >>> params = {"kernel": np.ones((1, 3), np.float32), "bias": np.zeros(3, np.float32)}
+            >>> model.tie(params)
+            {'bias': Tied('kernel', reshape(3)), 'kernel': array([[1., 1., 1.]], dtype=float32)}
         """
         try:
             return tie(params, dict(self.ties), check=self.check)
@@ -122,7 +152,20 @@ class TiedModule:
         return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
     def materialize(self, variables: Any) -> Any:
-        """The variables with the ``"params"`` collection materialized (every view computed)."""
+        """The variables with the ``"params"`` collection materialized (every view computed).
+
+        Other collections pass through unchanged.
+
+        Example:
+            >>> import numpy as np, flax.linen as nn, sharetree as st
+            >>> from sharetree.flax import tied
+            >>> bias = st.Tied("kernel", st.reshape((3,)))
+            >>> model = tied(nn.Dense(3), {"bias": bias})
+            >>> kernel = np.arange(3, dtype=np.float32).reshape(1, 3)
+            >>> variables = {"params": {"kernel": kernel, "bias": bias}}
+            >>> model.materialize(variables)["params"]["bias"]
+            Array([0., 1., 2.], dtype=float32)
+        """
         if COLLECTION not in variables:
             return variables
         out = dict(variables)

@@ -61,6 +61,23 @@ class GraphDef:
             where the model holds a Variable object that is also at ``owner``;
             the canonical state has ``Tied(owner)`` at ``alias``.
         num_states: how many states ``split`` returned (one per filter).
+
+    Example:
+        >>> import sharetree as st, sharetree.nnx
+        >>> from flax import nnx
+        >>> class TwoHeads(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.a = nnx.Linear(4, 2, rngs=rngs)
+        ...         self.b = nnx.Linear(4, 2, rngs=rngs)
+        ...         self.b.kernel = self.a.kernel  # one Variable object in two places
+        >>> graphdef, state = st.nnx.split(TwoHeads(nnx.Rngs(0)))
+        >>> graphdef
+        sharetree.nnx.GraphDef(GraphDef, num_states=1, aliases=['b/kernel' is 'a/kernel'])
+        >>> state["b"]["kernel"]
+        Tied('a/kernel')
+        >>> model = st.nnx.merge(graphdef, state)
+        >>> model.b.kernel is model.a.kernel
+        True
     """
 
     graphdef: Any
@@ -308,6 +325,22 @@ def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
 
     Raises:
         TieError: a wrong number of states, a removed identity tie, or a bad graph.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sharetree as st, sharetree.nnx
+        >>> from flax import nnx
+        >>> class AE(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
+        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
+        >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
+        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties)
+        >>> def loss(state, x):
+        ...     model = st.nnx.merge(graphdef, state)  # dec.kernel = enc.kernel.T
+        ...     return jnp.sum(model.dec(model.enc(x)))
+        >>> grads = jax.jit(jax.grad(loss))(state, jnp.ones((1, 4)))
+        >>> grads["dec"]["kernel"], grads["enc"]["kernel"].shape  # one gradient, both uses
+        (Tied('enc/kernel', T), (4, 2))
     """
     if not isinstance(graphdef, GraphDef):
         graphdef = GraphDef(graphdef, (), len(states))
@@ -324,6 +357,20 @@ def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
         model: the model ``split`` was called on (or one of the same structure).
         graphdef: the :class:`GraphDef` from :func:`split`.
         *states: the canonical state(s).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sharetree as st, sharetree.nnx
+        >>> from flax import nnx
+        >>> class AE(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
+        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
+        >>> model = AE(nnx.Rngs(0))
+        >>> graphdef, state = st.nnx.split(model, {"dec/kernel": st.Tied("enc/kernel", st.T)})
+        >>> trained = jax.tree.map(jnp.ones_like, state)  # stands in for an optimizer step
+        >>> st.nnx.update(model, graphdef, trained)
+        >>> model.dec.kernel.shape, float(model.dec.kernel[...].sum())  # enc.kernel.T, all ones
+        ((2, 4), 8.0)
     """
     if not isinstance(graphdef, GraphDef):
         graphdef = GraphDef(graphdef, (), len(states))

@@ -240,3 +240,50 @@ def test_module_entry_point_exit_codes(tmp_path):
     )
     assert bad.returncode == 2 and bad.stdout == ""
     _one_line_error(bad.stderr, "no such file")
+
+
+# --------------------------------------------------------------------------- stdout that goes away
+
+
+def test_inspect_into_a_reader_that_closes_early(tmp_path):
+    """``python -m sharetree inspect FILE | head -1``: no traceback, exit code 141 (as SIGPIPE)."""
+    # Long paths and many ties: the output (~140 KB) is far more than a pipe holds (64 KiB on
+    # Linux), so the command is still writing when the reader has gone, buffered or not.
+    long = "a_rather_long_module_name_" * 5
+    tree = {f"{long}{i}": {"w": np.zeros((2,), np.float32)} for i in range(600)}
+    for i in range(0, 600, 2):
+        tree[f"{long}{i + 1}"]["w"] = st.Tied(f"{long}{i}/w", st.scale(2.0))
+    path = tmp_path / "many.safetensors"
+    st.save(path, tree)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["JAX_PLATFORMS"] = "cpu"
+    argv = [sys.executable, "-m", "sharetree", "inspect", str(path), "--max-rows", "1000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.readline().decode()
+    proc.stdout.close()  # the reader leaves after one line, as `head -1` does
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    code = proc.wait(timeout=60)
+    assert first == f"{path}: {os.path.getsize(path):,} bytes\n"
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert "Exception ignored" not in err, err
+    assert code == 141, (code, err)
+
+
+def test_closed_stdout_stops_quietly():
+    out, err = io.StringIO(), io.StringIO()
+    out.close()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--help"])
+    assert code == 141 and err.getvalue() == ""
+
+
+def test_other_errors_are_not_taken_for_a_closed_stdout(monkeypatch):
+    import sharetree.__main__ as cli
+
+    def broken(args):
+        raise ValueError("a bug, not a closed stdout")
+
+    monkeypatch.setattr(cli, "_inspect", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(["inspect", "x"])
