@@ -1,0 +1,1 @@
+"""sharetree benchmark suite: ``python -m benchmarks`` (see ``benchmarks/README.md``)."""

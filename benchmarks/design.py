@@ -1,0 +1,138 @@
+"""Why the flat path compiles as it does: XLA:CPU compile time follows *distinct* kernels.
+
+Four small programs over the same unique buffers of the tied MLP, each
+returning every buffer times two (so that each output is a real kernel):
+
+* ``leaves``: the buffers passed as separate arguments. Kernels of equal
+  shape are identical, and XLA:CPU compiles identical kernels once.
+* ``lax.split``: the buffers cut out of one flat vector with static offsets
+  (what ``restructure`` and ``ravel_pytree``'s unravel do). Every slice has its
+  own constant offset, so every kernel is distinct and compiled separately.
+* ``dynamic_slice, runtime offsets``: the same cuts with the offsets passed
+  as runtime arguments. The kernels are identical again and compile like
+  ``leaves``; but ``restructure(flat)`` has no way to receive runtime offsets
+  (offsets closed over, even as ``jax.Array``, become HLO constants that XLA
+  folds back into distinct slices).
+* ``flat[a:b] per leaf, under grad``: naive static slicing differentiated by
+  JAX: each slice transposes to a full-size pad, summed: a quadratic backward
+  (compare its run time with ``lax.split``'s, whose transpose is one concatenate).
+* ``prototype: runtime offsets``: a possible next design (not in the library):
+  a ``jax.custom_jvp`` split whose primal cuts the buffers with
+  ``dynamic_slice`` at offsets passed as a *runtime argument* (identical
+  kernels, compiled once per shape) and whose tangent is the static
+  ``lax.split`` (linear, so reverse mode transposes it into the same single
+  concatenate, and ``jvp`` keeps working). It needs the offsets to be an
+  argument of the jitted function, which ``restructure(flat)`` cannot express.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import sharetree as st
+from benchmarks import models as M
+from benchmarks.suite import Section
+from benchmarks.timing import compile_times, interleaved
+
+
+def design_section(model: M.TiedMLP, compile_repeats: int, rounds: int) -> Section:
+    """Compile times of the programs above; compile and run of the gradient designs."""
+    sec = Section(model.n_leaves, "design: distinct kernels")
+    flat, re = st.destructure(model.canonical)
+    leaves = jax.tree.leaves(model.canonical)
+    sizes, shapes = list(re.sizes), list(re.shapes)
+    offsets = [int(o) for o in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
+    runtime_offsets = tuple(jnp.asarray(o, jnp.int32) for o in offsets)
+
+    def by_leaves(ls: list[Any]) -> list[Any]:
+        return [x * 2 for x in ls]
+
+    def by_split(v: Any) -> list[Any]:
+        return [p.reshape(s) * 2 for p, s in zip(lax.split(v, sizes), shapes)]
+
+    def by_dynamic(v: Any, offs: tuple[Any, ...], scale: bool = True) -> list[Any]:
+        parts = [
+            lax.dynamic_slice(v, (o,), (n,)).reshape(s) for o, n, s in zip(offs, sizes, shapes)
+        ]
+        return [p * 2 for p in parts] if scale else parts
+
+    names = {
+        "leaves": "separate leaves (identical kernels)",
+        "split": "lax.split, static offsets (distinct kernels)",
+        "dynamic": "dynamic_slice, runtime offsets (identical kernels)",
+    }
+    make = {
+        names["leaves"]: lambda: by_leaves,
+        names["split"]: lambda: by_split,
+        names["dynamic"]: lambda: by_dynamic,
+    }
+    args = {
+        names["leaves"]: (leaves,),
+        names["split"]: (flat,),
+        names["dynamic"]: (flat, runtime_offsets),
+    }
+    _, compile_s, compiled, _ = compile_times(make, args, compile_repeats)
+    want = [np.asarray(x) * 2 for x in leaves]
+    for name in make:
+        got = compiled[name](*args[name])
+        ok = len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+        sec.check(f"{name}: outputs == 2 x buffers", ok)
+    sec.add_rows("compile (N outputs)", compile_s, names["leaves"])
+
+    # Naive per-leaf slicing under grad vs lax.split: same values, quadratic backward.
+    def naive(v: Any, x: Any) -> Any:
+        parts = [v[o : o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
+        return M.loss(st.materialize(jax.tree_util.tree_unflatten(re.structure.treedef, parts)), x)
+
+    def split(v: Any, x: Any) -> Any:
+        return M.loss(re(v), x)
+
+    @jax.custom_jvp
+    def split_at(v: Any, offs: tuple[Any, ...]) -> list[Any]:
+        return by_dynamic(v, offs, scale=False)
+
+    @split_at.defjvp
+    def _split_at_jvp(primals: Any, tangents: Any) -> Any:
+        (v, offs), (dv, _) = primals, tangents
+        return split_at(v, offs), [p.reshape(s) for p, s in zip(lax.split(dv, sizes), shapes)]
+
+    def prototype(v: Any, offs: tuple[Any, ...], x: Any) -> Any:
+        parts = split_at(v, offs)
+        return M.loss(st.materialize(jax.tree_util.tree_unflatten(re.structure.treedef, parts)), x)
+
+    base = "restructure (lax.split), grad"
+    proto = "prototype: runtime offsets + custom_jvp, grad"
+    gmake = {
+        base: lambda: jax.grad(split),
+        "flat[a:b] per leaf, grad": lambda: jax.grad(naive),
+        proto: lambda: jax.grad(prototype),
+    }
+    gargs = {k: (flat, model.x) for k in gmake}
+    gargs[proto] = (flat, runtime_offsets, model.x)
+    _, gcompile, gcompiled, _ = compile_times(gmake, gargs, compile_repeats)
+    g = {k: np.asarray(c(*gargs[k])) for k, c in gcompiled.items()}
+    ref = g[base]
+    for name in ("flat[a:b] per leaf, grad", proto):
+        err = float(np.max(np.abs(g[name] - ref)))
+        sec.check(
+            f"{name}: gradient == restructure's",
+            err <= 1e-4 * float(np.max(np.abs(ref))),
+            f"max |diff| {err:.3g}",
+        )
+    tangent = jnp.ones_like(flat)
+    _, t_proto = jax.jvp(lambda v: prototype(v, runtime_offsets, model.x), (flat,), (tangent,))
+    _, t_ref = jax.jvp(lambda v: split(v, model.x), (flat,), (tangent,))
+    sec.check(
+        f"{proto}: jvp == restructure's",
+        abs(float(t_proto) - float(t_ref)) <= 1e-4 * abs(float(t_ref)) + 1e-6,
+        f"{float(t_proto)!r} vs {float(t_ref)!r}",
+    )
+    runs = interleaved({k: (lambda c=c, k=k: c(*gargs[k])) for k, c in gcompiled.items()}, rounds)
+    sec.add_rows("grad compile", gcompile, base)
+    sec.add_rows("grad run", runs, base)
+    return sec

@@ -1,0 +1,115 @@
+"""Smoke test of the benchmark suite at tiny size: correctness only, never a time.
+
+``run_suite`` asserts, before timing anything, that every method gives the
+same values and gradients (sharetree, ravel_pytree, the plain-tree floor,
+equinox.nn.Shared, Flax NNX, the transformer LM tied by hand); this test runs
+it once at tiny size and checks what it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+pytest.importorskip("equinox")
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+
+from benchmarks import models as M  # noqa: E402
+from benchmarks import run as bench  # noqa: E402
+
+SIZE = 16  # materialized leaves: 8 layers, 2 of them tied
+EAGER = 40
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return bench.run_suite((SIZE,), eager_tree_sizes=(EAGER,), quick=True, log=None)
+
+
+def _checks(results: dict, section: str) -> list[dict]:
+    return [c for s in results["sections"] if s["name"] == section for c in s["checks"]]
+
+
+def test_every_section_ran_and_every_check_passed(results):
+    names = {s["name"] for s in results["sections"]}
+    assert names == {
+        "eager flatten",
+        "jit(grad)",
+        "bytes",
+        "vmap",
+        "eager tree ops",
+        "design: distinct kernels",
+        "transformer LM",
+    }
+    checks = [c for s in results["sections"] for c in s["checks"]]
+    assert len(checks) == results["checks_passed"] >= 30
+    assert all(c["ok"] for c in checks)
+
+
+def test_all_peers_agree_on_loss_and_gradient(results):
+    checks = {c["check"] for c in _checks(results, "jit(grad)")}
+    for method in (
+        "sharetree: loss . restructure",
+        "sharetree: loss . materialize (tree)",
+        "ravel_pytree: loss . unravel (views by hand)",
+        "eqx.nn.Shared + ravel_pytree",
+        "nnx split/merge, shared Param",
+    ):
+        assert f"{method}: loss == floor's" in checks
+        assert f"{method}: gradient == floor's" in checks
+    methods = {r["method"] for r in results["rows"] if r["measure"] == "compile"}
+    assert "floor: jit(grad(loss)) on the tree" in methods
+
+
+def test_restructure_gradient_is_one_concatenate(results):
+    # The cotangent of restructure is one concatenate over the unique buffers: no
+    # per-leaf pad (the quadratic pad-and-add backward) and no dynamic-update-slice.
+    (info,) = [s["info"] for s in results["sections"] if s["name"] == "jit(grad)"]
+    ops = info["optimized HLO opcodes"]["sharetree: loss . restructure"]
+    floor = info["optimized HLO opcodes"]["floor: jit(grad(loss)) on the tree"]
+    n_tied = sum(M.is_tied_layer(i) for i in range(M.num_layers(SIZE)))
+    assert ops.get("concatenate") == 1
+    assert ops.get("pad", 0) == 0 and ops.get("dynamic-update-slice", 0) == 0
+    assert ops.get("slice") == SIZE - n_tied  # one slice per buffer, none per view
+    assert ops.get("dot") == floor["dot"]
+
+
+def test_bytes_equal_unique_bytes(results):
+    (info,) = [s["info"] for s in results["sections"] if s["name"] == "bytes"]
+    n_tied = sum(M.is_tied_layer(i) for i in range(M.num_layers(SIZE)))
+    per_w, per_b = M.D * M.D * 4, M.D * 4
+    unique = (SIZE // 2 - n_tied) * per_w + SIZE // 2 * per_b
+    assert info["nbytes_unique"] == unique
+    assert info["nbytes_expanded"] == unique + n_tied * per_w
+    for key in ("gradient (canonical tree)", "gradient (flat vector)", "Adam mu", "Adam nu"):
+        assert info[f"nbytes {key}"] == unique
+    assert info["num_unique"] == SIZE - n_tied and info["num_expanded"] == SIZE
+
+
+def test_lm_and_report(results, tmp_path):
+    (lm,) = [s for s in results["sections"] if s["name"] == "transformer LM"]
+    assert lm["checks"] and lm["checks"][0]["ok"]
+    assert lm["info"]["nbytes_unique"] < lm["info"]["nbytes_expanded"]
+    # Targets are recorded (values are times: not asserted); the report and JSON render.
+    kinds = {t["target"]: t["kind"] for t in results["targets"]}
+    assert kinds["LM step run: sharetree / by hand"] == "target"
+    assert kinds["eager destructure: ravel_pytree / sharetree (speed-up)"] == "info"
+    text = bench.format_report(results)
+    assert "| leaves | target | measured | goal | met |" in text and "sharetree" in text
+    out = bench.save(results, tmp_path / "r.json")
+    loaded = json.loads(out.read_text())
+    assert loaded["machine"]["cores"] >= 1 and loaded["machine"]["versions"]["jax"]
+
+
+def test_cli_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--sizes", "7", "--no-save"])
+    assert "even and >= 8" in capsys.readouterr().err
