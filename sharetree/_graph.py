@@ -84,17 +84,20 @@ def _node_paths(positions: list[Path]) -> set[Path]:
     return nodes
 
 
-def _subtree(tree: Any, path: Path) -> Any:
-    """The subtree of ``tree`` at ``path`` (a node that has positions below it)."""
+def _nodes_at(tree: Any, path: Path) -> list[Any]:
+    """Every node of ``tree`` whose path is ``path`` (empty ones such as ``None`` included)."""
     n = len(path)
-    found = []
 
     def stop(kp: Any, _x: Any) -> bool:
         return len(kp) >= n and keypath_to_path(kp[:n]) == path
 
-    for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=stop, is_leaf_takes_path=True)[0]:
-        if len(kp) == n and keypath_to_path(kp) == path:
-            found.append(x)
+    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=stop, is_leaf_takes_path=True)
+    return [x for kp, x in flat if len(kp) == n and keypath_to_path(kp) == path]
+
+
+def _subtree(tree: Any, path: Path) -> Any:
+    """The subtree of ``tree`` at ``path`` (a node that has positions below it)."""
+    found = _nodes_at(tree, path)
     if len(found) != 1:
         raise TieError(
             f"path {path_str(path)!r} is ambiguous: {len(found)} nodes have that name. "
@@ -202,15 +205,7 @@ class _Resolver:
 
 def _empty_node(tree: Any, path: Path) -> tuple[Any, ...]:
     """``(node,)`` if ``path`` names a node without leaves (``None``, ``{}``), else ``()``."""
-    n = len(path)
-
-    def stop(kp: Any, _x: Any) -> bool:
-        return keypath_to_path(kp) == path
-
-    for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=stop, is_leaf_takes_path=True)[0]:
-        if len(kp) == n and keypath_to_path(kp) == path and not jtu.tree_leaves(x):
-            return (x,)
-    return ()
+    return tuple(x for x in _nodes_at(tree, path) if not jtu.tree_leaves(x))[:1]
 
 
 def _compose(template: Any, t: Transform) -> Any:
