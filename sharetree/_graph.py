@@ -581,9 +581,18 @@ def expand_leaves(
     return out
 
 
+def _by_path(structure: Structure, values: list[Any]) -> dict[Path, Any]:
+    return {path: x for (_, _, path, _), x in zip(structure.expanded, values)}
+
+
+def expanded_by_path(tree: Any) -> dict[Path, Any]:
+    """Path -> value of every leaf of the materialized tree."""
+    leaves, structure = leaves_and_structure(tree)
+    return _by_path(structure, expand_leaves(structure, leaves))
+
+
 def abstract_expanded(tree: Any) -> dict[Path, Any]:
     """Path -> shape/dtype (or the leaf itself when not an array) of the materialized tree."""
     leaves, structure = leaves_and_structure(tree)
     avals = [(_aval(x) if is_array(x) or hasattr(x, "shape") else x) for x in leaves]
-    out = expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a))
-    return {path: x for (_, _, path, _), x in zip(structure.expanded, out)}
+    return _by_path(structure, expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a)))

@@ -10,7 +10,14 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError, closest
-from sharetree._graph import _fmt, abstract_expanded, is_array, leaves_and_structure, structure_of
+from sharetree._graph import (
+    _fmt,
+    abstract_expanded,
+    expanded_by_path,
+    is_array,
+    leaves_and_structure,
+    structure_of,
+)
 from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
 from sharetree._transforms import T, identity
 
@@ -198,12 +205,9 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
 def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: float) -> None:
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
         raise TieError(f"tie: atol must be a number >= 0 or None, got {atol!r}.")
-    old_leaves, old_structure = leaves_and_structure(old_tree)
-    old = {
-        path: (old_leaves[i] if t is None else t(old_leaves[i]))
-        for i, t, path, _ in old_structure.expanded
-        if _under(path, new) is not None
-    }
+    with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+        old = expanded_by_path(old_tree)
+        now = expanded_by_path(new_tree)
     leaves, structure = leaves_and_structure(new_tree)
     for i, t, path, _via in structure.expanded:
         target = _under(path, new)
@@ -223,9 +227,8 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                     f"{buffer!r}, or the other way round to keep {where!r}."
                 )
             continue
-        with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
-            view = _concrete(x if t is None else t(x), buffer)
-            b = _concrete(before, where)
+        view = _concrete(now[path], buffer)
+        b = _concrete(before, where)
         if view.shape != b.shape:
             raise TieError(
                 f"tie {where!r} <- {new[target]!r}: the view of {buffer!r} has shape "
