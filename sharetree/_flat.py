@@ -13,6 +13,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._graph import Structure, expand_leaves, leaves_and_structure
+from sharetree._transforms import canonical_dtype
 
 __all__ = ["destructure", "Restructure"]
 
@@ -25,11 +26,6 @@ def _inexact(dtype: np.dtype) -> bool:
 @functools.cache
 def _complex(dtype: np.dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
-
-
-def _canonical(dtype: Any) -> np.dtype:
-    # as JAX computes it: float64 buffers are float32 while x64 is off
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def _is_inexact_array(x: Any) -> bool:
@@ -208,7 +204,7 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     slots = tuple(i for i, x in enumerate(leaves) if _is_inexact_array(x))
     inexact = [leaves[i] for i in slots]
     flat_dtype = (
-        _canonical(jnp.result_type(*{_canonical(x.dtype) for x in inexact}))
+        canonical_dtype(jnp.result_type(*{canonical_dtype(x.dtype) for x in inexact}))
         if inexact
         else np.dtype(jnp.result_type(float))
     )
@@ -218,7 +214,7 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
         structure,
         slots,
         tuple(tuple(np.shape(x)) for x in inexact),
-        tuple(_canonical(x.dtype) for x in inexact),
+        tuple(canonical_dtype(x.dtype) for x in inexact),
         statics,
         flat_dtype,
     )

@@ -19,7 +19,7 @@ from sharetree._graph import (
     structure_of,
 )
 from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
-from sharetree._transforms import T, identity
+from sharetree._transforms import T, canonical_dtype, identity
 
 __all__ = ["tie"]
 
@@ -30,11 +30,6 @@ def _shape_of(positions: Mapping[Path, Any]) -> str:
     if set(positions) == {()}:
         return "a leaf"
     return "a subtree with leaves " + ", ".join(repr(path_str(p)) for p in sorted(positions))
-
-
-def _canonical(dtype: Any) -> Any:
-    # float64 NumPy buffers become float32 views when x64 is off: compare as JAX computes
-    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _describe(x: Any) -> str:
@@ -160,7 +155,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
         for rel, b in before.items():
             a = after[rel]
             same = (
-                (a.shape, _canonical(a.dtype)) == (b.shape, _canonical(b.dtype))
+                (a.shape, canonical_dtype(a.dtype)) == (b.shape, canonical_dtype(b.dtype))
                 if isinstance(a, jax.ShapeDtypeStruct) and isinstance(b, jax.ShapeDtypeStruct)
                 else type(a) is type(b)
             )

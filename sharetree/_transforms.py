@@ -34,6 +34,11 @@ __all__ = [
 ]
 
 
+def canonical_dtype(dtype: Any) -> np.dtype:
+    """The dtype JAX computes with: float64 is float32 while x64 is off."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
 class Transform:
     """Base class of every transform.
 
@@ -97,7 +102,7 @@ class _Transpose(Transform):
         axes = self.axes if self.axes is not None else tuple(reversed(range(len(aval.shape))))
         if sorted(axes) != list(range(len(aval.shape))):
             return jax.eval_shape(self, aval)  # raises the real error
-        dtype = jax.dtypes.canonicalize_dtype(aval.dtype)  # as jnp.transpose returns it
+        dtype = canonical_dtype(aval.dtype)  # as jnp.transpose returns it
         return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), dtype)
 
     def __repr__(self) -> str:
@@ -131,7 +136,7 @@ class _AsType(Transform):
         return {"name": "astype", "dtype": self.dtype}
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(aval.shape, jax.dtypes.canonicalize_dtype(self.dtype))
+        return jax.ShapeDtypeStruct(aval.shape, canonical_dtype(self.dtype))
 
     def __repr__(self) -> str:
         return f"astype({self.dtype})"
