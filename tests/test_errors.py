@@ -153,3 +153,10 @@ def test_13b_bad_transform_arguments():
 def test_06b_same_target_twice():
     with pytest.raises(st.TieError, match="name the same path"):
         st.tie({"a": W, "b": W, "c": W}, {"b": "a", ("b",): "c"})
+
+
+def test_12b_restructure_with_changed_offsets():
+    flat, re = st.destructure({"a": W, "b": jnp.ones(2), "c": st.Tied("a", st.T)})
+    moved = jax.tree.map(lambda o: o + 2, re)
+    with pytest.raises(st.TieError, match=r"offset 0 is 2, expected 0\. Fix: do not tree_map"):
+        moved(flat)

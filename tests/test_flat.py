@@ -1,6 +1,7 @@
 import warnings
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -176,3 +177,96 @@ def test_gradient_is_one_split_and_one_concatenate_with_no_padding():
     prims = [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss))(flat).jaxpr.eqns]
     assert prims.count("split") == 1 and prims.count("concatenate") == 1
     assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
+
+
+def _primitives(jaxpr):
+    """Every primitive name in a jaxpr, sub-jaxprs (custom_jvp, pjit) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out.extend(_primitives(sub))
+    return out
+
+
+def test_restructure_passed_to_jit_gives_the_same_values_and_gradients():
+    tree = _tied_model()
+    flat, re = st.destructure(tree)
+    arrays, static = _split(tree)
+    g_tree = jax.grad(lambda a: _loss(st.materialize(_join(a, static))))(arrays)
+    expected = jnp.concatenate(
+        [g_tree["emb"].ravel(), g_tree["mid"]["w"].ravel().astype(jnp.float32)]
+    )
+    g_arg = jax.jit(jax.grad(lambda v, r: _loss(r(v))))(flat, re)
+    np.testing.assert_allclose(g_arg, expected, rtol=2e-3, atol=1e-3)
+    heads = jax.jit(lambda v, r: (r(v)["head"], r(v)["half"], r.canonical(v)["mid"]["w"]))
+    head, half, w = heads(flat, re)
+    np.testing.assert_array_equal(head, tree["emb"].T)
+    np.testing.assert_array_equal(half, 0.5 * tree["mid"]["w"].astype(jnp.float32))
+    assert w.dtype == jnp.float16
+    np.testing.assert_array_equal(w, tree["mid"]["w"])
+
+
+def test_restructure_argument_supports_jvp_hessian_and_vmap():
+    tree = {"a": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": st.Tied("a", st.T), "c": jnp.ones(2)}
+    flat, re = st.destructure(tree)
+
+    def f(v, r):
+        m = r(v)
+        return jnp.sum(m["a"] @ m["b"] @ m["c"] ** 2)
+
+    closed = lambda v: f(v, re)  # noqa: E731 (static offsets: the reference)
+    jvp = jax.jit(lambda v, t, r: jax.jvp(lambda u: f(u, r), (v,), (t,)))
+    tangent = jnp.arange(flat.size, dtype=flat.dtype)
+    np.testing.assert_allclose(
+        jvp(flat, tangent, re), jax.jvp(closed, (flat,), (tangent,)), rtol=1e-6
+    )
+    hess = jax.jit(jax.hessian(f))(flat, re)
+    np.testing.assert_allclose(hess, jax.hessian(closed)(flat), rtol=1e-6)
+    batch = jnp.stack([flat, 2 * flat, -flat])
+    batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(batch, re)
+    np.testing.assert_allclose(batched, jnp.array([closed(v) for v in batch]), rtol=1e-6)
+
+
+def test_restructure_argument_lowers_to_dynamic_slices_and_one_concatenate():
+    tree = {f"l{i}": {"w": jnp.ones((3, 3)), "b": jnp.ones(3)} for i in range(20)}
+    for i in range(3, 20, 4):
+        tree[f"l{i}"]["w"] = st.Tied(f"l{i - 1}/w", st.T)
+    flat, re = st.destructure(tree)
+    n = len(jax.tree.leaves(tree))
+    loss = lambda v, r: sum(jnp.sum(jnp.tanh(x)) for x in jax.tree.leaves(r(v)))  # noqa: E731
+    prims = _primitives(jax.make_jaxpr(jax.jit(jax.grad(loss)))(flat, re).jaxpr)
+    assert prims.count("dynamic_slice") == n
+    assert prims.count("concatenate") == 1 and "slice" not in prims
+    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
+    # closed over, the offsets are constants: static split, no dynamic slices
+    closed = _primitives(jax.make_jaxpr(jax.jit(jax.grad(lambda v: loss(v, re))))(flat).jaxpr)
+    assert "dynamic_slice" not in closed and closed.count("split") == 1
+    # compiled: no static slice left in the forward pass
+    hlo = jax.jit(jax.grad(loss)).lower(flat, re).compile().as_text()
+    assert " slice(" not in hlo and "dynamic-slice(" in hlo
+
+
+def test_restructure_is_a_pytree_of_its_offsets():
+    tree = _tied_model()
+    flat, re = st.destructure(tree)
+    leaves, treedef = jax.tree.flatten(re)
+    assert [int(x) for x in leaves] == [0, 15] == list(re.offsets)
+    again = jax.tree.unflatten(treedef, leaves)
+    assert again == re and hash(again) == hash(re)
+    np.testing.assert_array_equal(again(flat)["head"], tree["emb"].T)
+    # nested jit: the traced offsets travel on, values unchanged
+    inner = jax.jit(lambda v, r: r(v)["head"])
+    np.testing.assert_array_equal(jax.jit(lambda v, r: inner(v, r))(flat, re), tree["emb"].T)
+    # one buffer: nothing to offset, no leaves
+    assert jax.tree.leaves(st.destructure({"a": jnp.ones(3), "b": st.Tied("a")})[1]) == []
+
+
+def test_changed_offsets_are_an_error_not_a_wrong_tree():
+    flat, re = st.destructure(_tied_model())
+    moved = jax.tree.map(lambda o: o + 1, re)
+    with pytest.raises(st.TieError, match=r"offset 0 is 1, expected 0.*do not tree_map"):
+        moved(flat)
+    second = jax.tree.map(lambda o: o if o == 0 else o + 1, re)
+    with pytest.raises(st.TieError, match="offset 1 is 16, expected 15"):
+        second.canonical(flat)

@@ -149,6 +149,8 @@ def test_materialize_and_restructure_equal_reference(case):
     flat, re = st.destructure(canonical)
     _assert_trees_equal(re(flat), expected)
     _assert_trees_equal(re.canonical(flat), canonical)
+    # restructure passed into jit: offsets arrive at run time (dynamic slices)
+    _assert_trees_equal(jax.jit(lambda v, r: r(v))(flat, re), expected)
 
 
 @given(tied_trees())
@@ -169,7 +171,8 @@ def test_gradients_equal_untied_gradient_summed_through_each_view(case):
     assert jax.tree.structure(g_tree) == jax.tree.structure(canonical)
     flat, re = st.destructure(canonical)
     g_flat = re.canonical(jax.grad(lambda v: _loss(re(v)))(flat))
-    for g in (g_tree, g_flat):
+    g_arg = re.canonical(jax.jit(jax.grad(lambda v, r: _loss(r(v))))(flat, re))
+    for g in (g_tree, g_flat, g_arg):
         for kp, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
             np.testing.assert_allclose(leaf, reference[_names(kp)], rtol=2e-3, atol=2e-3)
 
