@@ -10,19 +10,18 @@ returning every buffer times two (so that each output is a real kernel):
   own constant offset, so every kernel is distinct and compiled separately.
 * ``dynamic_slice, runtime offsets``: the same cuts with the offsets passed
   as runtime arguments. The kernels are identical again and compile like
-  ``leaves``; but ``restructure(flat)`` has no way to receive runtime offsets
-  (offsets closed over, even as ``jax.Array``, become HLO constants that XLA
-  folds back into distinct slices).
+  ``leaves``. Offsets closed over, even as ``jax.Array``, become HLO constants
+  that XLA folds back into distinct slices: they must be arguments.
 * ``flat[a:b] per leaf, under grad``: naive static slicing differentiated by
   JAX: each slice transposes to a full-size pad, summed: a quadratic backward
   (compare its run time with ``lax.split``'s, whose transpose is one concatenate).
-* ``prototype: runtime offsets``: a possible next design (not in the library):
-  a ``jax.custom_jvp`` split whose primal cuts the buffers with
-  ``dynamic_slice`` at offsets passed as a *runtime argument* (identical
-  kernels, compiled once per shape) and whose tangent is the static
-  ``lax.split`` (linear, so reverse mode transposes it into the same single
-  concatenate, and ``jvp`` keeps working). It needs the offsets to be an
-  argument of the jitted function, which ``restructure(flat)`` cannot express.
+* ``restructure as an argument``: what the library does when ``restructure``
+  is passed to the jitted function (it is a pytree whose leaves are the
+  offsets): a ``jax.custom_jvp`` split whose primal cuts the buffers with
+  ``dynamic_slice`` at the runtime offsets (identical kernels, compiled once
+  per shape) and whose tangent is the static ``lax.split`` (linear, so
+  reverse mode transposes it into the same single concatenate, and ``jvp``
+  keeps working).
 """
 
 from __future__ import annotations
@@ -92,28 +91,15 @@ def design_section(model: M.TiedMLP, compile_repeats: int, rounds: int) -> Secti
     def split(v: Any, x: Any) -> Any:
         return M.loss(re(v), x)
 
-    @jax.custom_jvp
-    def split_at(v: Any, offs: tuple[Any, ...]) -> list[Any]:
-        return by_dynamic(v, offs, scale=False)
-
-    @split_at.defjvp
-    def _split_at_jvp(primals: Any, tangents: Any) -> Any:
-        (v, offs), (dv, _) = primals, tangents
-        return split_at(v, offs), [p.reshape(s) for p, s in zip(lax.split(dv, sizes), shapes)]
-
-    def prototype(v: Any, offs: tuple[Any, ...], x: Any) -> Any:
-        parts = split_at(v, offs)
-        return M.loss(st.materialize(jax.tree_util.tree_unflatten(re.structure.treedef, parts)), x)
-
     base = "restructure (lax.split), grad"
-    proto = "prototype: runtime offsets + custom_jvp, grad"
+    proto = "restructure as an argument (runtime offsets), grad"
     gmake = {
         base: lambda: jax.grad(split),
         "flat[a:b] per leaf, grad": lambda: jax.grad(naive),
-        proto: lambda: jax.grad(prototype),
+        proto: lambda: jax.grad(lambda v, x, r: M.loss(r(v), x)),
     }
     gargs = {k: (flat, model.x) for k in gmake}
-    gargs[proto] = (flat, runtime_offsets, model.x)
+    gargs[proto] = (flat, model.x, re)
     _, gcompile, gcompiled, _ = compile_times(gmake, gargs, compile_repeats)
     g = {k: np.asarray(c(*gargs[k])) for k, c in gcompiled.items()}
     ref = g[base]
@@ -125,7 +111,8 @@ def design_section(model: M.TiedMLP, compile_repeats: int, rounds: int) -> Secti
             f"max |diff| {err:.3g}",
         )
     tangent = jnp.ones_like(flat)
-    _, t_proto = jax.jvp(lambda v: prototype(v, runtime_offsets, model.x), (flat,), (tangent,))
+    jvp_arg = jax.jit(lambda v, t, r: jax.jvp(lambda u: M.loss(r(u), model.x), (v,), (t,)))
+    _, t_proto = jvp_arg(flat, tangent, re)
     _, t_ref = jax.jvp(lambda v: split(v, model.x), (flat,), (tangent,))
     sec.check(
         f"{proto}: jvp == restructure's",

@@ -52,7 +52,7 @@ def _grad_compile_repeats(n: int) -> int | dict[str, int]:
     """Above 500 leaves each compile takes minutes: repeat only the rows the targets compare."""
     if n <= 500:
         return 3
-    return {suite.FLOOR: 2, suite.ST_FLAT: 2, suite.RAVEL: 2}
+    return {suite.FLOOR: 2, suite.ST_ARG: 2, suite.ST_FLAT: 2, suite.RAVEL: 2}
 
 
 def _run_rounds(n: int) -> int:

@@ -24,6 +24,7 @@ pytest.importorskip("optax")
 
 from benchmarks import models as M  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
+from benchmarks import suite  # noqa: E402
 
 SIZE = 16  # materialized leaves: 8 layers, 2 of them tied
 EAGER = 40
@@ -57,7 +58,8 @@ def test_every_section_ran_and_every_check_passed(results):
 def test_all_peers_agree_on_loss_and_gradient(results):
     checks = {c["check"] for c in _checks(results, "jit(grad)")}
     for method in (
-        "sharetree: loss . restructure",
+        suite.ST_FLAT,
+        suite.ST_ARG,
         "sharetree: loss . materialize (tree)",
         "ravel_pytree: loss . unravel (views by hand)",
         "eqx.nn.Shared + ravel_pytree",
@@ -73,13 +75,16 @@ def test_restructure_gradient_is_one_concatenate(results):
     # The cotangent of restructure is one concatenate over the unique buffers: no
     # per-leaf pad (the quadratic pad-and-add backward) and no dynamic-update-slice.
     (info,) = [s["info"] for s in results["sections"] if s["name"] == "jit(grad)"]
-    ops = info["optimized HLO opcodes"]["sharetree: loss . restructure"]
-    floor = info["optimized HLO opcodes"]["floor: jit(grad(loss)) on the tree"]
+    floor = info["optimized HLO opcodes"][suite.FLOOR]
     n_tied = sum(M.is_tied_layer(i) for i in range(M.num_layers(SIZE)))
-    assert ops.get("concatenate") == 1
-    assert ops.get("pad", 0) == 0 and ops.get("dynamic-update-slice", 0) == 0
-    assert ops.get("slice") == SIZE - n_tied  # one slice per buffer, none per view
-    assert ops.get("dot") == floor["dot"]
+    for method, cut in ((suite.ST_FLAT, "slice"), (suite.ST_ARG, "dynamic-slice")):
+        ops = info["optimized HLO opcodes"][method]
+        assert ops.get("concatenate") == 1
+        assert ops.get("pad", 0) == 0 and ops.get("dynamic-update-slice", 0) == 0
+        assert ops.get(cut) == SIZE - n_tied  # one cut per buffer, none per view
+        assert ops.get("dot") == floor["dot"]
+    # passed as an argument, no cut has a constant offset
+    assert info["optimized HLO opcodes"][suite.ST_ARG].get("slice", 0) == 0
 
 
 def test_bytes_equal_unique_bytes(results):
