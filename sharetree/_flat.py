@@ -95,6 +95,15 @@ class Restructure:
     ``in_axes=None``. Its leaves are offsets, not parameters: do not
     ``tree_map`` over it (a changed offset is an error outside ``jit``).
 
+    Attributes:
+        structure: the resolved sharing structure of the canonical tree.
+        shapes: the shape of each buffer in the vector, in flatten order.
+        dtypes: the dtype ``restructure`` gives each buffer back.
+        sizes: the number of elements of each buffer.
+        offsets: where each buffer starts in the vector.
+        size: the length of the vector.
+        flat_dtype: the dtype of the vector (the buffers' promoted dtype).
+
     Example:
         >>> import jax, jax.numpy as jnp, sharetree as st
         >>> tree = {"w": jnp.ones((2, 3)), "wT": st.Tied("w", st.T), "b": jnp.zeros(3)}

@@ -270,3 +270,18 @@ def test_changed_offsets_are_an_error_not_a_wrong_tree():
     second = jax.tree.map(lambda o: o if o == 0 else o + 1, re)
     with pytest.raises(st.TieError, match="offset 1 is 16, expected 15"):
         second.canonical(flat)
+
+
+def test_restructure_argument_under_equinox_filter_jit():
+    eqx = pytest.importorskip("equinox")
+    tree = _tied_model()
+    flat, re = st.destructure(tree)
+    traced = []
+
+    @eqx.filter_jit
+    def head(v, r):
+        traced.append(any(isinstance(o, jax.core.Tracer) for o in jax.tree.leaves(r)))
+        return r(v)["head"]
+
+    np.testing.assert_array_equal(head(flat, re), tree["emb"].T)
+    assert traced == [True]  # filter_jit traces the offsets: the runtime-offset path
