@@ -1,3 +1,4 @@
+import math
 import warnings
 
 import jax
@@ -285,3 +286,49 @@ def test_restructure_argument_under_equinox_filter_jit():
 
     np.testing.assert_array_equal(head(flat, re), tree["emb"].T)
     assert traced == [True]  # filter_jit traces the offsets: the runtime-offset path
+
+
+def test_many_buffers_gradient_is_assembled_in_two_levels():
+    # from 64 buffers on, the runtime-offset gradient is ~sqrt(n) group concatenates
+    # behind an optimization barrier, then one: same values as the closed-over split
+    k = jax.random.split(jax.random.key(3), 40)
+    tree = {
+        f"l{i:02d}": {"w": jax.random.normal(k[i], (2, 2)), "b": jnp.full((2,), 0.1 * i)}
+        for i in range(40)
+    }
+    for i in range(3, 40, 4):
+        tree[f"l{i:02d}"]["w"] = st.Tied(f"l{i - 1:02d}/w", st.T)
+    flat, re = st.destructure(tree)
+    n = len(re.sizes)
+    assert n >= 64
+
+    def f(v, r):
+        leaves = jax.tree.leaves(r(v))
+        return sum(jnp.sum(jnp.sin((j + 1) * x) * x) for j, x in enumerate(leaves))
+
+    closed = lambda v: f(v, re)  # noqa: E731
+    g = jax.jit(jax.grad(f))(flat, re)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(closed))(flat), rtol=1e-6, atol=1e-7)
+    prims = _primitives(jax.make_jaxpr(jax.jit(jax.grad(f)))(flat, re).jaxpr)
+    groups = -(-n // (math.isqrt(n - 1) + 1))
+    assert prims.count("concatenate") == groups + 1 and "optimization_barrier" in prims
+    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
+    tangent = jnp.linspace(-1.0, 1.0, flat.size)
+    jvp = jax.jit(lambda v, t, r: jax.jvp(lambda u: f(u, r), (v,), (t,))[1])
+    np.testing.assert_allclose(
+        jvp(flat, tangent, re),
+        jax.jit(lambda v, t: jax.jvp(closed, (v,), (t,))[1])(flat, tangent),
+        rtol=1e-5,
+    )
+    hvp = jax.jit(lambda v, t, r: jax.jvp(lambda u: jax.grad(f)(u, r), (v,), (t,))[1])
+    hvp_closed = jax.jit(lambda v, t: jax.jvp(jax.grad(closed), (v,), (t,))[1])
+    np.testing.assert_allclose(
+        hvp(flat, tangent, re), hvp_closed(flat, tangent), rtol=1e-5, atol=1e-6
+    )
+    batch = jnp.stack([flat, 0.5 * flat])
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(jax.grad(f), in_axes=(0, None)))(batch, re),
+        jax.jit(jax.vmap(jax.grad(closed)))(batch),
+        rtol=1e-5,
+        atol=1e-6,
+    )
