@@ -220,11 +220,12 @@ class Restructure:
         offsets = self._runtime
         if offsets is not None and any(isinstance(o, jax.core.Tracer) for o in offsets):
             return _split_at(flat, offsets, self.sizes)
-        if offsets is not None and tuple(int(np.asarray(o)) for o in offsets) != self.offsets:
-            bad = next(i for i, o in enumerate(offsets) if int(np.asarray(o)) != self.offsets[i])
+        given = None if offsets is None else tuple(int(np.asarray(o)) for o in offsets)
+        if given is not None and given != self.offsets:
+            bad = next(i for i, (g, e) in enumerate(zip(given, self.offsets)) if g != e)
             raise TieError(
                 f"restructure: its pytree leaves are the buffers' offsets in the vector, but "
-                f"offset {bad} is {int(np.asarray(offsets[bad]))}, expected {self.offsets[bad]}. "
+                f"offset {bad} is {given[bad]}, expected {self.offsets[bad]}. "
                 "Fix: do not tree_map over a Restructure; pass the one destructure returned."
             )
         return _static_split(flat, self.sizes)
