@@ -7,7 +7,8 @@ Options::
     --quick            tiny smoke mode (seconds; nothing is saved unless --out is given)
     --compile-repeats  compile timings per method (default: 3 up to 500 leaves, else 1)
     --skip-lm          leave out the transformer LM case
-    --out PATH         where to write the JSON (default benchmarks/results/<date>.json)
+    --out PATH         where to write the JSON (default benchmarks/results/<date>.json,
+                       or <date>-<HHMM>.json when that exists: no run is overwritten)
     --no-save          print only
 
 Every measurement first asserts that the methods agree (values and
@@ -239,10 +240,23 @@ def format_report(results: dict[str, Any]) -> str:
 
 
 def save(results: dict[str, Any], path: Path) -> Path:
-    """Write the results as JSON (creating the folder)."""
+    """Write the results as JSON (creating the folder; a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
     return path
+
+
+def default_path(folder: Path, now: datetime.datetime) -> Path:
+    """``<date>.json`` in ``folder``; a later run the same day gets its time (never overwrites)."""
+    day = now.date().isoformat()
+    candidates = [f"{day}.json", f"{day}-{now:%H%M}.json"]
+    candidates += [f"{day}-{now:%H%M}-{k}.json" for k in range(2, 100)]
+    for name in candidates:
+        if not (folder / name).exists():
+            return folder / name
+    raise FileExistsError(f"{folder}: 100 result files for {day} {now:%H:%M}; pass --out")
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -283,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_report(results))
     out = a.out
     if out is None and not a.quick and not a.no_save:
-        out = RESULTS / f"{datetime.date.today().isoformat()}.json"
+        out = default_path(RESULTS, datetime.datetime.now())
     if out is not None and not a.no_save:
         print(f"\nresults written to {save(results, out)}")
     return 0

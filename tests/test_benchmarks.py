@@ -8,6 +8,7 @@ it once at tiny size and checks what it reports.
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -118,3 +119,16 @@ def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--sizes", "7", "--no-save"])
     assert "even and >= 8" in capsys.readouterr().err
+
+
+def test_default_results_path_never_overwrites(tmp_path):
+    now = datetime.datetime(2026, 12, 1, 9, 5)
+    first = bench.default_path(tmp_path, now)
+    assert first.name == "2026-12-01.json"
+    bench.save({"run": 1}, first)
+    second = bench.default_path(tmp_path, now)
+    assert second.name == "2026-12-01-0905.json"
+    bench.save({"run": 2}, second)
+    assert bench.default_path(tmp_path, now).name == "2026-12-01-0905-2.json"
+    assert json.loads(first.read_text()) == {"run": 1}  # the first run is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-12-01-0905.json", "2026-12-01.json"]
