@@ -332,3 +332,29 @@ def test_many_buffers_gradient_is_assembled_in_two_levels():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
+    # from 256 buffers on the first level groups 8 buffers (XLA:CPU fuses such a
+    # concatenate with its producers); the gradient equals the canonical tree's
+    layers = 148
+    k = jax.random.split(jax.random.key(4), layers)
+    tree = {
+        f"l{i:03d}": {"w": jax.random.normal(k[i], (2, 2)), "b": jnp.full((2,), 0.1 * i)}
+        for i in range(layers)
+    }
+    for i in range(3, layers, 4):
+        tree[f"l{i:03d}"]["w"] = st.Tied(f"l{i - 1:03d}/w", st.T)
+    flat, re = st.destructure(tree)
+    n = len(re.sizes)
+    assert n >= 256
+
+    def f_tree(materialized):
+        return sum(jnp.sum(jnp.sin(x) * x) for x in jax.tree.leaves(materialized))
+
+    g = jax.jit(jax.grad(lambda v, r: f_tree(r(v))))(flat, re)
+    ref = jax.jit(jax.grad(lambda t: f_tree(st.materialize(t))))(tree)  # canonical gradient
+    np.testing.assert_allclose(g, st.destructure(ref)[0], rtol=1e-6, atol=1e-7)
+    prims = _primitives(jax.make_jaxpr(jax.grad(lambda v, r: f_tree(r(v))))(flat, re).jaxpr)
+    assert prims.count("concatenate") == -(-n // 8) + 1 and "optimization_barrier" in prims
+    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
