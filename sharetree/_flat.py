@@ -89,8 +89,9 @@ class Restructure:
     constants: XLA compiles one kernel per distinct slice, which dominates the
     compile time of big trees (as for ``ravel_pytree``'s ``unravel``). Passed
     as an ordinary argument, the offsets arrive at run time, the slices of
-    equal shape become one kernel, and ``jit(grad(f))`` compiles about twice
-    as fast at a few thousand buffers; values and gradients are the same
+    equal shape become one kernel, and ``jit(grad(f))`` compiles three to
+    four times as fast at a few hundred to a few thousand buffers (on
+    XLA:CPU, benchmarks/README.md); values and gradients are the same
     (the gradient is still assembled by concatenates, in two levels from 64
     buffers on, with no per-buffer padding). Under ``vmap`` give it
     ``in_axes=None``. Its leaves are offsets, not parameters: do not
