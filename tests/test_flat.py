@@ -358,3 +358,22 @@ def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
     prims = _primitives(jax.make_jaxpr(jax.grad(lambda v, r: f_tree(r(v))))(flat, re).jaxpr)
     assert prims.count("concatenate") == -(-n // 8) + 1 and "optimization_barrier" in prims
     assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
+
+
+def test_host_vector_is_a_private_copy_in_the_promoted_dtype():
+    # NumPy leaves go through one host concatenate adopted by the device without a
+    # second copy: the vector must never alias the caller's arrays
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.array([0.5, 1.5], dtype=np.float16)
+    c = np.array([2.0], dtype=jnp.bfloat16)
+    tree = {"a": a, "b": b, "c": c, "aT": st.Tied("a", st.T)}
+    flat, re = st.destructure(tree)
+    expected = np.concatenate([a.ravel(), b.astype(np.float32), c.astype(np.float32)])
+    assert flat.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(flat), expected)
+    a[...] = -1.0
+    b[...] = -1.0
+    np.testing.assert_array_equal(np.asarray(flat), expected)  # unchanged
+    out = re(flat)
+    assert out["b"].dtype == jnp.float16 and out["c"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out["aT"]), expected[:6].reshape(2, 3).T)
