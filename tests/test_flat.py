@@ -288,17 +288,22 @@ def test_restructure_argument_under_equinox_filter_jit():
     assert traced == [True]  # filter_jit traces the offsets: the runtime-offset path
 
 
+def _tied_layers(layers: int, seed: int) -> dict:
+    """Small 2x2 layers, every 4th weight the transpose of the previous one."""
+    k = jax.random.split(jax.random.key(seed), layers)
+    tree = {
+        f"l{i:03d}": {"w": jax.random.normal(k[i], (2, 2)), "b": jnp.full((2,), 0.1 * i)}
+        for i in range(layers)
+    }
+    for i in range(3, layers, 4):
+        tree[f"l{i:03d}"]["w"] = st.Tied(f"l{i - 1:03d}/w", st.T)
+    return tree
+
+
 def test_many_buffers_gradient_is_assembled_in_two_levels():
     # from 64 buffers on, the runtime-offset gradient is ~sqrt(n) group concatenates
     # behind an optimization barrier, then one: same values as the closed-over split
-    k = jax.random.split(jax.random.key(3), 40)
-    tree = {
-        f"l{i:02d}": {"w": jax.random.normal(k[i], (2, 2)), "b": jnp.full((2,), 0.1 * i)}
-        for i in range(40)
-    }
-    for i in range(3, 40, 4):
-        tree[f"l{i:02d}"]["w"] = st.Tied(f"l{i - 1:02d}/w", st.T)
-    flat, re = st.destructure(tree)
+    flat, re = st.destructure(_tied_layers(40, seed=3))
     n = len(re.sizes)
     assert n >= 64
 
@@ -337,14 +342,7 @@ def test_many_buffers_gradient_is_assembled_in_two_levels():
 def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
     # from 256 buffers on the first level groups 8 buffers (XLA:CPU fuses such a
     # concatenate with its producers); the gradient equals the canonical tree's
-    layers = 148
-    k = jax.random.split(jax.random.key(4), layers)
-    tree = {
-        f"l{i:03d}": {"w": jax.random.normal(k[i], (2, 2)), "b": jnp.full((2,), 0.1 * i)}
-        for i in range(layers)
-    }
-    for i in range(3, layers, 4):
-        tree[f"l{i:03d}"]["w"] = st.Tied(f"l{i - 1:03d}/w", st.T)
+    tree = _tied_layers(148, seed=4)
     flat, re = st.destructure(tree)
     n = len(re.sizes)
     assert n >= 256
