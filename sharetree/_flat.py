@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import math
@@ -78,24 +77,20 @@ class Restructure:
     structure, layout and static leaves, so passing it to ``jit`` as a static
     argument does not retrace.
 
-    Splitting the vector is one linear ``lax.split``; its transpose is a single
-    concatenate, so the gradient is assembled in one pass over the unique
+    Splitting the vector is linear and its transpose is assembled by
+    concatenates, so the gradient is written in one pass over the unique
     elements, and forward mode (``jvp``, ``jacfwd``, ``hessian``) and ``vmap``
-    work as for any JAX function.
+    work as for any JAX function. It is a pytree node with no leaves (like
+    ``Tied``): ``jax.tree.map`` over ``(flat, restructure)``, an optimizer
+    state of it or ``vmap`` over it leave it untouched, and passed to ``jit``
+    it is static.
 
-    **Faster compiles: pass it to ``jit`` as an argument.** A ``Restructure``
-    is also a pytree whose only leaves are the buffers' integer offsets in the
-    vector. Closed over (or passed as a static argument) the offsets are
-    constants: XLA compiles one kernel per distinct slice, which dominates the
-    compile time of big trees (as for ``ravel_pytree``'s ``unravel``). Passed
-    as an ordinary argument, the offsets arrive at run time, the slices of
-    equal shape become one kernel, and ``jit(grad(f))`` compiles three to
-    four times as fast at a few hundred to a few thousand buffers (on
-    XLA:CPU, benchmarks/README.md); values and gradients are the same
-    (the gradient is still assembled by concatenates, in two levels from 64
-    buffers on, with no per-buffer padding). Under ``vmap`` give it
-    ``in_axes=None``. Its leaves are offsets, not parameters: do not
-    ``tree_map`` over it (a changed offset is an error outside ``jit``).
+    Under ``jit`` on CPU, with many buffers, the vector is cut at offsets
+    that XLA cannot fold into constants, so that slices of equal size
+    compile to one kernel instead of one kernel per buffer: closed over,
+    ``jit(grad(lambda v: loss(restructure(v))))`` compiles several times
+    faster than with ``ravel_pytree``'s ``unravel`` (benchmarks/README.md).
+    Values and gradients are those of a plain split.
 
     Attributes:
         structure: the resolved sharing structure of the canonical tree.
@@ -110,11 +105,11 @@ class Restructure:
         >>> import jax, jax.numpy as jnp, sharetree as st
         >>> tree = {"w": jnp.ones((2, 3)), "wT": st.Tied("w", st.T), "b": jnp.zeros(3)}
         >>> flat, re = st.destructure(tree)
-        >>> loss = lambda v, re: jnp.sum(2 * re(v)["wT"]) + jnp.sum(re(v)["b"])
-        >>> jax.jit(jax.grad(loss))(flat, re)  # re as an argument: runtime offsets
+        >>> loss = lambda v: jnp.sum(2 * re(v)["wT"]) + jnp.sum(re(v)["b"])
+        >>> jax.jit(jax.grad(loss))(flat)  # "b" comes first in flatten order
         Array([1., 1., 1., 2., 2., 2., 2., 2., 2.], dtype=float32)
-        >>> jax.tree.leaves(re)  # the offsets of "b" and "w" in the vector
-        [np.int32(0), np.int32(3)]
+        >>> jax.tree.leaves((flat, re))  # re is a node with no leaves
+        [Array([0., 0., 0., 1., 1., 1., 1., 1., 1.], dtype=float32)]
     """
 
     def __init__(
@@ -137,39 +132,12 @@ class Restructure:
         self.offsets = tuple(itertools.accumulate(self.sizes[:-1], initial=0)) if shapes else ()
         self._key = (structure.treedef, slots, shapes, dtypes, statics, flat_dtype)
         self._hash = hash(self._key)
-        self._runtime: tuple[Any, ...] | None = None  # offsets given as pytree leaves
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Restructure) and self._key == other._key
 
     def __hash__(self) -> int:
         return self._hash
-
-    def _tree_flatten(self) -> tuple[tuple[Any, ...], Restructure]:
-        # int32 offsets index any vector below 2**31 elements; larger ones keep static offsets.
-        if self._runtime is not None:
-            return self._runtime, self._static()
-        if len(self.slots) < 2 or self.size >= 2**31:
-            return (), self
-        leaves = self.__dict__.get("_leaves_np")
-        if leaves is None:
-            leaves = self._leaves_np = tuple(np.int32(o) for o in self.offsets)
-        return leaves, self
-
-    def _static(self) -> Restructure:
-        if self._runtime is None:
-            return self
-        static = copy.copy(self)
-        static._runtime = None
-        return static
-
-    @classmethod
-    def _tree_unflatten(cls, static: Restructure, leaves: Any) -> Restructure:
-        if not leaves:
-            return static
-        new = copy.copy(static)
-        new._runtime = tuple(leaves)
-        return new
 
     def __repr__(self) -> str:
         return (
@@ -218,17 +186,13 @@ class Restructure:
         return leaves
 
     def _split(self, flat: jax.Array) -> list[jax.Array]:
-        offsets = self._runtime
-        if offsets is not None and any(isinstance(o, jax.core.Tracer) for o in offsets):
-            return _split_at(flat, offsets, self.sizes)
-        given = None if offsets is None else tuple(int(np.asarray(o)) for o in offsets)
-        if given is not None and given != self.offsets:
-            bad = next(i for i, (g, e) in enumerate(zip(given, self.offsets)) if g != e)
-            raise TieError(
-                f"restructure: its pytree leaves are the buffers' offsets in the vector, but "
-                f"offset {bad} is {given[bad]}, expected {self.offsets[bad]}. "
-                "Fix: do not tree_map over a Restructure; pass the one destructure returned."
-            )
+        if (
+            isinstance(flat, jax.core.Tracer)
+            and len(self.sizes) >= _OPAQUE_MIN
+            and 0 < self.size < 2**31
+            and jax.default_backend() == "cpu"
+        ):
+            return _split_at(flat, _opaque_offsets(flat, self.offsets), self.sizes)
         return _static_split(flat, self.sizes)
 
     def __call__(self, flat: Any) -> Any:
@@ -247,9 +211,38 @@ def _static_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
     return jax.lax.split(flat, sizes) if len(sizes) > 1 else [flat]
 
 
+_OPAQUE_MIN = 8
+"""From this many buffers on, a traced vector is cut at opaque offsets (on CPU)."""
+
+
+@jax.custom_batching.custom_vmap
+def _unbatched(pred: jax.Array) -> jax.Array:
+    """``pred`` as a scalar; under ``vmap`` the first example's (any value will do)."""
+    return pred.reshape(())
+
+
+@_unbatched.def_vmap
+def _unbatched_vmap(axis_size: int, in_batched: Any, pred: jax.Array) -> Any:
+    return (_unbatched(pred[0]) if axis_size else jnp.bool_(True)), False
+
+
+def _opaque_offsets(flat: jax.Array, offsets: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """The offsets as values XLA cannot fold back into constants.
+
+    Both branches of the ``cond`` return the same offsets, so its predicate (read
+    from the vector, unbatched under ``vmap``) never changes a value; XLA cannot
+    evaluate it at compile time, so each slice takes its start from a buffer and
+    slices of equal size become one kernel. The predicate is a comparison, which
+    has no tangent, so autodiff never reaches the ``custom_vmap``.
+    """
+    pred = _unbatched(jax.lax.slice(flat, (0,), (1,)) != 0)
+    consts = tuple(np.int32(o) for o in offsets)
+    return tuple(jax.lax.cond(pred, lambda: consts, lambda: consts))
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _split_at(flat: jax.Array, offsets: tuple[Any, ...], sizes: tuple[int, ...]) -> list[jax.Array]:
-    """``lax.split`` with runtime offsets: slices of equal size compile to one kernel."""
+    """``lax.split`` at offsets given as values: slices of equal size compile to one kernel."""
     # Offsets are never negative: no index wrapping (four fewer ops per buffer to trace).
     return [
         jax.lax.dynamic_slice(flat, (o,), (n,), allow_negative_indices=False)
@@ -266,7 +259,7 @@ def _split_at_jvp(sizes: tuple[int, ...], primals: Any, tangents: Any) -> Any:
 
 
 _GROUPED_MIN = 64
-"""From this many buffers on, the runtime-offset tangent splits in two levels."""
+"""From this many buffers on, the opaque-offset tangent splits in two levels."""
 
 _FUSED_GROUPS_MIN = 256
 """From this many buffers on, the first level groups 8 buffers (see ``_grouped_split``)."""
@@ -298,7 +291,7 @@ def _grouped_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
     return [piece for chunk, g in zip(chunks, groups) for piece in _static_split(chunk, g)]
 
 
-jtu.register_pytree_node(Restructure, Restructure._tree_flatten, Restructure._tree_unflatten)
+jtu.register_pytree_node(Restructure, lambda r: ((), r), lambda r, _: r)
 
 
 _ALIGN = 64

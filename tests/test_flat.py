@@ -9,6 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import sharetree as st
+from sharetree import _flat
 
 
 def _ref_tree():
@@ -168,26 +169,99 @@ def test_complex_and_real_buffers_share_one_complex_vector():
     np.testing.assert_allclose(g, [0, 0, 2, 4])
 
 
-def test_gradient_is_one_split_and_one_concatenate_with_no_padding():
-    # the cotangent is assembled in one pass: no per-view full-size zero padding
-    tree = {f"l{i}": {"w": jnp.ones((3, 3)), "b": jnp.ones(3)} for i in range(50)}
-    for i in range(3, 50, 4):
-        tree[f"l{i}"]["w"] = st.Tied(f"l{i - 1}/w", st.T)
-    flat, re = st.destructure(tree)
-    loss = lambda v: sum(jnp.sum(jnp.tanh(x)) for x in jax.tree.leaves(re(v)))  # noqa: E731
-    prims = [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss))(flat).jaxpr.eqns]
-    assert prims.count("split") == 1 and prims.count("concatenate") == 1
-    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
+_NO_PADDING = {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"}
 
 
 def _primitives(jaxpr):
-    """Every primitive name in a jaxpr, sub-jaxprs (custom_jvp, pjit) included."""
+    """Every primitive name in a jaxpr, sub-jaxprs (custom_jvp, pjit, cond) included."""
     out = []
     for eqn in jaxpr.eqns:
         out.append(eqn.primitive.name)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             out.extend(_primitives(sub))
     return out
+
+
+def _tied_layers(layers: int, seed: int, dim: int = 2) -> dict:
+    """Small layers, every 4th weight the transpose of the previous one."""
+    k = jax.random.split(jax.random.key(seed), layers)
+    tree = {
+        f"l{i:03d}": {"w": jax.random.normal(k[i], (dim, dim)), "b": jnp.full((dim,), 0.1 * i)}
+        for i in range(layers)
+    }
+    for i in range(3, layers, 4):
+        tree[f"l{i:03d}"]["w"] = st.Tied(f"l{i - 1:03d}/w", st.T)
+    return tree
+
+
+def _by_hand(re):
+    """An independent restructure: naive slices of the vector, then ``st.materialize``."""
+
+    def rebuild(v):
+        leaves = [None] * re.structure.treedef.num_leaves
+        for i, static in re.statics:
+            leaves[i] = static.value
+        for i, o, n, shape, dtype in zip(re.slots, re.offsets, re.sizes, re.shapes, re.dtypes):
+            leaves[i] = v[o : o + n].reshape(shape).astype(dtype)
+        return st.materialize(jax.tree.unflatten(re.structure.treedef, leaves))
+
+    return rebuild
+
+
+def _sum_of_sines(tree):
+    return sum(jnp.sum(jnp.sin((j + 1) * x) * x) for j, x in enumerate(jax.tree.leaves(tree)))
+
+
+def test_few_buffers_or_eager_use_one_static_split_and_one_concatenate():
+    # below _OPAQUE_MIN buffers (and eagerly) the cut is one lax.split: its
+    # transpose is one concatenate, no per-view full-size padding
+    tree = {f"l{i}": {"w": jnp.ones((3, 3)), "b": jnp.ones(3)} for i in range(3)}
+    tree["l2"]["w"] = st.Tied("l1/w", st.T)
+    flat, re = st.destructure(tree)
+    assert len(re.sizes) < _flat._OPAQUE_MIN
+    loss = lambda v: sum(jnp.sum(jnp.tanh(x)) for x in jax.tree.leaves(re(v)))  # noqa: E731
+    prims = _primitives(jax.make_jaxpr(jax.grad(loss))(flat).jaxpr)
+    assert prims.count("split") == 1 and prims.count("concatenate") == 1
+    assert "cond" not in prims and "dynamic_slice" not in prims
+    assert not _NO_PADDING & set(prims)
+
+
+def test_traced_cut_has_opaque_offsets_and_concatenate_gradient():
+    # from _OPAQUE_MIN buffers on, a traced vector is cut by dynamic slices whose
+    # offsets come out of a cond (XLA cannot fold them into constant slices);
+    # the gradient is still concatenates, with no padding
+    flat, re = st.destructure(_tied_layers(20, seed=2))
+    n = len(re.sizes)
+    assert _flat._OPAQUE_MIN <= n < _flat._GROUPED_MIN
+    loss = lambda v: _sum_of_sines(re(v))  # noqa: E731
+    prims = _primitives(jax.make_jaxpr(jax.grad(loss))(flat).jaxpr)
+    assert prims.count("dynamic_slice") == n and prims.count("cond") == 1
+    assert prims.count("concatenate") == 1 and "slice" in prims  # the predicate's 1-element read
+    assert not _NO_PADDING & set(prims)
+    # compiled: the only static slice left is that 1-element read of the predicate
+    hlo = jax.jit(jax.grad(loss)).lower(flat).compile().as_text()
+    assert hlo.count(" slice(") <= 1 and hlo.count("dynamic-slice(") >= n
+    g = jax.jit(jax.grad(loss))(flat)
+    want = jax.grad(lambda v: _sum_of_sines(_by_hand(re)(v)))(flat)
+    np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+
+
+def test_opaque_offsets_only_on_cpu(monkeypatch):
+    # the cond exists for XLA:CPU's compile; other backends get the static split
+    flat, re = st.destructure(_tied_layers(20, seed=2))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    prims = _primitives(jax.make_jaxpr(re)(flat).jaxpr)
+    assert prims.count("split") == 1 and "cond" not in prims and "dynamic_slice" not in prims
+
+
+def test_opaque_offsets_do_not_depend_on_the_values():
+    # the cond's predicate reads the vector's first element: values must not matter
+    flat, re = st.destructure(_tied_layers(12, seed=5))
+    heads = jax.jit(lambda v: jax.tree.leaves(re(v)))
+    for first in (0.0, -3.0, jnp.nan, jnp.inf):
+        v = flat.at[0].set(first)
+        for got, want in zip(heads(v), jax.tree.leaves(_by_hand(re)(v))):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_restructure_passed_to_jit_gives_the_same_values_and_gradients():
@@ -208,72 +282,45 @@ def test_restructure_passed_to_jit_gives_the_same_values_and_gradients():
     np.testing.assert_array_equal(w, tree["mid"]["w"])
 
 
-def test_restructure_argument_supports_jvp_hessian_and_vmap():
-    tree = {"a": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": st.Tied("a", st.T), "c": jnp.ones(2)}
+def test_restructure_is_a_pytree_node_without_leaves():
+    # nothing for tree_map, an optimizer or vmap to touch: no in_axes=None needed
+    tree = _tied_layers(12, seed=6)
     flat, re = st.destructure(tree)
+    assert jax.tree.leaves(re) == []
+    doubled, same = jax.tree.map(lambda x: 2 * x, (flat, re))
+    assert same is re
+    np.testing.assert_array_equal(doubled, 2 * flat)
+    batch = jnp.stack([flat, -flat])
+    f = lambda v, r: r(v)["l005"]["b"]  # noqa: E731
+    np.testing.assert_array_equal(jax.vmap(f)(batch, re), jax.vmap(f, (0, None))(batch, re))
+    np.testing.assert_array_equal(jax.jit(jax.vmap(f))(batch, re)[1], -tree["l005"]["b"])
+    traces = []
 
-    def f(v, r):
-        m = r(v)
-        return jnp.sum(m["a"] @ m["b"] @ m["c"] ** 2)
+    def g(v, r):
+        traces.append(1)
+        return r(v)["l003"]["w"]
 
-    closed = lambda v: f(v, re)  # noqa: E731 (static offsets: the reference)
-    jvp = jax.jit(lambda v, t, r: jax.jvp(lambda u: f(u, r), (v,), (t,)))
-    tangent = jnp.arange(flat.size, dtype=flat.dtype)
-    np.testing.assert_allclose(
-        jvp(flat, tangent, re), jax.jvp(closed, (flat,), (tangent,)), rtol=1e-6
-    )
-    hess = jax.jit(jax.hessian(f))(flat, re)
-    np.testing.assert_allclose(hess, jax.hessian(closed)(flat), rtol=1e-6)
-    batch = jnp.stack([flat, 2 * flat, -flat])
-    batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(batch, re)
-    np.testing.assert_allclose(batched, jnp.array([closed(v) for v in batch]), rtol=1e-6)
+    jitted = jax.jit(g)
+    np.testing.assert_array_equal(jitted(flat, re), tree["l002"]["w"].T)
+    jitted(2 * flat, st.destructure(tree)[1])  # an equal restructure: no retrace
+    assert len(traces) == 1
 
 
-def test_restructure_argument_lowers_to_dynamic_slices_and_one_concatenate():
-    tree = {f"l{i}": {"w": jnp.ones((3, 3)), "b": jnp.ones(3)} for i in range(20)}
-    for i in range(3, 20, 4):
-        tree[f"l{i}"]["w"] = st.Tied(f"l{i - 1}/w", st.T)
+def test_restructure_under_optax():
+    optax = pytest.importorskip("optax")
+    tree = _tied_layers(12, seed=7)
     flat, re = st.destructure(tree)
-    n = len(jax.tree.leaves(tree))
-    loss = lambda v, r: sum(jnp.sum(jnp.tanh(x)) for x in jax.tree.leaves(r(v)))  # noqa: E731
-    prims = _primitives(jax.make_jaxpr(jax.jit(jax.grad(loss)))(flat, re).jaxpr)
-    assert prims.count("dynamic_slice") == n
-    assert prims.count("concatenate") == 1 and "slice" not in prims
-    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
-    # closed over, the offsets are constants: static split, no dynamic slices
-    closed = _primitives(jax.make_jaxpr(jax.jit(jax.grad(lambda v: loss(v, re))))(flat).jaxpr)
-    assert "dynamic_slice" not in closed and closed.count("split") == 1
-    # compiled: no static slice left in the forward pass
-    hlo = jax.jit(jax.grad(loss)).lower(flat, re).compile().as_text()
-    assert " slice(" not in hlo and "dynamic-slice(" in hlo
+    params = (flat, re)
+    opt = optax.adam(0.1)
+    state = opt.init(params)
+    grads = jax.grad(lambda p: _sum_of_sines(p[1](p[0])))(params)
+    assert grads[1] is re
+    updates, state = opt.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    assert new[1] == re and new[0].shape == flat.shape
 
 
-def test_restructure_is_a_pytree_of_its_offsets():
-    tree = _tied_model()
-    flat, re = st.destructure(tree)
-    leaves, treedef = jax.tree.flatten(re)
-    assert [int(x) for x in leaves] == [0, 15] == list(re.offsets)
-    again = jax.tree.unflatten(treedef, leaves)
-    assert again == re and hash(again) == hash(re)
-    np.testing.assert_array_equal(again(flat)["head"], tree["emb"].T)
-    # nested jit: the traced offsets travel on, values unchanged
-    inner = jax.jit(lambda v, r: r(v)["head"])
-    np.testing.assert_array_equal(jax.jit(lambda v, r: inner(v, r))(flat, re), tree["emb"].T)
-    # one buffer: nothing to offset, no leaves
-    assert jax.tree.leaves(st.destructure({"a": jnp.ones(3), "b": st.Tied("a")})[1]) == []
-
-
-def test_changed_offsets_are_an_error_not_a_wrong_tree():
-    flat, re = st.destructure(_tied_model())
-    moved = jax.tree.map(lambda o: o + 1, re)
-    with pytest.raises(st.TieError, match=r"offset 0 is 1, expected 0.*do not tree_map"):
-        moved(flat)
-    second = jax.tree.map(lambda o: o if o == 0 else o + 1, re)
-    with pytest.raises(st.TieError, match="offset 1 is 16, expected 15"):
-        second.canonical(flat)
-
-
-def test_restructure_argument_under_equinox_filter_jit():
+def test_restructure_under_equinox_filter_jit():
     eqx = pytest.importorskip("equinox")
     tree = _tied_model()
     flat, re = st.destructure(tree)
@@ -281,81 +328,101 @@ def test_restructure_argument_under_equinox_filter_jit():
 
     @eqx.filter_jit
     def head(v, r):
-        traced.append(any(isinstance(o, jax.core.Tracer) for o in jax.tree.leaves(r)))
+        traced.append(1)
         return r(v)["head"]
 
     np.testing.assert_array_equal(head(flat, re), tree["emb"].T)
-    assert traced == [True]  # filter_jit traces the offsets: the runtime-offset path
+    np.testing.assert_array_equal(head(2 * flat, st.destructure(tree)[1]), 2 * tree["emb"].T)
+    assert traced == [1]
 
 
-def _tied_layers(layers: int, seed: int) -> dict:
-    """Small 2x2 layers, every 4th weight the transpose of the previous one."""
-    k = jax.random.split(jax.random.key(seed), layers)
-    tree = {
-        f"l{i:03d}": {"w": jax.random.normal(k[i], (2, 2)), "b": jnp.full((2,), 0.1 * i)}
-        for i in range(layers)
-    }
-    for i in range(3, layers, 4):
-        tree[f"l{i:03d}"]["w"] = st.Tied(f"l{i - 1:03d}/w", st.T)
-    return tree
+def _reference_checks(tree, f_tree, rtol, forward=True):
+    """grad (and jvp, hvp, vmap(grad)) of the jitted flat path against independent ones."""
+    flat, re = st.destructure(tree)
+    f = lambda v: f_tree(re(v))  # noqa: E731
+    ref = lambda v: f_tree(_by_hand(re)(v))  # noqa: E731
+    g = jax.jit(jax.grad(f))(flat)
+    canonical = jax.grad(lambda t: f_tree(st.materialize(t)))(tree)  # the canonical gradient
+    np.testing.assert_allclose(g, st.destructure(canonical)[0], rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(ref))(flat), rtol=rtol, atol=rtol)
+    if not forward:
+        return flat, re
+    tangent = jnp.linspace(-1.0, 1.0, flat.size)
+    jvp = lambda h: jax.jit(lambda v, t: jax.jvp(h, (v,), (t,))[1])(flat, tangent)  # noqa: E731
+    np.testing.assert_allclose(jvp(f), jvp(ref), rtol=rtol, atol=rtol)
+    hvp = lambda h: jax.jvp(jax.grad(h), (flat,), (tangent,))[1]  # noqa: E731
+    np.testing.assert_allclose(jax.jit(lambda: hvp(f))(), hvp(ref), rtol=rtol, atol=rtol)
+    batch = jnp.stack([flat, 0.5 * flat])
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(jax.grad(f)))(batch), jax.vmap(jax.grad(ref))(batch), rtol=rtol, atol=rtol
+    )
+    return flat, re
+
+
+def test_forward_mode_and_hessian_under_jit():
+    tree = {"a": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "b": st.Tied("a", st.T), "c": jnp.ones(2)}
+    tree.update({f"x{i}": jnp.full((2,), 0.5 + i) for i in range(8)})
+    flat, re = st.destructure(tree)
+    assert len(re.sizes) >= _flat._OPAQUE_MIN
+
+    def f_tree(m):
+        extra = sum(jnp.sum(m[f"x{i}"] ** 3) for i in range(8))
+        return jnp.sum(m["a"] @ m["b"] @ m["c"] ** 2) + extra
+
+    f = lambda v: f_tree(re(v))  # noqa: E731
+    ref = lambda v: f_tree(_by_hand(re)(v))  # noqa: E731
+    np.testing.assert_allclose(jax.jit(jax.hessian(f))(flat), jax.hessian(ref)(flat), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(f))(flat), jax.grad(ref)(flat), rtol=1e-5)
 
 
 def test_many_buffers_gradient_is_assembled_in_two_levels():
-    # from 64 buffers on, the runtime-offset gradient is ~sqrt(n) group concatenates
-    # behind an optimization barrier, then one: same values as the closed-over split
-    flat, re = st.destructure(_tied_layers(40, seed=3))
+    # from 64 buffers on, the gradient is ~sqrt(n) group concatenates behind an
+    # optimization barrier, then one; values as the by-hand restructure's
+    flat, re = _reference_checks(_tied_layers(40, seed=3), _sum_of_sines, rtol=1e-5)
     n = len(re.sizes)
-    assert n >= 64
-
-    def f(v, r):
-        leaves = jax.tree.leaves(r(v))
-        return sum(jnp.sum(jnp.sin((j + 1) * x) * x) for j, x in enumerate(leaves))
-
-    closed = lambda v: f(v, re)  # noqa: E731
-    g = jax.jit(jax.grad(f))(flat, re)
-    np.testing.assert_allclose(g, jax.jit(jax.grad(closed))(flat), rtol=1e-6, atol=1e-7)
-    prims = _primitives(jax.make_jaxpr(jax.jit(jax.grad(f)))(flat, re).jaxpr)
+    assert _flat._GROUPED_MIN <= n < _flat._FUSED_GROUPS_MIN
+    prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _sum_of_sines(re(v))))(flat).jaxpr)
     groups = -(-n // (math.isqrt(n - 1) + 1))
     assert prims.count("concatenate") == groups + 1 and "optimization_barrier" in prims
-    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
-    tangent = jnp.linspace(-1.0, 1.0, flat.size)
-    jvp = jax.jit(lambda v, t, r: jax.jvp(lambda u: f(u, r), (v,), (t,))[1])
-    np.testing.assert_allclose(
-        jvp(flat, tangent, re),
-        jax.jit(lambda v, t: jax.jvp(closed, (v,), (t,))[1])(flat, tangent),
-        rtol=1e-5,
-    )
-    hvp = jax.jit(lambda v, t, r: jax.jvp(lambda u: jax.grad(f)(u, r), (v,), (t,))[1])
-    hvp_closed = jax.jit(lambda v, t: jax.jvp(jax.grad(closed), (v,), (t,))[1])
-    np.testing.assert_allclose(
-        hvp(flat, tangent, re), hvp_closed(flat, tangent), rtol=1e-5, atol=1e-6
-    )
-    batch = jnp.stack([flat, 0.5 * flat])
-    np.testing.assert_allclose(
-        jax.jit(jax.vmap(jax.grad(f), in_axes=(0, None)))(batch, re),
-        jax.jit(jax.vmap(jax.grad(closed)))(batch),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    assert not _NO_PADDING & set(prims)
 
 
 def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
     # from 256 buffers on the first level groups 8 buffers (XLA:CPU fuses such a
-    # concatenate with its producers); the gradient equals the canonical tree's
-    tree = _tied_layers(148, seed=4)
-    flat, re = st.destructure(tree)
+    # concatenate with its producers)
+    flat, re = _reference_checks(_tied_layers(148, seed=4), _sum_of_sines, 1e-4, False)
     n = len(re.sizes)
-    assert n >= 256
-
-    def f_tree(materialized):
-        return sum(jnp.sum(jnp.sin(x) * x) for x in jax.tree.leaves(materialized))
-
-    g = jax.jit(jax.grad(lambda v, r: f_tree(r(v))))(flat, re)
-    ref = jax.jit(jax.grad(lambda t: f_tree(st.materialize(t))))(tree)  # canonical gradient
-    np.testing.assert_allclose(g, st.destructure(ref)[0], rtol=1e-6, atol=1e-7)
-    prims = _primitives(jax.make_jaxpr(jax.grad(lambda v, r: f_tree(r(v))))(flat, re).jaxpr)
+    assert n >= _flat._FUSED_GROUPS_MIN
+    prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _sum_of_sines(re(v))))(flat).jaxpr)
     assert prims.count("concatenate") == -(-n // 8) + 1 and "optimization_barrier" in prims
-    assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
+    assert not _NO_PADDING & set(prims)
+
+
+def test_vmap_of_restructure_compiles_to_dynamic_slices_not_gathers():
+    flat, re = st.destructure(_tied_layers(20, seed=8, dim=3))
+    batch = flat[None] * jnp.arange(1.0, 5.0)[:, None]
+    hlo = jax.jit(jax.vmap(re)).lower(batch).compile().as_text()
+    assert " gather(" not in hlo and "dynamic-slice(" in hlo
+    out = jax.jit(jax.vmap(re))(batch)
+    for k in (0, 3):
+        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(_by_hand(re)(batch[k]))):
+            np.testing.assert_array_equal(got[k], want)
+
+
+def test_inside_scan_and_checkpoint():
+    flat, re = st.destructure(_tied_layers(12, seed=9))
+
+    def step(v, _):
+        g = jax.grad(jax.checkpoint(lambda u: _sum_of_sines(re(u))))(v)
+        return v - 0.01 * g, None
+
+    out, _ = jax.jit(lambda v: jax.lax.scan(step, v, length=3))(flat)
+
+    def ref_step(v, _):
+        return v - 0.01 * jax.grad(lambda u: _sum_of_sines(_by_hand(re)(u)))(v), None
+
+    want, _ = jax.lax.scan(ref_step, flat, length=3)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
 def test_host_vector_is_a_private_copy_in_the_promoted_dtype():
