@@ -68,6 +68,7 @@ def compile_times(
     make: dict[str, Callable[[], Callable[..., Any]]],
     args: dict[str, Sequence[Any]],
     repeats: int | dict[str, int],
+    cpu_samples: dict[str, list[float]] | None = None,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, Any], dict[str, list[float]]]:
     """Median lowering and compile seconds of ``jit(make[name]())`` at ``args[name]``.
 
@@ -76,7 +77,9 @@ def compile_times(
     :func:`interleaved`. Compilation is measured ahead of time:
     ``jax.jit(f).lower(*args)`` (lowering) then ``.compile()`` (XLA).
     ``repeats`` may differ per method (a dict), e.g. to repeat only the
-    comparisons that matter when each compile takes minutes.
+    comparisons that matter when each compile takes minutes. ``cpu_samples``,
+    if given, receives the CPU seconds of this process for each compile (all
+    threads: less sensitive than wall time to other jobs on a shared machine).
 
     Returns:
         ``(lower_s, compile_s, compiled, samples)``: medians per method, the last
@@ -95,13 +98,15 @@ def compile_times(
             f = fresh(make[name]())
             t0 = time.perf_counter()
             lowered = jax.jit(f).lower(*args[name])
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             compiled[name] = (
                 lowered.compile(_COMPILER_OPTIONS) if _COMPILER_OPTIONS else lowered.compile()
             )
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             lower[name].append(t1 - t0)
             comp[name].append(t2 - t1)
+            if cpu_samples is not None:
+                cpu_samples.setdefault(name, []).append(c2 - c1)
     med = statistics.median
     return (
         {n: med(v) for n, v in lower.items()},

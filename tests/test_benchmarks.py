@@ -75,17 +75,18 @@ def test_all_peers_agree_on_loss_and_gradient(results):
 def test_restructure_gradient_is_one_concatenate(results):
     # The cotangent of restructure is one concatenate over the unique buffers: no
     # per-leaf pad (the quadratic pad-and-add backward) and no dynamic-update-slice.
+    # Under jit on CPU the vector is cut by dynamic slices at offsets XLA cannot
+    # fold (closed over or passed as an argument: the same program).
     (info,) = [s["info"] for s in results["sections"] if s["name"] == "jit(grad)"]
-    floor = info["optimized HLO opcodes"][suite.FLOOR]
+    ops = info["optimized HLO opcodes"]
     n_tied = sum(M.is_tied_layer(i) for i in range(M.num_layers(SIZE)))
-    for method, cut in ((suite.ST_FLAT, "slice"), (suite.ST_ARG, "dynamic-slice")):
-        ops = info["optimized HLO opcodes"][method]
-        assert ops.get("concatenate") == 1
-        assert ops.get("pad", 0) == 0 and ops.get("dynamic-update-slice", 0) == 0
-        assert ops.get(cut) == SIZE - n_tied  # one cut per buffer, none per view
-        assert ops.get("dot") == floor["dot"]
-    # passed as an argument, no cut has a constant offset
-    assert info["optimized HLO opcodes"][suite.ST_ARG].get("slice", 0) == 0
+    for method in (suite.ST_FLAT, suite.ST_ARG):
+        assert ops[method].get("concatenate") == 1
+        assert ops[method].get("pad", 0) == 0 and ops[method].get("dynamic-update-slice", 0) == 0
+        assert ops[method].get("dynamic-slice") == SIZE - n_tied  # one per buffer, none per view
+        assert ops[method].get("slice", 0) <= 1  # only the cond predicate's 1-element read
+        assert ops[method].get("dot") == ops[suite.FLOOR]["dot"]
+    assert ops[suite.ST_FLAT] == ops[suite.ST_ARG]
 
 
 def test_bytes_equal_unique_bytes(results):
