@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -310,11 +312,114 @@ def _concat(leaves: list[Any], dtype: np.dtype, on_host: bool, size: int) -> Any
     if not on_host:
         return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
     # Host arrays: one NumPy concatenate and one transfer beat thousands of dispatches.
-    # The vector is 64-byte aligned so that device_put on CPU takes it without a copy
-    # (it is private: nothing else holds or writes it).
+    # NumPy views of the leaves first (a CPU jax.Array gives one without a copy), then
+    # one copy into a 64-byte-aligned vector that device_put on CPU adopts without a
+    # second copy (it is private: nothing else holds or writes it).
     out = _aligned_empty(size, dtype)
-    np.concatenate(leaves, axis=None, out=out)
+    np.concatenate([np.asarray(x) for x in leaves], axis=None, out=out)
     return jax.device_put(out)
+
+
+_JIT_CONCAT_MAX = 2048
+"""Above this many buffers, repeated calls keep the host concatenate (no compile)."""
+
+
+@dataclasses.dataclass
+class _Layout:
+    """How ``destructure`` flattened one tree; reused for the next tree that matches it.
+
+    The first call for a layout concatenates on the host (no compile); from the
+    second call on, buffers that are all ``jax.Array`` go through one jitted
+    concatenate compiled for this layout (one dispatch instead of a NumPy
+    conversion per buffer), up to ``_JIT_CONCAT_MAX`` buffers: XLA compiles a
+    concatenate in superlinear time in its operands.
+    """
+
+    types: tuple[type, ...]  # of every leaf
+    config: tuple[str, bool]  # default backend, x64
+    leaf_dtypes: tuple[Any, ...]  # of every buffer, before canonicalization
+    restructure: Restructure
+    on_host: bool  # every buffer a host or CPU array: one NumPy concatenate
+    jax_arrays: bool  # every buffer a concrete jax.Array: the jitted concatenate applies
+    calls: int = 0
+    jitted: Any = None  # traces (and checks shapes and dtypes) only for a new signature
+
+    def concat(self, buffers: list[Any]) -> Any:
+        re = self.restructure
+        self.calls += 1
+        n = len(buffers)
+        if self.jitted is None and self.jax_arrays and self.calls > 1 and 1 < n <= _JIT_CONCAT_MAX:
+            self.jitted = jax.jit(functools.partial(_concat_traced, layout=self))
+        if self.jitted is not None:
+            return self.jitted(*buffers)
+        return _concat(buffers, re.flat_dtype, self.on_host, re.size)
+
+
+class _Mismatch(Exception):
+    """The jitted concatenate was called with buffers of other shapes or dtypes."""
+
+
+def _concat_traced(*buffers: Any, layout: _Layout) -> Any:
+    # Runs only when jit traces, i.e. for a new signature: check it is this layout's.
+    if not _matches(layout, list(buffers)):
+        raise _Mismatch
+    dtype = layout.restructure.flat_dtype
+    return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in buffers])
+
+
+def _matches(layout: _Layout, buffers: list[Any]) -> bool:
+    return (
+        tuple(map(_shape, buffers)) == layout.restructure.shapes
+        and tuple(map(_dtype, buffers)) == layout.leaf_dtypes
+    )
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+
+
+def _new_layout(
+    leaves: list[Any], structure: Structure, types: tuple[type, ...], config: tuple[str, bool]
+) -> _Layout:
+    cpu = config[0] == "cpu"
+    kinds: dict[type, int] = {}  # leaf type -> _HOST, _DEVICE or _OTHER
+    canonical: dict[Any, np.dtype | None] = {}  # leaf dtype -> flat dtype, None if not inexact
+    slots: list[int] = []
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[np.dtype] = []
+    leaf_dtypes: list[Any] = []
+    statics: list[tuple[int, _Static]] = []
+    on_host = True
+    for i, (x, t) in enumerate(zip(leaves, types)):
+        kind = kinds.get(t)
+        if kind is None:
+            kind = kinds[t] = _kind(x, cpu)
+        dtype = None
+        if kind != _OTHER:
+            dtype = canonical.get(x.dtype, False)
+            if dtype is False:
+                dtype = canonical[x.dtype] = canonical_dtype(x.dtype) if _inexact(x.dtype) else None
+        if dtype is None:
+            statics.append((i, _Static(x)))
+            continue
+        slots.append(i)
+        shapes.append(tuple(x.shape))
+        dtypes.append(dtype)
+        leaf_dtypes.append(x.dtype)
+        on_host = on_host and kind == _HOST
+    flat_dtype = (
+        canonical_dtype(jnp.result_type(*set(dtypes)))
+        if dtypes
+        else np.dtype(jnp.result_type(float))
+    )
+    restructure = Restructure(
+        structure, tuple(slots), tuple(shapes), tuple(dtypes), tuple(statics), flat_dtype
+    )
+    jax_arrays = all(
+        isinstance(leaves[i], jax.Array) and not isinstance(leaves[i], jax.core.Tracer)
+        for i in slots
+    )
+    return _Layout(types, config, tuple(leaf_dtypes), restructure, on_host, jax_arrays)
 
 
 def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
@@ -347,36 +452,23 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
         Array([16., 16.,  0.,  0.], dtype=float32)
     """
     leaves, structure = leaves_and_structure(tree)
-    cpu = jax.default_backend() == "cpu"
-    kinds: dict[type, int] = {}  # leaf type -> _HOST, _DEVICE or _OTHER
-    canonical: dict[Any, np.dtype | None] = {}  # leaf dtype -> flat dtype, None if not inexact
-    slots: list[int] = []
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[np.dtype] = []
-    statics: list[tuple[int, _Static]] = []
-    on_host = True  # every buffer is a host or CPU array: one NumPy concatenate
-    for i, x in enumerate(leaves):
-        kind = kinds.get(type(x))
-        if kind is None:
-            kind = kinds[type(x)] = _kind(x, cpu)
-        dtype = None
-        if kind != _OTHER:
-            dtype = canonical.get(x.dtype, False)
-            if dtype is False:
-                dtype = canonical[x.dtype] = canonical_dtype(x.dtype) if _inexact(x.dtype) else None
-        if dtype is None:
-            statics.append((i, _Static(x)))
-            continue
-        slots.append(i)
-        shapes.append(tuple(x.shape))
-        dtypes.append(dtype)
-        on_host = on_host and kind == _HOST
-    flat_dtype = (
-        canonical_dtype(jnp.result_type(*set(dtypes)))
-        if dtypes
-        else np.dtype(jnp.result_type(float))
-    )
-    restructure = Restructure(
-        structure, tuple(slots), tuple(shapes), tuple(dtypes), tuple(statics), flat_dtype
-    )
-    return _concat([leaves[i] for i in slots], flat_dtype, on_host, restructure.size), restructure
+    # The layout depends only on the leaves' types, shapes, dtypes and static values:
+    # the last one is kept per structure and checked against the next tree.
+    types = tuple(map(type, leaves))
+    config = (jax.default_backend(), bool(jax.config.jax_enable_x64))
+    layout = structure.__dict__.get("_flat_layout")
+    if layout is not None and layout.types == types and layout.config == config:
+        re = layout.restructure
+        buffers = [leaves[i] for i in re.slots]
+        if all(_Static(leaves[i]) == static for i, static in re.statics):
+            if layout.jitted is not None:
+                try:  # a new signature traces again, which checks every shape and dtype
+                    return layout.concat(buffers), re
+                except _Mismatch:
+                    pass
+            elif _matches(layout, buffers):
+                return layout.concat(buffers), re
+    layout = _new_layout(leaves, structure, types, config)
+    structure.__dict__["_flat_layout"] = layout
+    buffers = [leaves[i] for i in layout.restructure.slots]
+    return layout.concat(buffers), layout.restructure

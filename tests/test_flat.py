@@ -108,7 +108,7 @@ def test_restructure_is_hashable_and_does_not_retrace():
 
     jitted = jax.jit(run, static_argnums=0)
     f1, re1 = st.destructure(_ref_tree())
-    f2, re2 = st.destructure(_ref_tree())
+    f2, re2 = st.destructure(jax.tree.map(np.asarray, _ref_tree()))  # NumPy leaves: a new layout
     assert re1 == re2 and hash(re1) == hash(re2) and re1 is not re2
     jitted(re1, f1)
     jitted(re2, f2)
@@ -442,3 +442,59 @@ def test_host_vector_is_a_private_copy_in_the_promoted_dtype():
     out = re(flat)
     assert out["b"].dtype == jnp.float16 and out["c"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out["aT"]), expected[:6].reshape(2, 3).T)
+
+
+def _host_reference(tree):
+    """The flat vector by hand: every inexact leaf of the canonical tree, in flatten order."""
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
+    inexact = [x for x in leaves if np.issubdtype(x.dtype, np.inexact)]
+    return np.concatenate([x.ravel().astype(np.float32) for x in inexact])
+
+
+def test_repeated_destructure_follows_values_shapes_dtypes_and_statics():
+    # the layout is reused per structure (the first call on the host, later ones
+    # through a jitted concatenate): every call must still read the tree it is given
+    def tree(scale, n=3, dtype=jnp.float32, k=2):
+        t = {
+            f"l{i}": {
+                "w": scale * jnp.arange(n * n, dtype=dtype).reshape(n, n) + i,
+                "b": jnp.full((n,), scale * i, dtype),
+            }
+            for i in range(4)
+        }
+        t["l3"]["w"] = st.Tied("l2/w", st.T)
+        t["k"] = np.int32(k)
+        return t
+
+    cases = [
+        tree(1.0),
+        tree(2.0),
+        tree(-1.0),
+        tree(3.0, n=2),
+        tree(3.0, n=2),
+        tree(0.5, dtype=jnp.float16),
+        tree(0.5, dtype=jnp.float16),
+        tree(1.0, k=5),
+        tree(4.0),
+        tree(4.0),
+    ]
+    for t in cases:
+        flat, re = st.destructure(t)
+        np.testing.assert_array_equal(np.asarray(flat), _host_reference(t))
+        assert re.statics[0][1].value == t["k"]
+        m = re(flat)
+        np.testing.assert_array_equal(m["l3"]["w"], t["l2"]["w"].T)
+        assert m["l0"]["w"].dtype == t["l0"]["w"].dtype and m["l0"]["w"].shape == t["l0"]["w"].shape
+    layout = _flat.leaves_and_structure(cases[-1])[1].__dict__["_flat_layout"]
+    assert layout.jitted is not None  # the last calls went through the jitted concatenate
+
+
+def test_repeated_destructure_mixes_numpy_and_jax_leaves():
+    base = _tied_layers(12, seed=11)
+    as_numpy = jax.tree.map(np.asarray, base)
+    mixed = dict(base, l000=as_numpy["l000"])
+    for t in (base, base, as_numpy, mixed, base, mixed, as_numpy):
+        flat, re = st.destructure(t)
+        np.testing.assert_array_equal(np.asarray(flat), _host_reference(t))
+        for got, want in zip(jax.tree.leaves(re(flat)), jax.tree.leaves(st.materialize(t))):
+            np.testing.assert_array_equal(got, want)
