@@ -8,10 +8,10 @@ from sharetree._detect import find_ties, tie_identical
 from sharetree._display import MaterializedDisplay, summary, treescope_materialized
 from sharetree._errors import TieError
 from sharetree._flat import Restructure, destructure
-from sharetree._graph import Buffer, SharingGraph, View, canonicalize
 from sharetree._io import load, save
 from sharetree._labels import label_by_path, mask_by_path
 from sharetree._materialize import materialize
+from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (

@@ -11,16 +11,16 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._graph import _is_tied
+from sharetree._paths import Path, keypath_to_path, path_str
 from sharetree._tie import tie
-from sharetree._tied import Path, Tied, keypath_to_path, path_str
+from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, Transform, check_transform, identity
 
 __all__ = ["tie_identical", "find_ties"]
 
 
 def _positions(tree: Any) -> list[tuple[Path, Any]]:
-    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)
+    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
     return [(keypath_to_path(kp), x) for kp, x in flat]
 
 

@@ -17,9 +17,11 @@ from typing import Any
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._graph import Buffer, SharingGraph, View, canonicalize, leaves_and_structure
-from sharetree._graph import expand_leaves as _expand_leaves
-from sharetree._tied import Tied, path_str
+from sharetree._materialize import expand_leaves as _expand_leaves
+from sharetree._materialize import leaves_and_structure
+from sharetree._paths import path_str
+from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._tied import Tied
 from sharetree._transforms import identity
 
 __all__ = [

@@ -14,7 +14,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._graph import Structure, expand_leaves, leaves_and_structure
+from sharetree._materialize import expand_leaves, leaves_and_structure
+from sharetree._resolve import Structure
 from sharetree._transforms import canonical_dtype
 
 __all__ = ["destructure", "Restructure"]

@@ -33,10 +33,7 @@ import collections
 import json
 import math
 import os
-import struct
-import tempfile
 import warnings
-from collections.abc import Iterator
 from typing import Any, Union
 
 import jax
@@ -45,8 +42,12 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._graph import canonicalize
-from sharetree._tied import Path, Tied, key_name, keypath_to_path, path_str
+from sharetree._foreign import KEY_VERSION as _KEY_VERSION
+from sharetree._foreign import load_foreign
+from sharetree._paths import Path, key_name, keypath_to_path, path_str
+from sharetree._report import canonicalize
+from sharetree._safetensors import Reader, atomic_write
+from sharetree._tied import Tied, is_tied
 from sharetree._transforms import transform_from_spec
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
@@ -54,7 +55,6 @@ __all__ = ["save", "load", "FORMAT_VERSION"]
 FORMAT_VERSION = 1
 """The version of the file format written by :func:`save`; :func:`load` reads versions up to it."""
 
-_KEY_VERSION = "sharetree.format_version"
 _KEY_TREE = "sharetree.tree"
 _KEY_LIBRARY = "sharetree.library_version"
 _RESAVE = (
@@ -67,15 +67,6 @@ _NATIVE = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 "
     "float16 float32 float64 complex64 bfloat16".split()
 )
-# safetensors header dtype codes -> numpy dtype names (for the fallback reader)
-_CODES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
-    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
-}  # fmt: skip
-
 PathOrStr = Union[str, "os.PathLike[str]"]
 
 
@@ -246,99 +237,10 @@ def save(path: PathOrStr, tree: Any) -> None:
         _KEY_LIBRARY: __version__,
         _KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    _atomic_write(os.fspath(path), writer.tensors, metadata)
-
-
-def _serialize_file(
-    tensors: dict[str, np.ndarray], filename: str, metadata: dict[str, str]
-) -> None:
-    from safetensors.numpy import save_file
-
-    save_file(tensors, filename, metadata=metadata)
-
-
-def _atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        os.close(fd)
-        _serialize_file(tensors, tmp, metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(os.fspath(path), writer.tensors, metadata)
 
 
 # ----------------------------------------------------------------------------- load
-
-
-class _Reader:
-    """Reads tensors of one safetensors file, with a raw fallback for dtypes numpy lacks."""
-
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
-        self.path = path
-        try:
-            with safe_open(path, framework="np") as f:
-                self.metadata: dict[str, str] = dict(f.metadata() or {})
-                self.names: list[str] = list(f.keys())
-        except Exception as e:  # SafetensorError and friends
-            raise TieError(
-                f"load: {path!r} is not a readable safetensors file ({type(e).__name__}: {e}). "
-                "It may be empty, truncated or of another format. Fix: save it again with "
-                "st.save, or check that the path names the right file."
-            ) from None
-        self._header: dict[str, Any] | None = None
-
-    def header(self) -> dict[str, Any]:
-        if self._header is None:
-            with open(self.path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._header = json.loads(f.read(n))
-                self._header["__data_start__"] = 8 + n
-        return self._header
-
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="np") as f:
-            for name in self.names:
-                try:
-                    a = f.get_tensor(name)
-                except Exception:  # a dtype numpy lacks here
-                    try:
-                        a = self._raw(name)
-                    except TieError:
-                        raise
-                    except Exception as e:
-                        raise TieError(
-                            f"load: cannot read tensor {name!r} of {self.path!r} "
-                            f"({type(e).__name__}: {e}). Fix: check the file is complete."
-                        ) from None
-                yield name, np.array(a)  # own the memory (safetensors may hand out a view)
-
-    def _raw(self, name: str) -> np.ndarray:
-        entry = self.header()[name]
-        code = entry["dtype"]
-        if code not in _CODES:
-            raise TieError(
-                f"load: tensor {name!r} in {self.path!r} has the dtype code {code!r}, which "
-                f"sharetree cannot read (known: {', '.join(_CODES)}). Fix: convert the file."
-            )
-        start, end = entry["data_offsets"]
-        with open(self.path, "rb") as f:
-            f.seek(self.header()["__data_start__"] + start)
-            data = f.read(end - start)
-        return np.frombuffer(data, jnp.dtype(_CODES[code])).reshape(entry["shape"])
 
 
 def load(path: PathOrStr, like: Any = None) -> Any:
@@ -398,15 +300,11 @@ def load(path: PathOrStr, like: Any = None) -> Any:
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
     if os.path.isdir(path):
-        raise TieError(
-            f"load: {path!r} is a directory, not a safetensors file. If it is an Orbax "
-            "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
-            "target (see docs/saving_and_scaling.md)."
-        )
-    reader = _Reader(path)
+        return load_foreign(path, like=like)
+    reader = Reader(path)
     meta = reader.metadata
     if _KEY_VERSION not in meta:
-        return _load_foreign(reader, like)
+        return load_foreign(path, like=like)
     version = meta[_KEY_VERSION]
     if not version.isdigit():
         raise TieError(
@@ -589,24 +487,6 @@ class _Static:
         return f"<unsaved {self.kind}>"
 
 
-def _load_foreign(reader: _Reader, like: Any) -> dict[str, np.ndarray]:
-    if like is not None:
-        raise TieError(
-            f"load: {reader.path!r} was not written by sharetree (no {_KEY_VERSION!r} in its "
-            "metadata), so it has no tree structure to check against like=. Fix: load it "
-            "without like (a flat dict {tensor name: array}), then build your tree from it."
-        )
-    tensors = dict(reader.tensors())
-    warnings.warn(
-        f"{reader.path!r} was not written by sharetree (no {_KEY_VERSION!r} in its metadata): "
-        f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}}, without ties. "
-        "Recover ties stored twice with st.tie(tree, st.find_ties(tree), atol=0.0).",
-        UserWarning,
-        stacklevel=3,
-    )
-    return tensors
-
-
 def _describe_leaf(x: Any) -> str:
     if isinstance(x, Tied):
         return repr(x)
@@ -617,14 +497,10 @@ def _describe_leaf(x: Any) -> str:
     return f"{type(x).__name__} {x!r}"
 
 
-def _is_tied(x: Any) -> bool:
-    return isinstance(x, Tied)
-
-
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
-    file_flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)
+    file_flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
     got = {keypath_to_path(kp): x for kp, x in file_flat}
-    tmpl_flat, _ = jtu.tree_flatten_with_path(like, is_leaf=_is_tied)
+    tmpl_flat, _ = jtu.tree_flatten_with_path(like, is_leaf=is_tied)
     want = {keypath_to_path(kp): x for kp, x in tmpl_flat}
     if got.keys() != want.keys():
         only_file = sorted(map(path_str, got.keys() - want.keys()))

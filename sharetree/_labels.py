@@ -16,9 +16,9 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, closest
-from sharetree._graph import _is_tied
-from sharetree._tied import Path, keypath_to_path, path_str
+from sharetree._errors import TieError
+from sharetree._paths import Path, closest, keypath_to_path, path_str, prefixes
+from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
 
@@ -27,7 +27,7 @@ _MISSING: Any = object()
 
 def _prefixes(path: Path) -> list[str]:
     """``("a", "b")`` -> ``["a", "a/b"]``: a pattern may name any node above a leaf."""
-    return ["/".join(path[:k]) for k in range(1, len(path) + 1)]
+    return ["/".join(p) for p in prefixes(path)]
 
 
 def _matches(pattern: str, path: Path) -> bool:
@@ -51,8 +51,8 @@ def _rules(rules: Any) -> list[tuple[str, Any]]:
 def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
     ties = [
         (keypath_to_path(kp), x)
-        for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)[0]
-        if _is_tied(x)
+        for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=is_tied)[0]
+        if is_tied(x)
     ]
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
     nodes = {n for p in leaf_paths for n in _prefixes(p)} | {path_str(p) for p, _ in ties}

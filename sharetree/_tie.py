@@ -9,16 +9,20 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, closest
-from sharetree._graph import (
-    _fmt,
-    abstract_expanded,
-    expanded_by_path,
-    is_array,
-    leaves_and_structure,
-    structure_of,
+from sharetree._errors import TieError
+from sharetree._materialize import abstract_expanded, expanded_by_path, leaves_and_structure
+from sharetree._paths import (
+    Path,
+    PathLike,
+    closest,
+    format_aval,
+    is_array_leaf,
+    keypath_to_path,
+    path_str,
+    to_path,
 )
-from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
+from sharetree._resolve import structure_of
+from sharetree._tied import Tied
 from sharetree._transforms import T, canonical_dtype, identity
 
 __all__ = ["tie"]
@@ -33,7 +37,7 @@ def _shape_of(positions: Mapping[Path, Any]) -> str:
 
 
 def _describe(x: Any) -> str:
-    return _fmt(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
+    return format_aval(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
 
 
 def tie(
@@ -212,8 +216,8 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
         buffer = path_str(structure.buffer_paths[i])
         x = leaves[i]
         before = old.get(path)
-        if not (is_array(x) or hasattr(x, "shape")) or not (
-            is_array(before) or hasattr(before, "shape")
+        if not (is_array_leaf(x) or hasattr(x, "shape")) or not (
+            is_array_leaf(before) or hasattr(before, "shape")
         ):
             if type(x) is not type(before) or x != before:
                 raise TieError(

@@ -26,10 +26,11 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._graph import structure_of
 from sharetree._materialize import materialize
+from sharetree._paths import Path, PathLike, keypath_to_path, path_str, to_path
+from sharetree._resolve import structure_of
 from sharetree._tie import tie
-from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
+from sharetree._tied import Tied
 
 __all__ = ["TiedModule", "tied"]
 

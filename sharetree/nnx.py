@@ -29,11 +29,12 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, closest
-from sharetree._graph import structure_of
+from sharetree._errors import TieError
 from sharetree._materialize import materialize
+from sharetree._paths import Path, PathLike, closest, path_str, to_path
+from sharetree._resolve import structure_of
 from sharetree._tie import tie
-from sharetree._tied import Path, PathLike, Tied, path_str, to_path
+from sharetree._tied import Tied
 
 __all__ = ["GraphDef", "split", "merge", "update"]
 

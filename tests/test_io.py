@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import sharetree as st
-from sharetree import _io
+from sharetree import _io, _safetensors
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -418,7 +418,7 @@ def test_failed_write_leaves_previous_file_intact(tmp_path, monkeypatch) -> None
             f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{partial")  # a torn write
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_io, "_serialize_file", half_then_fail)
+    monkeypatch.setattr(_safetensors, "_serialize_file", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         st.save(path, {"other": np.zeros(100)})
     assert path.read_bytes() == before
@@ -430,7 +430,7 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     before = path.read_bytes()
-    real = _io._serialize_file
+    real = _safetensors._serialize_file
 
     def write_then_interrupt(tensors, filename, metadata):
         real(tensors, filename, metadata)
@@ -438,7 +438,7 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
             f.truncate(os.path.getsize(filename) // 2)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_io, "_serialize_file", write_then_interrupt)
+    monkeypatch.setattr(_safetensors, "_serialize_file", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         st.save(path, {"x": np.ones(1000)})
     assert path.read_bytes() == before

@@ -32,7 +32,7 @@ def _data(n=16, d=6, seed=0):
 
 def _leaf_paths(tree):
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return ["/".join(st._tied.keypath_to_path(kp)) for kp, _ in flat]
+    return ["/".join(st._paths.keypath_to_path(kp)) for kp, _ in flat]
 
 
 def test_split_gives_a_canonical_state_without_a_leaf_for_the_tied_variable():
