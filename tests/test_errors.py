@@ -160,3 +160,44 @@ def test_12b_restructure_with_changed_offsets():
     moved = jax.tree.map(lambda o: o + 2, re)
     with pytest.raises(st.TieError, match=r"offset 0 is 2, expected 0\. Fix: do not tree_map"):
         moved(flat)
+
+
+def test_18_astype_not_a_numeric_dtype():
+    for bad in (None, jnp.ones(2), "object"):
+        with pytest.raises(st.TieError, match=r"astype\(.*expected a boolean or numeric dtype"):
+            st.astype(bad)
+
+
+def test_19_scale_not_finite():
+    for bad in (float("nan"), float("inf"), -float("inf"), 10**400):
+        with pytest.raises(st.TieError, match=r"scale\(.*expected a finite number"):
+            st.scale(bad)
+    with pytest.raises(st.TieError, match="finite Python or NumPy number"):
+        st.scale("2")
+
+
+def test_20_malformed_spec_of_a_known_transform():
+    from sharetree._transforms import describe_spec
+
+    with pytest.raises(st.TieError, match=r"\{'name': 'reshape'\}: the field 'shape' is missing"):
+        st.transform_from_spec({"name": "reshape"})
+    with pytest.raises(st.TieError, match=r"field 'shape' of 'reshape' should be a list of int"):
+        describe_spec({"name": "reshape", "shape": "2x3"})
+    with pytest.raises(st.TieError, match=r"the field 'order' is not one of its fields"):
+        st.transform_from_spec({"name": "reshape", "shape": [6], "order": "F"})
+
+
+def test_21_fn_spec_function_not_passed_in():
+    with pytest.raises(
+        st.TieError,
+        match=r"'mylib.ops:softcap' is not among the functions passed in.*never imported.*"
+        r"functions=\{'mylib.ops:softcap': softcap\}",
+    ):
+        st.transform_from_spec({"name": "fn", "function": "mylib.ops:softcap"})
+
+
+def test_22_meaningless_axes_or_sizes():
+    with pytest.raises(st.TieError, match=r"transpose\(0, 0\): expected a permutation"):
+        st.transpose(0, 0)
+    with pytest.raises(st.TieError, match=r"reshape\(-1, -1\): expected sizes >= 0 and at most"):
+        st.reshape(-1, -1)
