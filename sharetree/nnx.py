@@ -42,10 +42,6 @@ RawPath = tuple[Any, ...]
 """A path with NNX's own keys (attribute names and list indices as ints)."""
 
 
-def _is_var_or_tied(x: Any) -> bool:
-    return isinstance(x, (nnx.Variable, Tied))
-
-
 def _str_path(raw: RawPath) -> Path:
     return tuple(str(k) for k in raw)
 
@@ -94,7 +90,14 @@ class GraphDef:
 
 
 def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
-    """Every path (NNX keys) at which the model holds each Variable object, by ``id``."""
+    """Every path (NNX keys) at which the model holds each Variable object, by ``id``.
+
+    NNX has no public function for this: ``nnx.iter_graph`` yields a shared
+    node only at its first path, and ``nnx.iter_children`` skips pytree
+    containers (an ``nnx.data`` list or dict of modules). So this walks each
+    node's children as ``nnx.split`` does, through ``graphlib``'s node
+    implementations, at every path (a node is not entered again below itself).
+    """
     found: dict[int, list[RawPath]] = {}
 
     def visit(node: Any, path: RawPath, ancestors: frozenset[int]) -> None:
@@ -112,9 +115,8 @@ def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
 
 
 def _flat(state: Any) -> list[tuple[RawPath, Any]]:
-    """(raw path, Variable or Tied) for every Variable node of a state."""
-    flat, _ = jtu.tree_flatten_with_path(state, is_leaf=_is_var_or_tied)
-    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in kp), x) for kp, x in flat]
+    """(NNX path, Variable or Tied) at every Variable position of a state, sorted by path."""
+    return list(nnx.to_flat_state(state if isinstance(state, nnx.State) else nnx.State(state)))
 
 
 def _nodes(paths: list[Path]) -> set[Path]:
@@ -127,7 +129,12 @@ def _strip_value(path: Path, variables: set[Path]) -> Path:
     return path
 
 
-def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *filters: Any) -> Any:
+def split(
+    model: Any,
+    ties: Mapping[PathLike, PathLike | Tied] | None = None,
+    *filters: Any,
+    check: bool = True,
+) -> Any:
     """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
 
     Args:
@@ -137,6 +144,9 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
             also name a whole submodule. ``None`` only records shared Variables.
         *filters: NNX filters (``nnx.Param``, ``...``) as for ``nnx.split``; then
             one state per filter is returned, and a tie must stay within one state.
+        check: require each view to have exactly the shape and dtype of the
+            Variable it replaces (as :func:`sharetree.tie` does). With ``False``,
+            :func:`merge` puts the view into that Variable whatever its shape.
 
     Returns:
         ``(graphdef, state)``, or ``(graphdef, state, *more_states)`` with filters.
@@ -148,8 +158,8 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
     Raises:
         TieError: a target or ref that does not exist in the NNX state (naming the
             closest existing path), a tie across two filtered states, a target
-            that is already the same object as another Variable, or a view whose
-            shape or dtype differs from the Variable it replaces.
+            that is already the same object as another Variable, or (with
+            ``check``) a view whose shape or dtype differs from the Variable it replaces.
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st, sharetree.nnx
@@ -206,11 +216,9 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
             state = nnx.from_flat_state(flat)
         if per_state[i]:
             try:
-                state = tie(state, per_state[i])
+                state = tie(state, per_state[i], check=check)
             except TieError as e:
-                # (a view must fit its Variable exactly: NNX rebuilds the Variable around it)
-                msg = str(e).replace(", or pass check=False", "")
-                raise TieError(f"sharetree.nnx.split: {msg}") from None
+                raise TieError(f"sharetree.nnx.split: {e}") from None
         out.append(state)
     return (
         GraphDef(
