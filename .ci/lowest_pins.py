@@ -92,6 +92,7 @@ def check(pins: dict[str, str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    """Print the constraints, or with ``--check`` compare them with what is installed."""
     pins = floors()
     if argv == ["--check"]:
         bad = check(pins)
