@@ -21,7 +21,7 @@ from typing import Any
 
 try:
     from flax import nnx
-    from flax.nnx import graphlib
+    from flax.nnx import graph as graphlib  # (flax.nnx.graphlib is flax >= 0.12.5 only)
 except ImportError as e:  # pragma: no cover - exercised only without flax
     raise ImportError(
         "sharetree.nnx needs Flax: pip install 'sharetree[flax]' (or pip install flax)."

@@ -180,12 +180,22 @@ def test_gradient_is_one_split_and_one_concatenate_with_no_padding():
     assert not {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"} & set(prims)
 
 
+def _sub_jaxprs(params):
+    """The jaxprs in an equation's params (``jax.extend.core.jaxprs_in_params``, jax >= 0.10)."""
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, jax.extend.core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jax.extend.core.Jaxpr):
+                yield x
+
+
 def _primitives(jaxpr):
     """Every primitive name in a jaxpr, sub-jaxprs (custom_jvp, pjit) included."""
     out = []
     for eqn in jaxpr.eqns:
         out.append(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _sub_jaxprs(eqn.params):
             out.extend(_primitives(sub))
     return out
 
