@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
 from sharetree._materialize import leaves_and_structure
-from sharetree._paths import path_str
+from sharetree._paths import format_aval, path_str, plural
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tied import Tied
 from sharetree._transforms import identity
@@ -147,9 +147,7 @@ def _totals(g: SharingGraph) -> list[tuple[str, str, str, str]]:
 
 
 def _headline(g: SharingGraph) -> str:
-    b = "buffer" if g.num_unique == 1 else "buffers"
-    v = "view" if g.num_views == 1 else "views"
-    return f"sharing graph: {g.num_unique:,} {b}, {g.num_views:,} {v}"
+    return f"sharing graph: {plural(g.num_unique, 'buffer')}, {plural(g.num_views, 'view')}"
 
 
 # ---------------------------------------------------------------------------
@@ -453,23 +451,17 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
     ]
     for i, b in enumerate(g.buffers):
         if include_unshared or b.path in used:
-            label = f"{b.path}\n{_aval_str(b.shape, b.dtype)}"
+            label = f"{b.path}\n{format_aval(b.aval)}"
             lines.append(
                 f'  b{i} [label={_dot_str(label)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
             )
     for j, v in enumerate(g.views.values()):
-        label = f"{v.path}\n{_aval_str(v.shape, v.dtype)}"
+        label = f"{v.path}\n{format_aval(v.aval)}"
         lines.append(f'  v{j} [label={_dot_str(label)}, style="dashed"];')
     for j, v in enumerate(g.views.values()):
         lines.append(f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];")
     lines.append("}")
     return "\n".join(lines)
-
-
-def _aval_str(shape: tuple[int, ...] | None, dtype: Any) -> str:
-    if shape is None:
-        return "static"
-    return f"{_dtype_str(dtype)}[{', '.join(map(str, shape))}]"
 
 
 # ---------------------------------------------------------------------------
@@ -526,14 +518,6 @@ class _Mark:
         return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
 
 
-def _tie_position(ties: dict[tuple[str, ...], Tied], path: tuple[str, ...]) -> tuple[str, ...]:
-    """The position of the ``Tied`` that produced the view at materialized ``path``."""
-    for k in range(len(path), 0, -1):
-        if path[:k] in ties:
-            return path[:k]
-    return path  # pragma: no cover - every view lies at or below a Tied
-
-
 class MaterializedDisplay:
     """A materialized tree shown by treescope with every buffer and view marked.
 
@@ -572,21 +556,19 @@ class MaterializedDisplay:
         structure, leaves = self._structure, self._leaves
         values = _expand_leaves(structure, leaves)
         uses: dict[int, list[str]] = {}
-        for i, t, p, _ in structure.expanded:
-            if t is not None:
-                uses.setdefault(i, []).append(path_str(p))
+        for view in structure.views:
+            uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
-        for (i, t, p, _), x in zip(structure.expanded, values, strict=True):
+        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
                 how = "" if t == identity else f" via {t!r}"
-                at = _tie_position(structure.ties, p)
-                note = f"from Tied at {path_str(at)}" if at != p else ""
+                note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
                 marked.append(_Mark(x, f"[view of {buf}{how}]", note, _color(buf)))
             elif i in uses:
                 n = len(uses[i])
                 first = ", ".join(uses[i][:3]) + (f", ... ({n - 3} more)" if n > 3 else "")
-                badge = f"[buffer: {n} view{'s' if n != 1 else ''}]"
+                badge = f"[buffer: {plural(n, 'view')}]"
                 marked.append(_Mark(x, badge, f"shared with {first}", _color(buf)))
             else:
                 marked.append(x)

@@ -24,10 +24,6 @@ from sharetree._transforms import Transform
 __all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
 
 
-def _aval_or_none(shape: tuple[int, ...] | None, dtype: Any) -> jax.ShapeDtypeStruct | None:
-    return None if shape is None else jax.ShapeDtypeStruct(shape, dtype)
-
-
 @dataclasses.dataclass(frozen=True)
 class Buffer:
     """A leaf stored once: its path, shape, dtype, bytes and how many views use it."""
@@ -38,9 +34,13 @@ class Buffer:
     nbytes: int
     num_views: int
 
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct | None:
+        """Shape and dtype (``None`` for a leaf that is not an array)."""
+        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+
     def __repr__(self) -> str:
-        aval = _aval_or_none(self.shape, self.dtype)
-        return f"Buffer({self.path!r}, {format_aval(aval)}, views={self.num_views})"
+        return f"Buffer({self.path!r}, {format_aval(self.aval)}, views={self.num_views})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +55,15 @@ class View:
     nbytes: int
     tie: str
 
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct | None:
+        """Shape and dtype of the view (``None`` for a leaf that is not an array)."""
+        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+
     def __repr__(self) -> str:
-        aval = _aval_or_none(self.shape, self.dtype)
-        return f"View({self.path!r} <- {self.buffer!r}, {self.transform!r}, {format_aval(aval)})"
+        return (
+            f"View({self.path!r} <- {self.buffer!r}, {self.transform!r}, {format_aval(self.aval)})"
+        )
 
 
 class SharingGraph:

@@ -31,7 +31,7 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, PathLike, closest, path_str, to_path
+from sharetree._paths import Path, PathLike, closest, node_paths, path_str, to_path
 from sharetree._resolve import structure_of
 from sharetree._tie import tie
 from sharetree._tied import Tied
@@ -119,10 +119,6 @@ def _flat(state: Any) -> list[tuple[RawPath, Any]]:
     return list(nnx.to_flat_state(state if isinstance(state, nnx.State) else nnx.State(state)))
 
 
-def _nodes(paths: list[Path]) -> set[Path]:
-    return {p[:k] for p in paths for k in range(1, len(p) + 1)}
-
-
 def _strip_value(path: Path, variables: set[Path]) -> Path:
     if len(path) > 1 and path[-1] == "value" and path[:-1] in variables:
         return path[:-1]
@@ -199,7 +195,7 @@ def split(
     where: dict[Path, int] = {_str_path(r): i for r, i in owner_state.items()}
     where.update({a: i for a, (i, _) in aliases.items()})
     variables = set(where)
-    nodes = _nodes(list(variables))
+    nodes = node_paths(variables)
 
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for target, ref in (ties or {}).items():
