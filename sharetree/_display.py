@@ -154,7 +154,9 @@ def _headline(g: SharingGraph) -> str:
 # text
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+def _table(
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], indent: str = "  "
+) -> list[str]:
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     out = []
     for r in [header, *rows]:
@@ -253,7 +255,7 @@ _MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
 
 
 def _html_table(
-    header: tuple[str, ...], rows: list[tuple[str, ...]], numeric: set[int], more: str = ""
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: set[int], more: str = ""
 ) -> str:
     e = html.escape
     head = "".join(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +13,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._paths import Path, aval_of, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, structure_of
-from sharetree._transforms import Transform, identity
+from sharetree._transforms import Transform, _Chain, _Fn, identity
 
 __all__ = [
     "materialize",
@@ -92,8 +92,8 @@ def _transformable(x: Any) -> bool:
 
 def _has_fn(t: Transform) -> bool:
     """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
-    parts = getattr(t, "parts", (t,))
-    return any(type(p).__name__ == "_Fn" for p in parts)
+    parts = t.parts if isinstance(t, _Chain) else (t,)
+    return any(isinstance(p, _Fn) for p in parts)
 
 
 def _concrete_array(x: Any) -> bool:
@@ -111,7 +111,9 @@ class _EagerViews:
             for k, leaf in enumerate(structure.expanded)
             if leaf.transform is not None and leaf.transform is not identity
         ]
-        self.positions = tuple(k for k, leaf in views if not _has_fn(leaf.transform))
+        self.positions = tuple(
+            k for k, leaf in views if leaf.transform and not _has_fn(leaf.transform)
+        )
         chosen = [structure.expanded[k] for k in self.positions]
         self.inputs = tuple(sorted({leaf.buffer for leaf in chosen}))
         slot = {i: n for n, i in enumerate(self.inputs)}
@@ -149,7 +151,7 @@ def expand_leaves(
     always called one by one, so results never depend on the number of views.
     """
     out = [leaves[i] for i in structure.sources]
-    todo = range(len(out))
+    todo: Sequence[int] = range(len(out))
     if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
         batch = _eager_views(structure)
         if batch.positions and all(_concrete_array(leaves[i]) for i in batch.inputs):

@@ -43,7 +43,7 @@ class Tied:
     transform: Transform
 
     def __init__(self, ref: PathLike, transform: Transform = identity) -> None:
-        path = ref if _is_path(ref) else to_path(ref, "Tied ref")
+        path = ref if isinstance(ref, tuple) and _is_path(ref) else to_path(ref, "Tied ref")
         check_transform(transform, f"of Tied({path_str(path)!r})")
         object.__setattr__(self, "ref", path)
         object.__setattr__(self, "transform", transform)
