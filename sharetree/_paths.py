@@ -159,12 +159,12 @@ def format_aval(aval: Any) -> str:
         aval = aval_of(aval)
     if aval is None:
         return "static"
-    return f"{np.dtype(aval.dtype).name}[{', '.join(map(str, aval.shape))}]"
+    return f"{aval.dtype.name}[{', '.join(map(str, aval.shape))}]"
 
 
 def aval_nbytes(aval: jax.ShapeDtypeStruct | None) -> int:
     """Bytes of an array of shape and dtype ``aval`` (0 for ``None``)."""
-    return 0 if aval is None else math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    return 0 if aval is None else math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> str:

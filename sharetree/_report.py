@@ -130,7 +130,7 @@ class SharingGraph:
             Buffer(
                 path_str(p),
                 None if a is None else tuple(a.shape),
-                None if a is None else np.dtype(a.dtype),
+                None if a is None else a.dtype,
                 aval_nbytes(a),
                 uses[i],
             )
@@ -149,7 +149,7 @@ class SharingGraph:
                 path_str(paths[view.buffer]),
                 view.transform,
                 None if a is None else tuple(a.shape),
-                None if a is None else np.dtype(a.dtype),
+                None if a is None else a.dtype,
                 aval_nbytes(a),
                 path_str(view.tie),
             )

@@ -385,3 +385,46 @@ def test_host_vector_is_a_private_copy_in_the_promoted_dtype():
     out = re(flat)
     assert out["b"].dtype == jnp.float16 and out["c"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out["aT"]), expected[:6].reshape(2, 3).T)
+
+
+def test_prng_keys_stay_static_and_pass_through():
+    key = jax.random.key(0)
+    old = jax.random.PRNGKey(1)  # old-style uint32[2] key
+    tree = {"w": jnp.ones((2, 3)), "wT": st.Tied("w", st.T), "key": key, "old": old}
+    flat, re = st.destructure(tree)
+    assert flat.shape == (6,)
+    back = re(flat)
+    assert back["key"] is key and back["old"] is old
+    np.testing.assert_array_equal(back["wT"], jnp.ones((3, 2)))
+    assert st.materialize(tree)["key"] is key
+    assert "key<fry>" in st.summary(tree)
+    # equal keys give equal restructures; another key does not
+    assert st.destructure(dict(tree, key=jax.random.key(0)))[1] == re
+    with pytest.warns(UserWarning, match="static leaf 'key'"):
+        assert st.destructure(dict(tree, key=jax.random.key(2)))[1] != re
+    g = jax.jit(jax.grad(lambda v, r: jnp.sum(r(v)["wT"] ** 2)))(flat, re)
+    np.testing.assert_allclose(g, 2 * np.ones(6))
+
+
+def test_complex_vector_for_an_all_real_tree_is_an_error():
+    flat, re = st.destructure({"w": jnp.ones(3), "v": st.Tied("w")})
+    with pytest.raises(st.TieError, match=r"real vector \(float32\).*complex64.*imaginary"):
+        re(flat.astype(jnp.complex64) * 1j)
+    # a genuinely mixed tree keeps the documented behaviour: real buffers take the real part
+    flat, re = st.destructure({"w": jnp.ones(2), "z": jnp.ones(2, jnp.complex64)})
+    assert re(flat * (1 + 1j))["w"].dtype == jnp.float32
+
+
+def test_a_changing_static_leaf_warns_once_naming_it():
+    import warnings
+
+    def tree(step):
+        return {"w": jnp.ones(3), "v": st.Tied("w"), "step": jnp.int32(step), "tag": "x"}
+
+    st.destructure(tree(0))
+    with pytest.warns(UserWarning, match=r"static leaf 'step' \(int32\[\]\) changed.*retraces"):
+        st.destructure(tree(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st.destructure(tree(2))  # once per leaf
+        st.destructure(tree(2))  # unchanged
