@@ -250,7 +250,8 @@ def untie_state(
                 f"{path_str(structure.buffer_paths[leaf.buffer])!r}; optimizer moments are "
                 "carried over only through transforms that move elements (transpose, "
                 "reshape): the state does not say which part is a first moment and which a "
-                "second, and they would change differently. Fix: untie the tree with "
+                "second, and through scale(c) they would change by 1/c and 1/c**2, through "
+                "astype by a rounding, through fn unknowably. Fix: untie the tree with "
                 "st.untie and initialize a fresh optimizer state for it, or untie only views "
                 "that are transposes or reshapes."
             )
