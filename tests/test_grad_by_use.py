@@ -299,3 +299,17 @@ def test_report_errors():
         st.grad_report({"a": {"a": np.ones(2), "b": np.ones(3)}})
     with pytest.raises(st.TieError, match="not a concrete array.*outside jit"):
         jax.jit(lambda g: st.grad_report({"a": {"a": g}}) and 0)(jnp.ones(2))
+
+
+def test_readme_section_output_is_what_the_code_prints(capsys):
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split("## Which use moves a tied weight?")[1].split("\n## ")[0]
+    code, shown = re.search(r"```python\n(.*?)```\n\n```text\n(.*?)```", section, re.S).groups()
+    (more,) = re.findall(r"```py\n(.*?)```", section, re.S)  # continues the first block
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert capsys.readouterr().out == shown
+    exec(compile(more, "README.md", "exec"), namespace)
+    assert namespace["untied"]["head"].shape == (8, 10)
