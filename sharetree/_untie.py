@@ -119,9 +119,10 @@ def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> P
 
     Args:
         tree: a canonical tree.
-        paths: ``None`` (every tie), or one path or a list of paths
-            (``"dec/kernel"`` or tuples of keys), each the position of a
-            ``Tied`` or a subtree holding some.
+        paths: ``None`` (every tie), one path, or a list of paths; a path
+            is ``"dec/kernel"`` or a tuple of keys (so a tuple is one path,
+            a list is several), the position of a ``Tied`` or of a subtree
+            holding some.
 
     Returns:
         The canonical tree with the chosen ties replaced by arrays.
@@ -154,11 +155,17 @@ def _moves_elements(t: Transform) -> bool:
 
 
 def _top(x: Any) -> Any:
-    """The structure of ``x`` one level deep (its container type and keys), or ``None``."""
+    """The structure of ``x`` one level deep when its children are named, else ``None``.
+
+    Only containers with named children (dicts, named tuples, dataclasses) count:
+    a plain tuple of two states looks like any tuple of two parameters.
+    """
     if is_tied(x):
         return None
-    treedef = jtu.tree_structure(x, is_leaf=lambda y: y is not x)
-    return None if treedef.num_nodes == 1 else treedef
+    children, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if treedef.num_nodes == 1 or all(isinstance(kp[0], jtu.SequenceKey) for kp, _ in children):
+        return None
+    return treedef
 
 
 def _first_difference(part: Any, tree: PyTree) -> str:
@@ -274,7 +281,8 @@ def untie_state(
                 f"untie_state: the part {where!r} of the optimizer state has the tree's "
                 f"top-level keys but not its structure: {_first_difference(x, tree)}. "
                 "Fix: pass the canonical tree the state was made for (optimizer.init(tree)), "
-                "before untying it."
+                "before untying it; for a state that holds optax.MaskedNode (optax.masked, "
+                "multi_transform), initialize a fresh state for the untied tree."
             )
         part_leaves = jtu.tree_leaves(x)
         for path, s, y in zip(structure.buffer_paths, shapes, part_leaves, strict=True):

@@ -203,3 +203,24 @@ def test_untie_state_of_a_state_that_does_not_match_the_tree():
     bad = {"mu": {**jax.tree.map(jnp.zeros_like, params), "mid": jnp.zeros(3)}}
     with pytest.raises(st.TieError, match=r"'mu' .* shape \(3,\) at 'mid'.*shape \(4, 4\)"):
         st.untie_state(bad, params)
+
+
+def test_untie_state_of_tuple_params_and_a_chained_state():
+    # a plain tuple of states must not be mistaken for a tuple of parameters
+    params = (jnp.ones((2, 3)), st.Tied("0", st.T))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    state = opt.init(params)
+    state = jax.tree.map(lambda x: x + 1.0 if x.ndim else x, state)
+    new = st.untie_state(state, params)
+    np.testing.assert_array_equal(new[1][0].mu[1], np.asarray(state[1][0].mu[0]).T)
+
+
+def test_many_views_take_the_batched_eager_path():
+    w = jnp.arange(6.0).reshape(2, 3)
+    tree = {"w": w, **{f"v{i:02d}": st.Tied("w", st.T >> st.scale(float(i))) for i in range(20)}}
+    untied = st.untie(tree)
+    for i in range(20):
+        np.testing.assert_allclose(untied[f"v{i:02d}"], i * w.T)
+    uses = st.grad_by_use(lambda m: sum(jnp.sum(x**2) for x in jax.tree.leaves(m)))(tree)["w"]
+    for i in range(20):
+        np.testing.assert_allclose(uses[f"v{i:02d}"], i * 2 * (i * w), rtol=1e-6)
