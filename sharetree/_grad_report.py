@@ -119,6 +119,12 @@ def _num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+def _cos_text(x: float | None) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    return f"{x:+.3f}"
+
+
 def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{100 * x:.1f}%"
 
@@ -166,7 +172,7 @@ class GradReport:
                 u.path,
                 _num(u.norm),
                 _pct(u.share),
-                _num(u.cos_rest),
+                _cos_text(u.cos_rest),
                 "" if math.isnan(u.share) else "\u2588" * round(_BAR * u.share),
             )
             for u in b.uses[: self.max_rows]
@@ -215,12 +221,12 @@ class GradReport:
             fill = _FIGHT if fight else _AGREE
             out.append(
                 f"<g><title>{e(u.path)}: norm {_num(u.norm)}, share {_pct(u.share)}, "
-                f"cos(rest) {_num(u.cos_rest)}</title>"
+                f"cos(rest) {_cos_text(u.cos_rest)}</title>"
                 f'<text x="0" y="{y + 12}">{e(u.path)}</text>'
                 f'<rect x="{label_w}" y="{y + 2}" width="{share * _BAR_PX:.1f}" height="12" '
                 f'fill="{fill}"/>'
                 f'<text x="{label_w + share * _BAR_PX + 6:.1f}" y="{y + 12}" fill="#374151">'
-                f"{e(_pct(u.share))} cos {e(_num(u.cos_rest))}</text></g>"
+                f"{e(_pct(u.share))} cos {e(_cos_text(u.cos_rest))}</text></g>"
             )
         out.append("</svg>")
         return "".join(out)
@@ -283,8 +289,8 @@ def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_
         gradient by use: 1 of 1 buffer used in several places
         embed: 2 uses, norm of their sum 2.828
           use    norm   share  cos(rest)
-          embed  1.414  25.0%  -1         █████
-          head   4.243  75.0%  -1         ███████████████
+          embed  1.414  25.0%  -1.000     █████
+          head   4.243  75.0%  -1.000     ███████████████
     """
     if not isinstance(by_use, Mapping):
         raise TieError(
