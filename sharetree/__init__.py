@@ -8,6 +8,8 @@ from sharetree._detect import find_ties, tie_identical
 from sharetree._display import MaterializedDisplay, summary, treescope_materialized
 from sharetree._errors import TieError
 from sharetree._flat import Restructure, destructure
+from sharetree._grad_by_use import grad_by_use
+from sharetree._grad_report import GradReport, grad_report
 from sharetree._io import load, save
 from sharetree._labels import label_by_path, mask_by_path
 from sharetree._materialize import materialize
@@ -26,11 +28,13 @@ from sharetree._transforms import (
     transform_from_spec,
     transpose,
 )
+from sharetree._untie import untie, untie_state
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Buffer",
+    "GradReport",
     "MaterializedDisplay",
     "Restructure",
     "SharingGraph",
@@ -45,6 +49,8 @@ __all__ = [
     "destructure",
     "find_ties",
     "fn",
+    "grad_by_use",
+    "grad_report",
     "identity",
     "label_by_path",
     "load",
@@ -59,4 +65,6 @@ __all__ = [
     "transform_from_spec",
     "transpose",
     "treescope_materialized",
+    "untie",
+    "untie_state",
 ]

@@ -212,3 +212,48 @@ def test_22_meaningless_axes_or_sizes():
         st.transpose(0, 0)
     with pytest.raises(st.TieError, match=r"reshape\(-1, -1\): expected sizes >= 0 and at most"):
         st.reshape(-1, -1)
+
+
+def test_23_grad_by_use_argnums_not_one_int():
+    for bad in ((0, 1), -1, True, "0"):
+        with pytest.raises(st.TieError, match=r"argnums must be one non-negative int"):
+            st.grad_by_use(lambda t: 0.0, argnums=bad)
+    with pytest.raises(st.TieError, match=r"positional argument 1, but only 1 positional"):
+        st.grad_by_use(lambda x, t: 0.0, argnums=1)({"a": W})
+
+
+def test_24_untie_a_path_that_is_not_a_view():
+    tree = {"enc": {"w": W}, "dec": {"w": st.Tied("enc/w", st.T)}}
+    with pytest.raises(st.TieError, match=r"'enc/w' is not a view.*closest.*'dec/w'"):
+        st.untie(tree, "enc/w")
+
+
+def test_24b_untie_a_path_inside_a_subtree_view():
+    with pytest.raises(st.TieError, match=r"'b/w' lies inside the view 'b'.*Fix: untie 'b'"):
+        st.untie({"a": {"w": W}, "b": st.Tied("a")}, "b/w")
+
+
+def test_25_untie_state_through_a_view_that_changes_values():
+    import optax
+
+    params = {"w": W, "v": st.Tied("w", st.scale(2.0))}
+    with pytest.raises(st.TieError, match=r"the view 'v' is scale\(2.0\) of 'w'.*1/c\*\*2"):
+        st.untie_state(optax.adam(1e-3).init(params), params)
+
+
+def test_26_untie_state_of_a_state_for_another_tree():
+    import optax
+
+    params = {"w": W, "v": st.Tied("w", st.T)}
+    state = optax.adam(1e-3).init(st.materialize(params))
+    with pytest.raises(
+        st.TieError, match=r"part '0/mu'.*at 'v' the tree has Tied\('w', T\), the state has a leaf"
+    ):
+        st.untie_state(state, params)
+
+
+def test_27_grad_report_of_something_else():
+    with pytest.raises(st.TieError, match=r"expected a dict \{buffer path"):
+        st.grad_report([W])
+    with pytest.raises(st.TieError, match=r"uses of buffer 'a' have different sizes"):
+        st.grad_report({"a": {"a": W, "b": jnp.ones(2)}})
