@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import html
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
@@ -165,17 +165,25 @@ def _table(
     return out
 
 
-def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
+def summary(
+    tree: Any,
+    grads_by_use: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    max_rows: int = MAX_ROWS,
+) -> str:
     """A plain-text summary of the sharing in ``tree``, for terminals and logs.
 
     Shows the totals (leaves, parameters and bytes, unique vs expanded, and
     the share that sharing saves), the buffers (path, shape, dtype, bytes,
     number of views) and the views (path, buffer, transform, shape, dtype).
     Each table is cut after ``max_rows`` rows with an ``... and K more`` line;
-    buffers that have views are kept first when cutting.
+    buffers that have views are kept first when cutting. Given the output of
+    :func:`~sharetree.grad_by_use`, it ends with the gradient-by-use report
+    (:func:`~sharetree.grad_report`: each use's norm, share and cosine).
 
     Args:
         tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
+        grads_by_use: optional ``st.grad_by_use(fun)(tree, ...)`` for this tree.
         max_rows: the most rows shown per table.
 
     Returns:
@@ -229,6 +237,10 @@ def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
         lines.append("  (none: nothing is shared)")
     if more_v:
         lines.append(f"  ... and {more_v:,} more views")
+    if grads_by_use is not None:
+        from sharetree._grad_report import grad_report  # it renders with this module's tables
+
+        lines.append(str(grad_report(grads_by_use, max_rows=max_rows)))
     return "\n".join(lines)
 
 

@@ -313,3 +313,14 @@ def test_readme_section_output_is_what_the_code_prints(capsys):
     assert capsys.readouterr().out == shown
     exec(compile(more, "README.md", "exec"), namespace)
     assert namespace["untied"]["head"].shape == (8, 10)
+
+
+def test_summary_with_grads_by_use_ends_with_the_report():
+    import jax.numpy as jnp
+
+    tree = {"embed": jnp.array([[1.0, 2.0]]), "head": st.Tied("embed", st.T)}
+    by_use = st.grad_by_use(lambda m: m["embed"].sum() - 3 * m["head"].sum())(tree)
+    text = st.summary(tree, by_use)
+    assert text.startswith(st.summary(tree) + "\n")
+    assert text.endswith(str(st.grad_report(by_use)))
+    assert "cos(rest)" in text and "-1.000" in text
