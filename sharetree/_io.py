@@ -27,9 +27,9 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
-from sharetree._materialize import transform_error
+from sharetree._materialize import abstract_expanded, transform_error
 from sharetree._paths import Path, key_name, keypath_to_path, path_str
-from sharetree._report import SharingGraph, canonicalize
+from sharetree._report import SharingGraph
 from sharetree._safetensors import Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, transform_from_spec
@@ -80,6 +80,14 @@ def _is_numeric(dtype: np.dtype) -> bool:
         return False
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_key_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -98,6 +106,8 @@ class _Writer:
 
     def name_for(self, path: Path) -> str:
         base = "/".join(path) if path else "<root>"
+        if not _utf8(base):  # lone surrogates: a file holds UTF-8 names only
+            base = base.encode("utf-8", "backslashreplace").decode("utf-8")
         name, k = base, 1
         # keys containing '/' can make two paths print alike; '__metadata__' is reserved
         while name in self.tensors or name in _RESERVED_NAMES:
@@ -244,6 +254,11 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
                 f"{type(v).__name__}; safetensors metadata holds str -> str only. "
                 "Fix: convert it, e.g. with json.dumps."
             )
+        if not (_utf8(k) and _utf8(v)):
+            raise TieError(
+                f"save: the metadata entry {k!r}: {v!r} is not valid UTF-8 text (it holds a lone "
+                "surrogate). Fix: pass text that encodes to UTF-8."
+            )
         if k.startswith(_PREFIX):
             raise TieError(
                 f"save: the metadata key {k!r} starts with {_PREFIX!r}, which sharetree keeps "
@@ -314,14 +329,13 @@ def save(
     writer = _Writer(gather)
     structure = writer.node(tree, ())  # keys, depth and leaves first: names the path
     try:
-        canonicalize(tree).views  # noqa: B018 - validate the graph and every view's shape
-    except TieError:
-        raise
-    except (ValueError, TypeError) as e:  # jax cannot flatten it (e.g. dict keys 0 and "a")
+        jtu.tree_structure(tree)
+    except (ValueError, TypeError) as e:  # jax cannot sort the keys (e.g. dict keys 0 and "a")
         raise TieError(
             f"save: jax cannot flatten the tree ({one_line(e)}). Fix: use dict keys of one "
             "type per dict (all str or all int)."
         ) from e
+    abstract_expanded(tree)  # validate the graph and every view's shape first
     from sharetree import __version__
 
     meta = {
@@ -542,7 +556,7 @@ def load(
         )
     try:
         # dangling refs, cycles, bad transforms; only the caller's functions are ever called
-        canonicalize(tree).views  # noqa: B018
+        abstract_expanded(tree)
     except TieError as e:
         raise TieError(f"load: {path!r} holds a bad sharing graph: {e}") from None
     if shardings is not None:
