@@ -708,8 +708,9 @@ class _Builder:
         return tree
 
     def bad(self, path: Path, what: str) -> TieError:
-        return TieError(f"{self.verb}: {self.path!r}: malformed node at {path_str(path)!r}: "
-                        f"{what}. {_RESAVE}")  # fmt: skip
+        return TieError(
+            f"{self.verb}: {self.path!r}: malformed node at {path_str(path)!r}: {what}. {_RESAVE}"
+        )
 
     def field(self, node: dict[str, Any], name: str, path: Path, ok: Any, want: str) -> Any:
         if name not in node:
@@ -717,8 +718,9 @@ class _Builder:
         v = node[name]
         if not ok(v):
             shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
-            raise self.bad(path, f"the field {name!r} should be {want}, found "
-                                 f"{type(v).__name__} {shown}")  # fmt: skip
+            raise self.bad(
+                path, f"the field {name!r} should be {want}, found {type(v).__name__} {shown}"
+            )
         return v
 
     def children(
@@ -744,6 +746,12 @@ class _Builder:
         t = self.field(node, "t", path, lambda v: isinstance(v, str), "a node kind")
         if t in ("dict", "odict"):
             keys, children = self.children(node, path, True)
+            if t == "dict" and len({type(k) for k in keys}) > 1:
+                raise self.bad(
+                    path,
+                    f"a dict has keys of one type (jax sorts them), found str "
+                    f"and int keys {keys[:8]!r}",
+                )
             kind = dict if t == "dict" else collections.OrderedDict
             return kind(
                 (k, self.build(c, (*path, str(k)))) for k, c in zip(keys, children, strict=True)
@@ -796,8 +804,13 @@ class _Builder:
             ) from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
-        kind = self.field(node, "type", path, lambda v: v in _VALUE_TYPES, "bool, int, float, "
-                          "complex or str")  # fmt: skip
+        kind = self.field(
+            node,
+            "type",
+            path,
+            lambda v: isinstance(v, str) and v in _VALUE_TYPES,
+            "bool, int, float, complex or str",
+        )
         v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
         if kind == "complex":
             return complex(v[0], v[1])
@@ -810,12 +823,18 @@ class _Builder:
         raw = self.field(node, "raw", path, lambda v: isinstance(v, bool), "true or false")
         scalar = node.get("scalar", False)
         if not isinstance(scalar, bool) or (scalar and shape):
-            raise self.bad(path, f"the field 'scalar' should be true (for shape []) or false, "
-                                 f"found {scalar!r} for shape {list(shape)}")  # fmt: skip
+            raise self.bad(
+                path,
+                f"the field 'scalar' should be true (for shape []) or false, "
+                f"found {scalar!r} for shape {list(shape)}",
+            )
         impl = node.get("key")
         if impl is not None and (impl not in KEY_IMPLS or dtype_name != "uint32" or raw):
-            raise self.bad(path, f"the field 'key' should be one of {list(KEY_IMPLS)} on "
-                                 f"uint32 data, found {impl!r} on {dtype_name}")  # fmt: skip
+            raise self.bad(
+                path,
+                f"the field 'key' should be one of {list(KEY_IMPLS)} on "
+                f"uint32 data, found {impl!r} on {dtype_name}",
+            )
         if name not in self.tensors:
             raise TieError(
                 f"{self.verb}: {self.path!r}: the buffer at {path_str(path)!r} needs the tensor "
@@ -856,8 +875,10 @@ class _Builder:
             try:
                 return jax.random.wrap_key_data(a, impl=impl)
             except (ValueError, TypeError) as e:
-                raise self.bad(path, f"key data {dtype.name}{list(shape)} does not fit "
-                                     f"{impl} keys ({one_line(e)})") from e  # fmt: skip
+                raise self.bad(
+                    path,
+                    f"key data {dtype.name}{list(shape)} does not fit {impl} keys ({one_line(e)})",
+                ) from e
         return a[()] if scalar else a
 
 

@@ -752,8 +752,10 @@ def test_describe_a_sharetree_file(tmp_path) -> None:
     st.save(path, tree)
     text = _io.describe(path)
     lines = text.splitlines()
-    assert lines[0] == f"{path}: {os.path.getsize(path):,} bytes, sharetree format 1 (written by " \
-        f"sharetree {st.__version__})"  # fmt: skip
+    assert (
+        lines[0] == f"{path}: {os.path.getsize(path):,} bytes, sharetree format 1 (written by "
+        f"sharetree {st.__version__})"
+    )
     # the summary of the same graph, independently built from the tree itself (the fn view
     # aside, whose shape describe does not compute)
     expected = st.summary({"w": tree["w"], "t": tree["t"]}).splitlines()
@@ -792,8 +794,11 @@ def test_describe_a_foreign_file_and_problems(tmp_path) -> None:
     assert "\n" not in str(e.value)
     deep = tampered(tmp_path, TIED, lambda t, m, s: s.update(x=[[[[[[[[]]]]]]]]))
     _io.describe(deep)  # an unknown extra field is ignored, like load does
-    dangling = tampered(tmp_path, TIED, lambda t, m, s: s["children"][s["keys"].index("head")]
-                        .update(ref=["embedd"]))  # fmt: skip
+    dangling = tampered(
+        tmp_path,
+        TIED,
+        lambda t, m, s: s["children"][s["keys"].index("head")].update(ref=["embedd"]),
+    )
     with pytest.raises(st.TieError, match=r"inspect: .*bad sharing graph.*'embedd'") as e:
         _io.describe(dangling)
     assert "\n" not in str(e.value)
@@ -880,9 +885,13 @@ def _trees(leaf: Any) -> Any:
 
 
 @settings(max_examples=150, deadline=None)
-@given(tree=_trees(hs.sampled_from([np.float32(1.5), 3, "s", None]).map(
-    lambda v: np.arange(2.0) if v is None else v
-)))  # fmt: skip
+@given(
+    tree=_trees(
+        hs.sampled_from([np.float32(1.5), 3, "s", None]).map(
+            lambda v: np.arange(2.0) if v is None else v
+        )
+    )
+)
 def test_any_tree_save_accepts_loads_back_equal(tmp_path_factory, tree) -> None:
     path = tmp_path_factory.mktemp("names") / "m.safetensors"
     st.save(path, {"keep": np.ones(1)})
@@ -1043,8 +1052,11 @@ def test_prng_key_of_unknown_impl_is_refused_before_writing(tmp_path, monkeypatc
     st.save(path, TIED)
     before = path.read_bytes()
     monkeypatch.setattr(_io, "KEY_IMPLS", ("rbg",))
-    with pytest.raises(st.TieError, match=r"PRNG key array at 'k' uses the implementation "
-                       r"'threefry2x32'"):  # fmt: skip
+    with pytest.raises(
+        st.TieError,
+        match=r"PRNG key array at 'k' uses the implementation "
+        r"'threefry2x32'",
+    ):
         st.save(path, {"k": jax.random.key(0)})
     assert path.read_bytes() == before
 
