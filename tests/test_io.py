@@ -1138,3 +1138,69 @@ def test_load_with_shardings_places_each_buffer(tmp_path) -> None:
         st.load(path, shardings={**shardings, "enc": {"w": s}})
     with pytest.raises(st.TieError, match=r"at 'embed' is str 'cpu', not a jax.sharding"):
         st.load(path, shardings={**shardings, "embed": "cpu"})
+
+
+_SHARDED_SCRIPT = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import sharetree as st
+
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+specs = {"embed": P("model", None), "mlp": {"w": P(None, "model"), "b": P()}, "head": None}
+tree = {
+    "embed": jnp.arange(64.0).reshape(16, 4),
+    "mlp": {"w": jnp.ones((4, 8)), "b": jnp.zeros(8)},
+    "head": st.Tied("embed", st.T),
+}
+shardings = {
+    "embed": NamedSharding(mesh, specs["embed"]),
+    "mlp": {"w": NamedSharding(mesh, specs["mlp"]["w"]), "b": NamedSharding(mesh, P())},
+    "head": st.Tied("embed", st.T),
+}
+placed = jax.device_put(tree, shardings)
+path = os.path.join(sys.argv[1], "sharded.safetensors")
+st.save(path, placed, gather=True)  # one process: process_allgather is a local gather
+back = st.load(path, shardings=shardings)
+out = {
+    "devices": len(jax.devices()),
+    "head": repr(back["head"]),
+    "same_sharding": [
+        back["embed"].sharding == shardings["embed"],
+        back["mlp"]["w"].sharding == shardings["mlp"]["w"],
+        back["mlp"]["b"].sharding == shardings["mlp"]["b"],
+    ],
+    "shards_of_embed": len(back["embed"].addressable_shards),
+    "equal": bool(np.array_equal(np.asarray(back["embed"]), np.arange(64.0).reshape(16, 4))),
+    "head_value": bool(np.array_equal(np.asarray(st.materialize(back)["head"]),
+                                      np.arange(64.0).reshape(16, 4).T)),
+}
+print(json.dumps(out))
+"""
+
+
+def test_sharded_save_and_load_on_8_simulated_devices(tmp_path) -> None:
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {
+        "devices": 8,
+        "head": "Tied('embed', T)",
+        "same_sharding": [True, True, True],
+        "shards_of_embed": 8,
+        "equal": True,
+        "head_value": True,
+    }
