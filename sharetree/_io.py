@@ -370,14 +370,37 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
     return {k: v for k, v in meta.items() if not k.startswith(_PREFIX)}
 
 
-def _json_depth(text: str) -> int:
-    """The deepest nesting of ``[`` / ``{`` in JSON text, strings skipped (no recursion)."""
-    bare = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
-    codes = np.frombuffer(bare.encode("utf-8", "surrogatepass"), np.uint8)
-    steps = np.zeros(codes.shape, np.int64)
-    steps[(codes == ord("[")) | (codes == ord("{"))] = 1
-    steps[(codes == ord("]")) | (codes == ord("}"))] = -1
-    return int(np.cumsum(steps).max()) if steps.size else 0
+def _json_depth(text: str, limit: int) -> int:
+    r"""The nesting of ``[`` / ``{`` in JSON text, strings skipped; stops once above ``limit``.
+
+    Linear in the text and without recursion, whatever the text (an unterminated
+    string ends the scan: such text is not JSON, which the parser then reports).
+
+    Example:
+        >>> from sharetree._io import _json_depth
+        >>> _json_depth('{"a": [[1], "[[[\\"]"]}', 10), _json_depth("[" * 5000, 10)
+        (3, 11)
+    """
+    depth = deepest = pos = 0
+    while (m := _NEXT.search(text, pos)) is not None:
+        c, pos = m.group(), m.end()
+        if c == '"':
+            string = _STRING.match(text, m.start())
+            if string is None:
+                break
+            pos = string.end()
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        else:
+            depth -= 1
+    return deepest
+
+
+_NEXT = re.compile(r'["\[\]{}]')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.S)
 
 
 def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
@@ -399,10 +422,11 @@ def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
             f"structure is lost. {_RESAVE}"
         )
     text = meta[_KEY_TREE]
-    depth = _json_depth(text)
+    depth = _json_depth(text, _MAX_JSON_DEPTH)
     if depth > _MAX_JSON_DEPTH:
         raise TieError(
-            f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is nested {depth} levels deep; a "
+            f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is nested {depth} or more levels "
+            f"deep; a "
             f"file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at most "
             f"{MAX_DEPTH} levels). {_RESAVE}"
         )
