@@ -664,7 +664,7 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
             f"{format_bytes(data)} of tensor data, no ties recorded"
         )
         rows = [
-            f"  {info.name}  {info.code}{list(info.shape)}"
+            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
             for info in list(reader.infos.values())[:max_rows]
         ]
         if len(reader.infos) > max_rows:
@@ -685,7 +685,7 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
     head = (
         f"{path}: {size:,} bytes, sharetree format {meta[_KEY_VERSION]} "
-        f"(written by sharetree {meta.get(_KEY_LIBRARY, '?')})"
+        f"(written by sharetree {_printable(meta.get(_KEY_LIBRARY, '?'))})"
     )
     notes = []
     named = sum(_is_described(v.transform) for v in graph.structure.views)
@@ -697,6 +697,11 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     if builder.keys:
         notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
     return "\n".join([head, text, *notes])
+
+
+def _printable(text: str) -> str:
+    """``text`` as it is when printable, else its ``repr`` (file content never moves a terminal)."""
+    return text if text.isprintable() else repr(text)
 
 
 # ----------------------------------------------------------------------------- the builder

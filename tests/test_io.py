@@ -781,6 +781,10 @@ def test_describe_a_foreign_file_and_problems(tmp_path) -> None:
     save_file({"a": np.ones(3), "b": np.zeros((2, 2), np.float32)}, str(path))
     text = _io.describe(path)
     assert "not written by sharetree" in text and "2 tensors, 40 B of tensor data" in text
+    assert text.splitlines()[1:] == ["  a  F64[3]", "  b  F32[2, 2]"]
+    save_file({"evil\x1b[2J\nname": np.ones(1)}, str(path))
+    text = _io.describe(path)  # a name from the file never moves the terminal
+    assert text.count("\n") == 1 and "'evil\\x1b[2J\\nname'" in text and "\x1b" not in text
     for bad, match in [
         (tmp_path / "missing.safetensors", "cannot read"),
         (tmp_path, "is a directory"),
