@@ -37,8 +37,14 @@ from sharetree._transforms import _Unresolved as _Unresolved
 
 __all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
 
-FORMAT_VERSION = 1
-"""The version of the file format written by :func:`save`; :func:`load` reads versions up to it."""
+FORMAT_VERSION = 2
+"""The newest file format version: :func:`load` reads versions up to it.
+
+:func:`save` writes version 1 unless the tree holds a typed PRNG key array
+(version 2 adds the ``key`` field of buffers, which a version-1 reader would
+misread as plain ``uint32`` data), so files without keys stay readable by
+every sharetree that reads version 1.
+"""
 
 MAX_DEPTH = 200
 """The deepest nesting of containers :func:`save` writes and :func:`load` reads (the root is 0)."""
@@ -103,6 +109,7 @@ class _Writer:
     def __init__(self, gather: bool) -> None:
         self.tensors: dict[str, np.ndarray] = {}
         self.gather = gather
+        self.has_keys = False
 
     def name_for(self, path: Path) -> str:
         base = "/".join(path) if path else "<root>"
@@ -200,6 +207,7 @@ class _Writer:
                     "its raw data (jax.random.key_data) and wrap it again after loading."
                 )
             x = jax.random.key_data(x)
+            self.has_keys = True
         if isinstance(x, jax.Array) and not _addressable(x):
             if not self.gather:
                 raise TieError(
@@ -340,7 +348,7 @@ def save(
 
     meta = {
         **user,
-        _KEY_VERSION: str(FORMAT_VERSION),
+        _KEY_VERSION: "2" if writer.has_keys else "1",
         _KEY_LIBRARY: __version__,
         _KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
@@ -557,7 +565,7 @@ def load(
     def resolve(spec: Any) -> Transform:
         return transform_from_spec(spec, functions=functions)
 
-    builder = _Builder(path, "load", tensors, resolve)
+    builder = _Builder(path, "load", tensors, resolve, int(meta[_KEY_VERSION]))
     tree = builder.run(structure)
     if like is not None:
         tree = _restore_like(path, tree, like)
@@ -672,7 +680,11 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         return "\n".join([head, *rows])
     structure = _parse_structure(path, meta, "inspect")
     builder = _Builder(
-        path, "inspect", reader.infos, lambda s: transform_from_spec(s, functions=_AnyFunction())
+        path,
+        "inspect",
+        reader.infos,
+        lambda s: transform_from_spec(s, functions=_AnyFunction()),
+        int(meta[_KEY_VERSION]),
     )
     tree = builder.run(structure)
     leaves, treedef = jtu.tree_flatten(tree)
@@ -716,8 +728,11 @@ class _Builder:
     tree at most ``MAX_DEPTH``.
     """
 
-    def __init__(self, path: str, verb: str, tensors: Mapping[str, Any], resolve: Any) -> None:
+    def __init__(
+        self, path: str, verb: str, tensors: Mapping[str, Any], resolve: Any, version: int
+    ) -> None:
         self.path = path
+        self.version = version
         self.verb = verb
         self.tensors = tensors
         self.resolve = resolve
@@ -858,11 +873,13 @@ class _Builder:
                 f"found {scalar!r} for shape {list(shape)}",
             )
         impl = node.get("key")
-        if impl is not None and (impl not in KEY_IMPLS or dtype_name != "uint32" or raw):
+        if impl is not None and (
+            self.version < 2 or impl not in KEY_IMPLS or dtype_name != "uint32" or raw
+        ):
             raise self.bad(
                 path,
-                f"the field 'key' should be one of {list(KEY_IMPLS)} on "
-                f"uint32 data, found {impl!r} on {dtype_name}",
+                f"the field 'key' should be one of {list(KEY_IMPLS)} on uint32 data in a file "
+                f"of format version 2, found {impl!r} on {dtype_name} (version {self.version})",
             )
         if name not in self.tensors:
             raise TieError(

@@ -115,7 +115,7 @@ def test_metadata_keys_and_version(tmp_path) -> None:
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     _, meta = read_raw(path)
-    assert meta["sharetree.format_version"] == str(_io.FORMAT_VERSION) == "1"
+    assert meta["sharetree.format_version"] == "1" and _io.FORMAT_VERSION == 2
     assert meta["sharetree.library_version"] == st.__version__
     tree = json.loads(meta["sharetree.tree"])
     assert tree["t"] == "dict"
@@ -541,12 +541,12 @@ def test_foreign_file_with_float8_is_read_raw(tmp_path) -> None:
 
 def test_newer_format_version(tmp_path) -> None:
     def bump(tensors, meta, structure):
-        meta["sharetree.format_version"] = "2"
+        meta["sharetree.format_version"] = "3"
         meta["sharetree.library_version"] = "9.0"
 
     bad = tampered(tmp_path, TIED, bump)
     with pytest.raises(
-        st.TieError, match=r"format version 2, written by sharetree '9\.0'.*upgrade"
+        st.TieError, match=r"format version 3, written by sharetree '9\.0'.*up to 2.*upgrade"
     ):
         st.load(bad)
 
@@ -1052,10 +1052,21 @@ def test_prng_keys_round_trip(tmp_path) -> None:
             jax.random.uniform(jax.random.fold_in(back[name].reshape(-1)[0], 7), (3,)),
             jax.random.uniform(jax.random.fold_in(tree[name].reshape(-1)[0], 7), (3,)),
         )
+    _, meta = read_raw(tmp_path / "k.safetensors")
+    assert meta["sharetree.format_version"] == "2"  # a version-1 reader would misread the keys
     assert isinstance(back["old"], np.ndarray) and back["old"].dtype == np.uint32
     np.testing.assert_array_equal(back["old"], tree["old"])
     assert back["alias"] == st.Tied("k")
     assert st.materialize(back)["alias"] is back["k"]
+
+
+def test_key_field_needs_format_version_2(tmp_path) -> None:
+    def downgrade(tensors, meta, structure):
+        meta["sharetree.format_version"] = "1"
+
+    bad = tampered(tmp_path, {"k": jax.random.key(0)}, downgrade)
+    with pytest.raises(st.TieError, match=r"'k'.*field 'key'.*format version 2.*\(version 1\)"):
+        st.load(bad)
 
 
 def test_prng_key_of_unknown_impl_is_refused_before_writing(tmp_path, monkeypatch) -> None:
