@@ -257,3 +257,138 @@ def test_27_grad_report_of_something_else():
         st.grad_report([W])
     with pytest.raises(st.TieError, match=r"uses of buffer 'a' have different sizes"):
         st.grad_report({"a": {"a": W, "b": jnp.ones(2)}})
+
+
+# --------------------------------------------------------------------------- files (rows 28-37)
+
+
+def _saved(tmp_path, tree, edit=None):
+    import json
+
+    import numpy as np  # noqa: F401 - used by callers' trees
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    st.save(path, tree)
+    if edit is None:
+        return path
+    with safe_open(str(path), framework="np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = dict(f.metadata())
+    structure = json.loads(meta["sharetree.tree"])
+    edit(structure)
+    meta["sharetree.tree"] = json.dumps(structure)
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def test_28_fn_function_not_passed_to_load(tmp_path):
+    path = _saved(tmp_path, {"w": W, "f": st.Tied("w", st.fn(jnp.flipud))})
+    with pytest.raises(
+        st.TieError,
+        match=r"m\.safetensors'.*tie at 'f'.*'jax\.numpy:flipud'.*never imported or called.*"
+        r"st\.load\(path, functions=\{'jax\.numpy:flipud': flipud\}\)",
+    ):
+        st.load(path)
+
+
+def test_29_malformed_metadata_field(tmp_path):
+    tree = {"w": W, "t": st.Tied("w", st.T)}
+
+    def empty_ref(s):
+        s["children"][s["keys"].index("t")]["ref"] = []
+
+    with pytest.raises(st.TieError, match=r"m\.safetensors'.*tie at 't' is malformed.*empty key"):
+        st.load(_saved(tmp_path, tree, empty_ref))
+
+    def string_shape(s):
+        s["children"][s["keys"].index("w")]["shape"] = "2x3"
+
+    with pytest.raises(
+        st.TieError, match=r"m\.safetensors'.*at 'w'.*'shape' should be a list of sizes.*'2x3'"
+    ):
+        st.load(_saved(tmp_path, tree, string_shape))
+
+
+def test_30_nesting_limits(tmp_path):
+    import numpy as np
+
+    deep = np.ones(1)
+    for _ in range(201):
+        deep = [deep]
+    with pytest.raises(st.TieError, match=r"nested deeper than 200 levels"):
+        st.save(tmp_path / "d.safetensors", deep)
+
+    from safetensors.numpy import save_file
+
+    text = '{"t":"list","children":' + "[" * 1000 + "]" * 1000 + "}"
+    meta = {"sharetree.format_version": "1", "sharetree.tree": text}
+    save_file({}, str(tmp_path / "n.safetensors"), metadata=meta)
+    with pytest.raises(st.TieError, match=r"nested 417 or more levels deep.*at most 416"):
+        st.load(tmp_path / "n.safetensors")
+
+
+def test_31_keys_that_name_one_path(tmp_path):
+    import collections
+
+    import numpy as np
+
+    with pytest.raises(st.TieError, match=r"keys 0 and '0', which name the same path '0'"):
+        st.save(tmp_path / "k.safetensors", collections.OrderedDict([(0, W), ("0", W)]))
+    with pytest.raises(st.TieError, match=r"jax cannot flatten the tree.*one type per dict"):
+        st.save(tmp_path / "k.safetensors", {0: np.ones(1), "a": np.ones(1)})
+
+
+def test_32_bad_user_metadata(tmp_path):
+    with pytest.raises(st.TieError, match=r"'sharetree.x' starts with 'sharetree.'"):
+        st.save(tmp_path / "m.safetensors", {"w": W}, metadata={"sharetree.x": "1"})
+    with pytest.raises(st.TieError, match=r"'n': 1 is str -> int"):
+        st.save(tmp_path / "m.safetensors", {"w": W}, metadata={"n": 1})
+
+
+def test_33_prng_key_of_unknown_impl(tmp_path, monkeypatch):
+    from sharetree import _io
+
+    monkeypatch.setattr(_io, "KEY_IMPLS", ("rbg",))
+    with pytest.raises(st.TieError, match=r"PRNG key array at 'k'.*'threefry2x32'.*rbg only"):
+        st.save(tmp_path / "k.safetensors", {"k": jax.random.key(0)})
+
+
+def test_34_not_fully_addressable_without_gather(tmp_path, monkeypatch):
+    from sharetree import _io
+
+    monkeypatch.setattr(_io, "_addressable", lambda x: False)
+    with pytest.raises(
+        st.TieError,
+        match=r"buffer at 'w' is sharded over several processes.*"
+        r"gather=True",
+    ):
+        st.save(tmp_path / "m.safetensors", {"w": W})
+
+
+def test_35_shardings_that_do_not_match(tmp_path):
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    path = _saved(tmp_path, {"w": W, "v": W, "t": st.Tied("w")})
+    with pytest.raises(
+        st.TieError,
+        match=r"buffers without a sharding: \['v'\].*file does not "
+        r"have: \['x'\]",
+    ):
+        st.load(path, shardings={"w": s, "x": s})
+    with pytest.raises(st.TieError, match=r"at 'v' is int 3, not a jax.sharding.Sharding"):
+        st.load(path, shardings={"w": s, "v": 3, "t": None})
+
+
+def test_36_ties_for_a_sharetree_file(tmp_path):
+    with pytest.raises(st.TieError, match=r"carries its own ties; ties= is for files"):
+        st.load(_saved(tmp_path, {"w": W}), ties={"a": "w"})
+
+
+def test_37_describe_problems_are_one_line(tmp_path):
+    from sharetree._io import describe
+
+    for bad, match in [(tmp_path / "none.safetensors", "cannot read"), (tmp_path, "directory")]:
+        with pytest.raises(st.TieError, match=match) as e:
+            describe(bad)
+        assert "\n" not in str(e.value)
