@@ -120,8 +120,9 @@ def shardings_by_path(
             the first matching pattern wins.
         default: the spec of a leaf that no pattern matches. Without it such a
             leaf is an error.
-        strict: also require every pattern to win at least one leaf (catches
-            typos, and patterns that name only tied positions).
+        strict: also require every pattern to match at least one leaf (catches
+            typos, and patterns that name only tied positions); a catch-all
+            ``"*"`` after more specific patterns is fine.
 
     Returns:
         The tree with each buffer replaced by its ``NamedSharding``.
@@ -157,11 +158,13 @@ def shardings_by_path(
                 "only arrays take a sharding. Fix: pass a tree of arrays or "
                 "jax.ShapeDtypeStruct (jax.eval_shape(init, key))."
             )
-        for i, (pattern, spec) in enumerate(pairs):
-            if _matches(pattern, path):
-                used[i] = True
-                _check(path, aval.shape, spec, pattern, mesh)
-                return NamedSharding(mesh, spec)
+        matching = [i for i, (pattern, _) in enumerate(pairs) if _matches(pattern, path)]
+        for i in matching:
+            used[i] = True
+        if matching:
+            pattern, spec = pairs[matching[0]]
+            _check(path, aval.shape, spec, pattern, mesh)
+            return NamedSharding(mesh, spec)
         if fallback is None:
             raise TieError(
                 f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))}) matches none "

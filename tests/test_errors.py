@@ -201,3 +201,43 @@ def test_22_meaningless_axes_or_sizes():
         st.transpose(0, 0)
     with pytest.raises(st.TieError, match=r"reshape\(-1, -1\): expected sizes >= 0 and at most"):
         st.reshape(-1, -1)
+
+
+def test_23_sharding_rule_unmatched_or_unused():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"leaf 'b' \(shape \(3,\)\) matches none of the"):
+        st.shardings_by_path({"w": W, "b": jnp.ones(3)}, mesh, {"w": P()})
+    with pytest.raises(st.TieError, match=r"pattern 'wx' matches no leaf.*closest.*'w'"):
+        st.shardings_by_path({"w": W}, mesh, {"wx": P(), "*": P()})
+
+
+def test_24_sharding_rule_unknown_mesh_axis():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*axis 'data' does not exist"):
+        st.shardings_by_path({"w": W}, mesh, {"w": P("data")})
+
+
+def test_25_sharding_rule_non_divisible_dimension():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(
+        st.TieError, match=r"'w' \(shape \(2, 3\).*dimension 1 has size 3.*'model' of size 2"
+    ):
+        st.shardings_by_path({"w": W}, mesh, {"w": P(None, "model")})
+
+
+def test_26_partition_spec_longer_than_the_array():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*3 entries.*2 dimension"):
+        st.shardings_by_path({"w": W}, mesh, {"w": P(None, None, None)})
