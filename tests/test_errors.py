@@ -241,3 +241,26 @@ def test_26_partition_spec_longer_than_the_array():
     mesh = AbstractMesh((2,), ("model",))
     with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*3 entries.*2 dimension"):
         st.shardings_by_path({"w": W}, mesh, {"w": P(None, None, None)})
+
+
+def test_27_flax_tie_between_partition_boxes_that_would_shard_the_view_wrongly():
+    nn = pytest.importorskip("flax.linen")
+    from sharetree.flax import tied
+
+    def boxed(*names):
+        return nn.with_logical_partitioning(nn.initializers.ones, names)
+
+    class AE(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(2, kernel_init=boxed("embed", "mlp"), name="enc")(x)
+            return nn.Dense(4, kernel_init=boxed("embed", "mlp"), name="dec")(x)
+
+    with pytest.raises(
+        st.TieError,
+        match=r"'dec/kernel' would carry the partition names \('mlp', 'embed'\).*"
+        r"own box has \('embed', 'mlp'\).*'dec/kernel/value': st.Tied\('enc/kernel/value', T\)",
+    ):
+        tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)}).init(
+            jax.random.key(0), jnp.ones((1, 4))
+        )
