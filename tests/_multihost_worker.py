@@ -11,7 +11,7 @@ Modes:
 
 * ``train``: build the sharded model, train ``STEPS`` steps with AdamW and
   clipping, save the train state with Orbax after ``SAVE_AT`` steps, write
-  the results (``OUTDIR/process_<i>.json`` and ``.npz``).
+  the results (``OUTDIR/train_<i>.json`` and ``.npz``, for process ``i``).
 * ``resume``: a fresh job restores the Orbax checkpoint into abstract targets
   carrying the global shardings and trains the remaining steps; then it
   starts another save and process 1 is killed during it (``--kill-during-save``).
@@ -67,14 +67,9 @@ import sharetree as st  # noqa: E402
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 64, 16, 32, 8, 9
 STEPS, SAVE_AT = 6, 3
-RULES = {  # one PartitionSpec per buffer, by path (the head is a view: it needs none)
-    "embed": P("model", None),  # (vocab, dim): the vocabulary split over "model"
-    "blocks/*/w1": P(None, "model"),
-    "blocks/*/w2": P("model", None),
-    "*": P(),  # everything else replicated
-}
 
 
+# docs: begin start
 def wait_for_coordinator(address: str, timeout: float) -> None:
     """Return once ``host:port`` accepts a TCP connection; raise naming it after ``timeout`` s.
 
@@ -108,6 +103,18 @@ def initialize(coordinator: str | None, num_processes: int, process_id: int, tim
     jax.distributed.initialize(
         coordinator, num_processes, process_id, initialization_timeout=timeout
     )
+
+
+# docs: end start
+
+
+# docs: begin model
+RULES = {  # one PartitionSpec per buffer, by path (the head is a view: it needs none)
+    "embed": P("model", None),  # (vocab, dim): the vocabulary split over "model"
+    "blocks/*/w1": P(None, "model"),
+    "blocks/*/w2": P("model", None),
+    "*": P(),  # everything else replicated
+}
 
 
 def init(key: jax.Array) -> dict:
@@ -209,11 +216,42 @@ class Setup:
         )
 
 
+# docs: end model
+
+
+# docs: begin train
 def gathered(tree: object) -> dict[str, np.ndarray]:
     """Every leaf of a global tree as a full NumPy array on this process, keyed by path."""
     full = multihost_utils.process_allgather(tree, tiled=True)
     flat = jax.tree_util.tree_flatten_with_path(full)[0]
     return {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(x) for k, x in flat}
+
+
+def train(args: argparse.Namespace) -> None:
+    setup = Setup()
+    params = setup.init(jax.random.key(0))
+    opt_state = setup.opt_init(params)
+    out = describe(setup, params, opt_state)
+    record: dict[str, np.ndarray] = {}
+    losses = []
+    ckpt = ocp.CheckpointManager(os.path.join(args.outdir, "ckpt"))
+    for i in range(STEPS):
+        if i == SAVE_AT:  # every process saves; Orbax writes each shard once
+            ckpt.save(i, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            ckpt.wait_until_finished()
+            record.update({f"saved/{k}": v for k, v in gathered(params).items()})
+        params, opt_state, value, grads = setup.step(params, opt_state, setup.batch(i))
+        losses.append(float(value))
+        record.update({f"grads/{i}/{k}": v for k, v in gathered(grads).items()})
+    ckpt.close()
+    out["losses"] = losses
+    out["final_ties"] = ties_of(params)
+    out["final_treedef"] = str(jax.tree.structure(params))
+    record.update({f"params/{k}": v for k, v in gathered(params).items()})
+    write(args, out, record)
+
+
+# docs: end train
 
 
 def ties_of(tree: object) -> list[list[str]]:
@@ -253,30 +291,7 @@ def describe(setup: Setup, params: dict, opt_state: object) -> dict:
     }
 
 
-def train(args: argparse.Namespace) -> None:
-    setup = Setup()
-    params = setup.init(jax.random.key(0))
-    opt_state = setup.opt_init(params)
-    out = describe(setup, params, opt_state)
-    record: dict[str, np.ndarray] = {}
-    losses = []
-    ckpt = ocp.CheckpointManager(os.path.join(args.outdir, "ckpt"))
-    for i in range(STEPS):
-        if i == SAVE_AT:  # every process saves; Orbax writes each shard once
-            ckpt.save(i, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-            ckpt.wait_until_finished()
-            record.update({f"saved/{k}": v for k, v in gathered(params).items()})
-        params, opt_state, value, grads = setup.step(params, opt_state, setup.batch(i))
-        losses.append(float(value))
-        record.update({f"grads/{i}/{k}": v for k, v in gathered(grads).items()})
-    ckpt.close()
-    out["losses"] = losses
-    out["final_ties"] = ties_of(params)
-    out["final_treedef"] = str(jax.tree.structure(params))
-    record.update({f"params/{k}": v for k, v in gathered(params).items()})
-    write(args, out, record)
-
-
+# docs: begin resume
 def resume(args: argparse.Namespace) -> None:
     setup = Setup()
     ckpt = ocp.CheckpointManager(os.path.join(args.outdir, "ckpt"))
@@ -310,6 +325,9 @@ def resume(args: argparse.Namespace) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # the write is under way in the background
     ckpt.wait_until_finished()
     ckpt.close()
+
+
+# docs: end resume
 
 
 def by_hand_init(key: jax.Array) -> dict:

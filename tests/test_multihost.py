@@ -178,3 +178,20 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_in_bounded_time(tmp_pa
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"could not reach the JAX coordinator at {address} within 3 s" in proc.stderr
+
+
+def test_the_docs_recipe_is_the_worker_that_runs_here() -> None:
+    import re
+
+    doc = (Path(__file__).parent.parent / "docs" / "saving_and_scaling.md").read_text()
+    worker = launcher.WORKER.read_text()
+    blocks = re.findall(r"<!-- tests/_multihost_worker.py: (\w+) -->\n```py\n(.*?)```", doc, re.S)
+    assert [name for name, _ in blocks] == ["start", "model", "train", "resume"]
+    for name, code in blocks:
+        region = re.search(
+            rf"^# docs: begin {name}\n(.*?)^# docs: end {name}\n", worker, re.S | re.M
+        )
+        assert region, name
+        assert code.strip() == region.group(1).strip(), (
+            f"docs block {name!r} differs from the worker"
+        )
