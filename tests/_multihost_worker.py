@@ -28,6 +28,7 @@ filesystem or object store that every host sees.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -67,6 +68,8 @@ import sharetree as st  # noqa: E402
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 64, 16, 32, 8, 9
 STEPS, SAVE_AT = 6, 3
+# st.save(..., gather=True) / st.load(..., shardings=) exist (sharetree >= the io release)
+ST_SAVE_GATHERS = "gather" in inspect.signature(st.save).parameters
 
 
 # docs: begin start
@@ -248,6 +251,8 @@ def train(args: argparse.Namespace) -> None:
     out["final_ties"] = ties_of(params)
     out["final_treedef"] = str(jax.tree.structure(params))
     record.update({f"params/{k}": v for k, v in gathered(params).items()})
+    if ST_SAVE_GATHERS:  # a .safetensors export: every process gathers, process 0 writes
+        st.save(os.path.join(args.outdir, "model.safetensors"), params, gather=True)
     write(args, out, record)
 
 
@@ -313,6 +318,16 @@ def resume(args: argparse.Namespace) -> None:
         ),
     }
     record = {f"restored/{k}": v for k, v in gathered(params).items()}
+    if ST_SAVE_GATHERS:  # the export, read back by every process onto the global shardings
+        loaded = st.load(os.path.join(args.outdir, "model.safetensors"), shardings=setup.shardings)
+        out["st_load_ties"] = ties_of(loaded)
+        out["st_load_shardings_equal"] = jax.tree.structure(loaded) == jax.tree.structure(
+            setup.shardings
+        ) and all(
+            x.sharding == s
+            for x, s in zip(jax.tree.leaves(loaded), jax.tree.leaves(setup.shardings))
+        )
+        record.update({f"st_load/{k}": v for k, v in gathered(loaded).items()})
     losses = []
     for i in range(step, STEPS):
         params, opt_state, value, _ = setup.step(params, opt_state, setup.batch(i))

@@ -195,3 +195,19 @@ def test_the_docs_recipe_is_the_worker_that_runs_here() -> None:
         assert code.strip() == region.group(1).strip(), (
             f"docs block {name!r} differs from the worker"
         )
+
+
+def test_st_save_gathers_and_st_load_places_on_the_global_shardings(run: Run) -> None:
+    import inspect
+
+    import sharetree as st
+
+    if "gather" not in inspect.signature(st.save).parameters:
+        pytest.skip("st.save(..., gather=True) is not in this sharetree")
+    assert (run.work / "model.safetensors").exists()  # written once, by process 0
+    final = run.arrays("train_0", "params/")
+    for i in range(2):
+        facts = run.json(f"resume_{i}")
+        assert facts["st_load_ties"] == run.json("train_0")["ties"]
+        assert facts["st_load_shardings_equal"] is True
+        assert_close(run.arrays(f"resume_{i}", "st_load/"), final, 0, 0)
