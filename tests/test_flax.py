@@ -490,3 +490,21 @@ def test_boxed_ties_that_would_shard_the_view_wrongly_are_errors_naming_the_valu
     physical = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None))
     with pytest.raises(st.TieError, match=r"joins a Partitioned box and a LogicallyPartitioned"):
         tied(TwoDense(physical), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
+
+
+def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
+    model = tied(Lm1b(), HEAD_BOX_TIE)
+    params = model.init(jax.random.key(0), TOKENS)["params"]
+    path = tmp_path / "lm1b.safetensors"
+    st.save(path, params)
+    like = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS))["params"]
+    back = st.load(path, like=like)  # the boxes (and their names) come from the template
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert back["decoder"]["Embed_0"]["embedding"].names == ("vocab", "embed")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+        model.apply({"params": back}, TOKENS), model.apply({"params": params}, TOKENS)
+    )
+    with pytest.warns(UserWarning, match=r"LogicallyPartitioned.*like="):
+        st.load(path)  # without a template the boxes are dicts: the warning says to pass like=
