@@ -69,6 +69,14 @@ def _check(path: Path, shape: tuple[int, ...], spec: PartitionSpec, rule: str, m
             "a more specific pattern before this one."
         )
     sizes = dict(mesh.shape)
+    named = [a for entry in spec for a in _axes(entry)]
+    twice = sorted({repr(a) for a in named if named.count(a) > 1})
+    if twice:
+        raise TieError(
+            f"{where}: mesh axis {', '.join(twice)} is used for more than one dimension; each "
+            "mesh axis can split one dimension only. Fix: name it once (P('data', None), "
+            "P(('data', 'model'), None))."
+        )
     for dim, entry in enumerate(spec):
         axes = _axes(entry)
         for axis in axes:
@@ -128,8 +136,9 @@ def shardings_by_path(
         The tree with each buffer replaced by its ``NamedSharding``.
 
     Raises:
-        TieError: a leaf that no pattern matches (and no ``default``), a
-            pattern that matches nothing (with ``strict``), a spec naming a
+        TieError: a ``mesh`` that is no mesh, a leaf that no pattern matches
+            (and no ``default``), a pattern that matches nothing (with
+            ``strict``), a leaf that is no array, a spec naming a
             mesh axis that does not exist, a spec with more entries than its
             array has dimensions, or a dimension its mesh axes do not divide;
             each names the path.
@@ -143,6 +152,11 @@ def shardings_by_path(
         >>> s["embed"].spec == P("model", None), s["b"].spec == P(), s["head"]
         (True, True, Tied('embed', T))
     """
+    if not (hasattr(mesh, "shape") and hasattr(mesh, "axis_names")):
+        raise TieError(
+            f"{_WHERE}: expected a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}. "
+            "Fix: build one with jax.make_mesh((2, 4), ('data', 'model'))."
+        )
     pairs = _rules(rules)
     fallback = None if default is None else _spec_of(default, "default")
     used = [False] * len(pairs)

@@ -221,6 +221,8 @@ def test_24_sharding_rule_unknown_mesh_axis():
     mesh = AbstractMesh((2,), ("model",))
     with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*axis 'data' does not exist"):
         st.shardings_by_path({"w": W}, mesh, {"w": P("data")})
+    with pytest.raises(st.TieError, match=r"'w' \(shape.*axis 'model' is used for more than one"):
+        st.shardings_by_path({"w": jnp.ones((2, 4))}, mesh, {"w": P("model", "model")})
 
 
 def test_25_sharding_rule_non_divisible_dimension():

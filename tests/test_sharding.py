@@ -20,6 +20,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st_h
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -215,3 +217,41 @@ def test_shardings_by_path_bad_rules_and_leaves() -> None:
         st.shardings_by_path(flax_like(), MESH, [(0, P())])
     with pytest.raises(st.TieError, match=r"leaf 'name' is str 'x', not an array"):
         st.shardings_by_path({"name": "x"}, MESH, {"*": P()})
+
+
+def test_shardings_by_path_rejects_what_is_not_a_mesh() -> None:
+    with pytest.raises(st.TieError, match=r"expected a jax.sharding.Mesh, got list"):
+        st.shardings_by_path(flax_like(), jax.devices(), RULES)
+
+
+AXES = {"data": 2, "model": 4}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st_h.lists(st_h.integers(1, 12), min_size=0, max_size=3),
+    entries=st_h.lists(
+        st_h.sampled_from([None, "data", "model", ("data", "model"), ("model", "data")]),
+        max_size=4,
+    ),
+)
+def test_shardings_by_path_accepts_exactly_the_specs_that_fit(shape, entries) -> None:
+    # the reference: a spec fits when it is no longer than the shape and each sharded
+    # dimension is divisible by the product of its axes' sizes, and no axis is used twice
+    spec = P(*entries)
+    used = [a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    fits = len(entries) <= len(shape) and all(
+        shape[d] % np.prod([AXES[a] for a in (e if isinstance(e, tuple) else (e,))]) == 0
+        for d, e in enumerate(entries)
+        if e is not None
+    )
+    fits = fits and len(used) == len(set(used))  # a mesh axis splits one dimension only
+    tree = {"w": np.zeros(shape, np.float32), "head": st.Tied("w")}
+    try:
+        out = st.shardings_by_path(tree, MESH, {"w": spec})
+    except st.TieError as e:
+        assert not fits, e
+        assert "'w' (shape" in str(e)
+    else:
+        assert fits is True
+        assert out["w"] == NamedSharding(MESH, spec) and out["head"] == st.Tied("w")
