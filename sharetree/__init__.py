@@ -14,6 +14,7 @@ from sharetree._io import load, save
 from sharetree._labels import label_by_path, mask_by_path
 from sharetree._materialize import materialize
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._sharding import shardings_by_path
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
@@ -59,6 +60,7 @@ __all__ = [
     "reshape",
     "save",
     "scale",
+    "shardings_by_path",
     "summary",
     "tie",
     "tie_identical",

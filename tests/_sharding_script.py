@@ -129,6 +129,20 @@ def sharding_checks() -> dict:
         lambda path, x: NamedSharding(mesh, spec_of(path, x)), params
     )
     out["sharding_tree_keeps_tie"] = shardings["head"] == params["head"]
+    # the same tree from path rules (the hand-written spec_of above is the reference)
+    by_path = st.shardings_by_path(
+        params,
+        mesh,
+        {
+            "embed": P(None, "model"),
+            "mlp/w1": P(None, "model"),
+            "*b1": P("model"),
+            "mlp/*": P("model", None),
+        },
+    )
+    out["shardings_by_path_equal"] = jax.tree.structure(by_path) == jax.tree.structure(
+        shardings
+    ) and all(a == b for a, b in zip(jax.tree.leaves(by_path), jax.tree.leaves(shardings)))
     out["num_shardings"] = len(jax.tree.leaves(shardings))
     batch_sharding = NamedSharding(mesh, P("data", None))
     ps = jax.device_put(params, shardings)

@@ -392,3 +392,68 @@ def test_37_describe_problems_are_one_line(tmp_path):
         with pytest.raises(st.TieError, match=match) as e:
             describe(bad)
         assert "\n" not in str(e.value)
+
+
+def test_38_sharding_rule_unmatched_or_unused():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"leaf 'b' \(shape \(3,\)\) matches none of the"):
+        st.shardings_by_path({"w": W, "b": jnp.ones(3)}, mesh, {"w": P()})
+    with pytest.raises(st.TieError, match=r"pattern 'wx' matches no leaf.*closest.*'w'"):
+        st.shardings_by_path({"w": W}, mesh, {"wx": P(), "*": P()})
+
+
+def test_39_sharding_rule_unknown_mesh_axis():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*axis 'data' does not exist"):
+        st.shardings_by_path({"w": W}, mesh, {"w": P("data")})
+    with pytest.raises(st.TieError, match=r"'w' \(shape.*axis 'model' is used for more than one"):
+        st.shardings_by_path({"w": jnp.ones((2, 4))}, mesh, {"w": P("model", "model")})
+
+
+def test_40_sharding_rule_non_divisible_dimension():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(
+        st.TieError, match=r"'w' \(shape \(2, 3\).*dimension 1 has size 3.*'model' of size 2"
+    ):
+        st.shardings_by_path({"w": W}, mesh, {"w": P(None, "model")})
+
+
+def test_41_partition_spec_longer_than_the_array():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*3 entries.*2 dimension"):
+        st.shardings_by_path({"w": W}, mesh, {"w": P(None, None, None)})
+
+
+def test_42_flax_tie_between_partition_boxes_that_would_shard_the_view_wrongly():
+    nn = pytest.importorskip("flax.linen")
+    from sharetree.flax import tied
+
+    def boxed(*names):
+        return nn.with_logical_partitioning(nn.initializers.ones, names)
+
+    class AE(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(2, kernel_init=boxed("embed", "mlp"), name="enc")(x)
+            return nn.Dense(4, kernel_init=boxed("embed", "mlp"), name="dec")(x)
+
+    with pytest.raises(
+        st.TieError,
+        match=r"'dec/kernel' would carry the partition names \('mlp', 'embed'\).*"
+        r"own box has \('embed', 'mlp'\).*'dec/kernel/value': st.Tied\('enc/kernel/value', T\)",
+    ):
+        tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)}).init(
+            jax.random.key(0), jnp.ones((1, 4))
+        )
