@@ -120,11 +120,10 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _inspect_text(path: str, max_rows: int) -> str:
-    """What ``inspect`` prints: the file's size, then ``st.summary`` of ``st.load(path)``."""
-    import sharetree as st
+    """What ``inspect`` prints: the file's size and sharing graph, read without running its code."""
+    from sharetree._io import describe
 
-    text = st.summary(st.load(path), max_rows=max_rows)
-    return f"{path}: {os.path.getsize(path):,} bytes\n{text}"
+    return describe(path, max_rows=max_rows)
 
 
 def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

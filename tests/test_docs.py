@@ -47,6 +47,10 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> str:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     work = tmp_path_factory.mktemp("docs")
     env["TMPDIR"] = str(work)  # the blocks' tempfile directories land in pytest's tmp dir
+    # the blocks import this checkout's sharetree (they run in a temporary directory)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(DOC.parent.parent), env.get("PYTHONPATH")])
+    )
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, str(DOC)],
         capture_output=True,

@@ -105,7 +105,8 @@ def test_demo_checkpoint_keeps_the_ties_and_inspect_shows_them(demo_run):
 
     code, text, err = run(["inspect", path])
     assert code == 0, err
-    assert text.splitlines()[0] == f"{path}: {os.path.getsize(path):,} bytes"
+    written = f"sharetree format 1 (written by sharetree {st.__version__})"
+    assert text.splitlines()[0] == f"{path}: {os.path.getsize(path):,} bytes, {written}"
     assert text.rstrip("\n").split("\n", 1)[1] == st.summary(tree, max_rows=50)
     code, short, _ = run(["inspect", path, "--max-rows", "3"])
     buffers, views = _leaf_counts(_demo.Config())
@@ -302,7 +303,7 @@ def test_inspect_into_a_reader_that_closes_early(tmp_path):
     err = proc.stderr.read().decode()
     proc.stderr.close()
     code = proc.wait(timeout=60)
-    assert first == f"{path}: {os.path.getsize(path):,} bytes\n"
+    assert first.startswith(f"{path}: {os.path.getsize(path):,} bytes, sharetree format 1")
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert "Exception ignored" not in err, err
     assert code == 141, (code, err)
