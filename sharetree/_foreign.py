@@ -116,7 +116,7 @@ def _files(path: str) -> _Checkpoint:
     if os.path.isfile(index):
         return _shards(path, index)
     raise TieError(
-        f"load: the directory {path!r} holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
+        f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
         "(a Hugging Face save_pretrained directory in safetensors format). If it is an Orbax "
         "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
         "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
