@@ -304,4 +304,3 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                 f"to keep {where!r} instead, {back}; or raise atol to {worst:.3g} if the "
                 "difference is rounding; or leave the two untied."
             )
-
