@@ -248,10 +248,9 @@ def _apply_ties(
     tree: dict[str, Any] = dict(tensors)
     for dropped, kept in file_ties.items():
         tree[dropped] = tensors[kept]  # the file says: the same values
-    targets = {t.target for t in asked}
-    compare: dict[tuple[str], Tied] = {}
-    for t in asked:
-        if t.target in tree and t.ref not in tree and t.ref not in targets:
+    by_target = {t.target: t for t in asked}
+    for t in asked:  # first the moves, so that any tie may refer to a moved buffer
+        if t.target in tree and t.ref not in tree and t.ref not in by_target:
             back = _inverse(t.transform)  # the file stores only the target: move its buffer
             if back is None:
                 raise TieError(
@@ -263,20 +262,22 @@ def _apply_ties(
             a = tree[t.target]
             axes = back.axes if isinstance(back, _Transpose) else None
             tree[t.ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
+    compare: dict[tuple[str], Tied] = {}
+    for t in asked:
         if t.target in tree:
             compare[(t.target,)] = _tied(t.ref, t.transform)
-        elif t.ref in tree or t.ref in targets:
+        elif t.ref in tree or t.ref in by_target:
             tree[t.target] = _tied(t.ref, t.transform)  # absent on purpose: nothing to compare
         else:
-            have = set(tree)
             raise TieError(
                 f"load {label}: the tie {t.target!r} <- {t.ref!r}: neither is in the file; "
-                f"{closest(t.ref, have)}. Fix: use the tensor names the file holds, as "
+                f"{closest(t.ref, set(tree))}. Fix: use the tensor names the file holds, as "
                 "model.state_dict() names them."
             )
     for dropped, kept in file_ties.items():
-        if dropped not in targets and kept not in targets:
-            tree[dropped] = _tied(kept)
+        reversed_ = kept in by_target and by_target[kept].ref == dropped
+        if dropped not in by_target and not reversed_:
+            tree[dropped] = _tied(kept)  # the file's own tie, unless ties= says otherwise
     try:
         out = tie(tree, compare, check=True, atol=0.0 if atol is None else atol)
         abstract_expanded(out)  # every view computes (shapes of absent targets included)

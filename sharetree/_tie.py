@@ -72,8 +72,9 @@ def tie(
             (and, for a subtree, the structure) of the value it replaces.
         atol: ``None`` (default): do not compare values. A number: require
             ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact
-            up to NaNs in the same places), compared in float64; the arrays
-            must be concrete (not traced).
+            up to NaNs in the same places); bit-identical copies pass at once,
+            others are compared in float64; the arrays must be concrete (not
+            traced).
 
     Returns:
         The canonical tree; the replaced values are dropped (they are now views).

@@ -476,3 +476,24 @@ def test_bad_ties_are_errors(tmp_path) -> None:
         load_ties(path, ties={"model.layers.0.mlp.up_proj.weight": st.Tied(EMB, st.T)})
     with pytest.raises(st.TieError, match=r"no 'sharetree.format_version'.*like="):
         load_ties(path, like={})
+
+
+def test_ties_refer_to_a_moved_buffer_in_any_order(tmp_path) -> None:
+    sd = hf_state_dict()
+    save_file({HEAD: sd[HEAD]}, str(tmp_path / "m"))
+    # the first tie's ref exists only once the second tie has moved the head's buffer to EMB
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m", ties={"proj.weight": st.Tied(EMB, st.T), HEAD: EMB})
+    assert tree == {EMB: tree[EMB], HEAD: st.Tied(EMB), "proj.weight": st.Tied(EMB, st.T)}
+    np.testing.assert_array_equal(tree[EMB], sd[HEAD])
+
+
+def test_file_tie_chains_onto_an_asked_tie(tmp_path) -> None:
+    # save_model dropped EMB (= HEAD); ties= says HEAD is the transpose of a third tensor
+    w = np.random.default_rng(4).normal(size=(D, V)).astype(np.float32)
+    save_file({HEAD: np.ascontiguousarray(w.T), "w": w}, str(tmp_path / "m"), metadata={EMB: HEAD})
+    with pytest.warns(UserWarning, match="metadata records"):
+        tree = load_ties(tmp_path / "m", ties={HEAD: st.Tied("w", st.T)})
+    assert tree[HEAD] == st.Tied("w", st.T) and tree[EMB] == st.Tied(HEAD)
+    assert st.canonicalize(tree).num_unique == 1  # nothing stored twice
+    _assert_materializes_to(tree, {"w": w, HEAD: w.T, EMB: w.T})
