@@ -218,7 +218,7 @@ def _load_ties(path, ties):  # st.load(path, ties=ties) once the io module takes
     return load_foreign(str(path), ties=ties)
 
 
-def test_23_load_ties_not_tensor_names(tmp_path):
+def test_43_load_ties_not_tensor_names(tmp_path):
     path = _foreign_file(tmp_path)
     with pytest.raises(st.TieError, match=r"ties must be a mapping.*all_tied_weights_keys"):
         _load_ties(path, ["lm_head.weight"])
@@ -226,17 +226,17 @@ def test_23_load_ties_not_tensor_names(tmp_path):
         _load_ties(path, {("a", "b"): "emb"})
 
 
-def test_24_load_tie_target_and_ref_absent(tmp_path):
+def test_44_load_tie_target_and_ref_absent(tmp_path):
     with pytest.raises(st.TieError, match=r"'head' <- 'embb': neither is in the file.*'emb'"):
         _load_ties(_foreign_file(tmp_path), {"head": "embb"})
 
 
-def test_25_load_tie_buffer_cannot_move(tmp_path):
+def test_45_load_tie_buffer_cannot_move(tmp_path):
     with pytest.raises(st.TieError, match=r"holds 'emb' but not 'new'.*no inverse.*other way"):
         _load_ties(_foreign_file(tmp_path), {"emb": st.Tied("new", st.scale(2.0))})
 
 
-def test_26_load_tied_copies_differ(tmp_path):
+def test_46_load_tied_copies_differ(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -246,12 +246,12 @@ def test_26_load_tied_copies_differ(tmp_path):
         _load_ties(path, {"b": "a"})
 
 
-def test_27_directory_not_a_checkpoint(tmp_path):
+def test_47_directory_not_a_checkpoint(tmp_path):
     with pytest.raises(st.TieError, match=r"neither 'model.safetensors' nor 'model.safetensors"):
         st.load(tmp_path)
 
 
-def test_28_bad_shard_index(tmp_path):
+def test_48_bad_shard_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "gone.st"}}')
     with pytest.raises(st.TieError, match=r"index.json' names the shard 'gone.st'.*not exist"):
         st.load(tmp_path)
