@@ -75,6 +75,11 @@ def find_ties(
     are never reported: equal content means nothing there, so tie them
     explicitly if they really are shared.
 
+    Each leaf's view through each transform is computed once (transposes and
+    reshapes as NumPy views, without copying); a leaf is compared in full only
+    with the views of its shape and dtype whose elements at a few sampled
+    positions match its own.
+
     Args:
         tree: a pytree of arrays (may already contain ``Tied`` nodes, kept as is).
         transforms: the candidate transforms, tried in order.
