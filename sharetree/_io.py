@@ -504,14 +504,20 @@ def load(
     (``"module:qualname"``) to the function itself.
 
     A safetensors file without sharetree metadata (written by another tool,
-    such as a PyTorch state dict) is handed to the foreign-file loader
-    (``like`` and ``ties`` are passed on), see ``docs/saving_and_scaling.md``.
+    such as a PyTorch state dict), or a Hugging Face ``save_pretrained``
+    directory (``model.safetensors`` or a sharded index), loads as a flat dict
+    ``{tensor name: array}``; ``ties={target: ref}`` (such as transformers'
+    ``model.all_tied_weights_keys``) makes it the canonical tree in one call:
+    an absent target becomes ``Tied(ref)``, a present one must equal its ref
+    (else a ``TieError`` naming both), and the file's own safetensors tie
+    metadata is honoured. See "Importing Hugging Face checkpoints" in
+    ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file.
         like: optional template tree (see above).
-        ties: ties to apply to a file not written by sharetree (passed on to
-            the foreign loader); a sharetree file carries its own ties.
+        ties: ``{target: ref}`` for a file or directory not written by
+            sharetree (see above); a sharetree file carries its own ties.
         functions: ``{"module:qualname": function}`` for the file's ``st.fn``
             transforms.
         shardings: optional tree of ``jax.sharding.Sharding`` with the canonical
@@ -549,11 +555,11 @@ def load(
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
     if os.path.isdir(path):
-        return _foreign(path, like, ties)
+        return load_foreign(path, like=like, ties=ties)
     reader = Reader(path)
     meta = reader.metadata
     if _KEY_VERSION not in meta:
-        return _foreign(path, like, ties)
+        return load_foreign(path, like=like, ties=ties)
     if ties is not None:
         raise TieError(
             f"load: {path!r} was written by st.save and carries its own ties; ties= is for "
@@ -594,12 +600,6 @@ def load(
     if shardings is not None:
         tree = _place(path, tree, shardings)
     return tree
-
-
-def _foreign(path: str, like: Any, ties: Any) -> Any:
-    if ties is None:
-        return load_foreign(path, like=like)
-    return load_foreign(path, like=like, ties=ties)  # type: ignore[call-arg]
 
 
 # ----------------------------------------------------------------------------- describe

@@ -457,3 +457,55 @@ def test_42_flax_tie_between_partition_boxes_that_would_shard_the_view_wrongly()
         tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)}).init(
             jax.random.key(0), jnp.ones((1, 4))
         )
+
+
+def _foreign_file(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"emb": np.arange(6.0, dtype=np.float32).reshape(3, 2)}, str(path))
+    return path
+
+
+def _load_ties(path, ties):
+    return st.load(path, ties=ties)
+
+
+def test_43_load_ties_not_tensor_names(tmp_path):
+    path = _foreign_file(tmp_path)
+    with pytest.raises(st.TieError, match=r"ties must be a mapping.*all_tied_weights_keys"):
+        _load_ties(path, ["lm_head.weight"])
+    with pytest.raises(st.TieError, match=r"tie target \('a', 'b'\) is not a tensor name"):
+        _load_ties(path, {("a", "b"): "emb"})
+
+
+def test_44_load_tie_target_and_ref_absent(tmp_path):
+    with pytest.raises(st.TieError, match=r"'head' <- 'embb': neither is in the file.*'emb'"):
+        _load_ties(_foreign_file(tmp_path), {"head": "embb"})
+
+
+def test_45_load_tie_buffer_cannot_move(tmp_path):
+    with pytest.raises(st.TieError, match=r"holds 'emb' but not 'new'.*no inverse.*other way"):
+        _load_ties(_foreign_file(tmp_path), {"emb": st.Tied("new", st.scale(2.0))})
+
+
+def test_46_load_tied_copies_differ(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.arange(4.0), "b": np.arange(4.0) + 0.5}, str(path))
+    with pytest.raises(st.TieError, match=r"'b' and 'a' differ by up to 0\.5.*choose which"):
+        _load_ties(path, {"b": "a"})
+
+
+def test_47_directory_not_a_checkpoint(tmp_path):
+    with pytest.raises(st.TieError, match=r"neither 'model.safetensors' nor 'model.safetensors"):
+        st.load(tmp_path)
+
+
+def test_48_bad_shard_index(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "gone.st"}}')
+    with pytest.raises(st.TieError, match=r"index.json' names the shard 'gone.st'.*not exist"):
+        st.load(tmp_path)
