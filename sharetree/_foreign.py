@@ -95,7 +95,7 @@ class _Checkpoint(NamedTuple):
     """The safetensors files of a checkpoint and, if sharded, its index."""
 
     files: list[str]
-    index: str | None = None
+    index_file: str | None = None
     weight_map: dict[str, str] | None = None  # tensor name -> shard file name
 
 
@@ -262,7 +262,7 @@ def _apply_ties(
             a = tree[t.target]
             axes = back.axes if isinstance(back, _Transpose) else None
             tree[t.ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
-    compare: dict[tuple[str], Tied] = {}
+    compare: dict[tuple[str, ...], Tied] = {}
     for t in asked:
         if t.target in tree:
             compare[(t.target,)] = _tied(t.ref, t.transform)
@@ -349,8 +349,8 @@ def load_foreign(
     files = checkpoint.files
     readers = [Reader(f) for f in files]  # headers only: every tensor is read once, below
     label = repr(path)
-    if checkpoint.index is not None and checkpoint.weight_map is not None:
-        _check_shards(checkpoint.index, checkpoint.weight_map, readers)
+    if checkpoint.index_file is not None and checkpoint.weight_map is not None:
+        _check_shards(checkpoint.index_file, checkpoint.weight_map, readers)
     if like is not None:
         raise TieError(
             f"load: {label} was not written by sharetree (no {KEY_VERSION!r} in its "

@@ -28,7 +28,7 @@ from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
 from sharetree._materialize import abstract_expanded, transform_error
-from sharetree._paths import Path, key_name, keypath_to_path, path_str
+from sharetree._paths import Path, TieMap, key_name, keypath_to_path, path_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
@@ -164,8 +164,7 @@ class _Writer:
                 "t": kind.__name__,
                 "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)],
             }
-        treedef = jtu.tree_structure(x)
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        if jtu.all_leaves([x]):
             return self.leaf(x, path)
         flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
         keys = [key_name(kp[0]) for kp, _ in flat]
@@ -476,7 +475,8 @@ def load(
     path: PathOrStr,
     like: Any = None,
     *,
-    ties: Any = None,
+    ties: TieMap | None = None,
+    atol: float | None = None,
     functions: Mapping[str, Any] | None = None,
     shardings: Any = None,
 ) -> Any:
@@ -518,6 +518,8 @@ def load(
         like: optional template tree (see above).
         ties: ``{target: ref}`` for a file or directory not written by
             sharetree (see above); a sharetree file carries its own ties.
+        atol: with ``ties``, a present target may differ from its ref by this
+            much (default: the copies must be equal bit for bit).
         functions: ``{"module:qualname": function}`` for the file's ``st.fn``
             transforms.
         shardings: optional tree of ``jax.sharding.Sharding`` with the canonical
@@ -555,15 +557,16 @@ def load(
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
     if os.path.isdir(path):
-        return load_foreign(path, like=like, ties=ties)
+        return load_foreign(path, like=like, ties=ties, atol=atol)
     reader = Reader(path)
     meta = reader.metadata
     if _KEY_VERSION not in meta:
-        return load_foreign(path, like=like, ties=ties)
-    if ties is not None:
+        return load_foreign(path, like=like, ties=ties, atol=atol)
+    if ties is not None or atol is not None:
         raise TieError(
-            f"load: {path!r} was written by st.save and carries its own ties; ties= is for "
-            "files that other tools wrote. Fix: drop ties=, or tie the loaded tree with st.tie."
+            f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
+            "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
+            "tree with st.tie."
         )
     structure = _parse_structure(path, meta, "load")
     tensors = _tensors_of(reader)
@@ -919,7 +922,7 @@ class _Builder:
         a = np.frombuffer(found.tobytes(), dtype).reshape(shape) if raw else found
         if impl is not None:
             try:
-                return jax.random.wrap_key_data(a, impl=impl)
+                return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
             except (ValueError, TypeError) as e:
                 raise self.bad(
                     path,

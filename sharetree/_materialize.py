@@ -12,7 +12,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._paths import Path, aval_of, format_aval, is_array_leaf, path_str
-from sharetree._resolve import Leaf, Structure, structure_of
+from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, _Chain, _Fn, identity
 
 __all__ = [
@@ -74,7 +74,9 @@ def leaves_and_structure(tree: PyTree) -> tuple[list[Any], Structure]:
     return leaves, structure_of(treedef)
 
 
-def transform_error(structure: Structure, leaf: Leaf, aval: Any, err: BaseException) -> TieError:
+def transform_error(
+    structure: Structure, leaf: Leaf | ViewLeaf, aval: Any, err: BaseException
+) -> TieError:
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
     tie = structure.ties.get(leaf.tie) if leaf.tie is not None else None
     where = leaf.tie or leaf.path

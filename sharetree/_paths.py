@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -21,6 +21,7 @@ from sharetree._errors import TieError
 __all__ = [
     "Path",
     "PathLike",
+    "TieMap",
     "to_path",
     "path_str",
     "key_name",
@@ -40,6 +41,13 @@ Path = tuple[str, ...]
 
 PathLike = Union[str, Sequence[Any]]  # noqa: UP007 - a runtime alias
 """A ``/``-joined string (``"encoder/kernel"``) or a tuple of keys (``("encoder", "kernel")``)."""
+
+
+TieMap = Union[  # noqa: UP007 - a runtime alias
+    Mapping[str, Any], Mapping[tuple[str, ...], Any], Mapping[PathLike, Any]
+]
+"""``{target: ref or Tied}`` keyed by path strings or key tuples (``Mapping`` is invariant in
+its keys, so each spelling is listed)."""
 
 
 def to_path(ref: Any, what: str = "path") -> Path:

@@ -108,10 +108,10 @@ class SharingGraph:
 
     @functools.cached_property
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
-        out = []
+        out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
             aval = self._avals[view.buffer]
-            if aval is None or view.transform is None:
+            if aval is None:
                 out.append(aval)
                 continue
             try:
@@ -143,7 +143,6 @@ class SharingGraph:
         paths = self.structure.buffer_paths
         out = {}
         for view, a in zip(self.structure.views, self._view_avals):
-            assert view.transform is not None and view.tie is not None
             out[path_str(view.path)] = View(
                 path_str(view.path),
                 path_str(paths[view.buffer]),

@@ -19,7 +19,7 @@ from sharetree._paths import Path, closest, keypath_to_path, node_paths, path_st
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
 
-__all__ = ["Leaf", "Structure", "structure_of", "STRUCTURE_CACHE_SIZE"]
+__all__ = ["Leaf", "ViewLeaf", "Structure", "structure_of", "STRUCTURE_CACHE_SIZE"]
 
 STRUCTURE_CACHE_SIZE = 512
 """How many resolved treedefs :func:`structure_of` keeps (least recently used first out)."""
@@ -39,6 +39,15 @@ class Leaf(NamedTuple):
     transform: Transform | None
     path: Path
     tie: Path | None
+
+
+class ViewLeaf(NamedTuple):
+    """A materialized leaf that is a view: :class:`Leaf` with ``transform`` and ``tie`` set."""
+
+    buffer: int
+    transform: Transform
+    path: Path
+    tie: Path
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per treedef: identity is equality
@@ -65,9 +74,14 @@ class Structure:
         return tuple(leaf.buffer for leaf in self.expanded)
 
     @functools.cached_property
-    def views(self) -> tuple[Leaf, ...]:
+    def views(self) -> tuple[ViewLeaf, ...]:
         """The materialized leaves that are views (``transform`` is not ``None``)."""
-        return tuple(leaf for leaf in self.expanded if leaf.transform is not None)
+        out = []
+        for leaf in self.expanded:
+            if leaf.transform is not None:
+                assert leaf.tie is not None  # set by the resolver on every view
+                out.append(ViewLeaf(leaf.buffer, leaf.transform, leaf.path, leaf.tie))
+        return tuple(out)
 
 
 class _Slot:
@@ -289,7 +303,7 @@ def structure_of(treedef: Any) -> Structure:
         >>> from sharetree._resolve import structure_of
         >>> s = structure_of(jax.tree.structure({"a": np.ones(2), "b": st.Tied("a", st.T)}))
         >>> s.buffer_paths, s.views
-        ((('a',),), (Leaf(buffer=0, transform=T, path=('b',), tie=('b',)),))
+        ((('a',),), (ViewLeaf(buffer=0, transform=T, path=('b',), tie=('b',)),))
     """
     n = treedef.num_leaves
     placeholder = jtu.tree_unflatten(treedef, [_Slot(i) for i in range(n)])

@@ -18,7 +18,7 @@ from sharetree._materialize import (
 )
 from sharetree._paths import (
     Path,
-    PathLike,
+    TieMap,
     aval_of,
     closest,
     format_aval,
@@ -48,7 +48,7 @@ def _describe(x: Any) -> str:
 
 def tie(
     tree: Any,
-    ties: Mapping[PathLike, PathLike | Tied],
+    ties: TieMap,
     *,
     check: bool = True,
     atol: float | None = None,

@@ -163,7 +163,9 @@ def _top(x: Any) -> Any:
     if is_tied(x):
         return None
     children, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    if treedef.num_nodes == 1 or all(isinstance(kp[0], jtu.SequenceKey) for kp, _ in children):
+    if jtu.treedef_is_leaf(treedef):
+        return None
+    if all(isinstance(kp[0], jtu.SequenceKey) for kp, _ in children):
         return None
     return treedef
 
@@ -184,6 +186,7 @@ def _first_difference(part: Any, tree: PyTree) -> str:
         if pa != pb or sa.startswith("Tied") or sb.startswith("Tied"):
             if (pa, sa) == (pb, sb):
                 continue
+            first: Path | None
             if pa is not None and pb is not None and pa != pb:
                 first = min(pa, pb)
                 sa, sb = (sa if first == pa else "nothing"), (sb if first == pb else "nothing")

@@ -37,18 +37,18 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, PathLike, keypath_to_path, path_str, to_path
+from sharetree._paths import Path, TieMap, keypath_to_path, path_str, to_path
 from sharetree._resolve import structure_of
 from sharetree._tie import tie
 from sharetree._tied import Tied
-from sharetree._transforms import Transform
+from sharetree._transforms import Transform, _Chain, _Transpose
 
 __all__ = ["TiedModule", "tied"]
 
 COLLECTION = "params"
 
 
-def _normalize(ties: Mapping[PathLike, PathLike | Tied]) -> tuple[tuple[Path, Tied], ...]:
+def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
     if not isinstance(ties, Mapping):
         raise TieError(
             f"tied(module, ties): expected a mapping {{target: ref or Tied}}, got "
@@ -65,12 +65,12 @@ def _normalize(ties: Mapping[PathLike, PathLike | Tied]) -> tuple[tuple[Path, Ti
 def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
     """Partition names of ``t(x)`` for an ``x`` with ``names``; ``None`` if ``t`` mixes axes."""
     out = tuple(names)
-    for part in t.parts if t.spec_name == "chain" else (t,):  # type: ignore[attr-defined]
+    for part in t.parts if isinstance(t, _Chain) else (t,):
         if part.spec_name in ("identity", "astype", "scale"):
             continue
-        if part.spec_name != "transpose":
+        if not isinstance(part, _Transpose):
             return None  # reshape, fn: no axis of the view is an axis of the buffer
-        axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))  # type: ignore[attr-defined]
+        axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
         if len(axes) != len(out):
             return None
         out = tuple(out[a] for a in axes)
@@ -365,7 +365,7 @@ class TiedModule:
 
 
 def tied(
-    module: nn.Module, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = True
+    module: nn.Module, ties: TieMap, *, check: bool = True
 ) -> TiedModule:
     """Wrap a linen module so that its ``"params"`` collection is tied.
 

@@ -16,7 +16,6 @@ Import it explicitly (``import sharetree.nnx``); ``import sharetree`` never need
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -31,7 +30,7 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, PathLike, closest, node_paths, path_str, to_path
+from sharetree._paths import Path, TieMap, closest, node_paths, path_str, to_path
 from sharetree._resolve import structure_of
 from sharetree._tie import tie
 from sharetree._tied import Tied
@@ -127,7 +126,7 @@ def _strip_value(path: Path, variables: set[Path]) -> Path:
 
 def split(
     model: Any,
-    ties: Mapping[PathLike, PathLike | Tied] | None = None,
+    ties: TieMap | None = None,
     *filters: Any,
     check: bool = True,
 ) -> Any:

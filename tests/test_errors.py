@@ -381,8 +381,10 @@ def test_35_shardings_that_do_not_match(tmp_path):
 
 
 def test_36_ties_for_a_sharetree_file(tmp_path):
-    with pytest.raises(st.TieError, match=r"carries its own ties; ties= is for files"):
+    with pytest.raises(st.TieError, match=r"carries its own ties; ties= \(and atol=\) are for"):
         st.load(_saved(tmp_path, {"w": W}), ties={"a": "w"})
+    with pytest.raises(st.TieError, match=r"carries its own ties"):
+        st.load(_saved(tmp_path, {"w": W}), atol=1e-6)
 
 
 def test_37_describe_problems_are_one_line(tmp_path):

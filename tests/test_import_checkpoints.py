@@ -7,7 +7,6 @@ to choose which copy wins.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -19,7 +18,6 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import sharetree as st
-from sharetree._foreign import load_foreign
 
 V, D, H = 32, 8, 16
 
@@ -225,19 +223,13 @@ def test_shape_mismatch_with_check_off_is_still_caught_by_atol() -> None:
 
 
 def save_pt(path, tree) -> None:
-    """``st.save(path, tree, metadata={"format": "pt"})``: a file PyTorch loaders accept."""
-    if "metadata" in inspect.signature(st.save).parameters:
-        st.save(path, tree, metadata={"format": "pt"})
-    else:  # the canonical flat dict's buffers, as st.save writes them (views are never written)
-        buffers = {k: np.asarray(v) for k, v in tree.items() if not isinstance(v, st.Tied)}
-        save_file(buffers, str(path), metadata={"format": "pt"})
+    """A file PyTorch loaders accept."""
+    st.save(path, tree, metadata={"format": "pt"})
 
 
 def load_ties(path, ties=None, **kw):
-    """``st.load(path, ties=ties)`` for a file or directory sharetree did not write."""
-    if "ties" in inspect.signature(st.load).parameters:
-        return st.load(path, ties=ties, **kw)
-    return load_foreign(os.fspath(path), ties=ties, **kw)
+    """A file or directory sharetree did not write, tied in one call."""
+    return st.load(path, ties=ties, **kw)
 
 
 HEAD, EMB = "lm_head.weight", "model.embed_tokens.weight"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import sharetree as st
-from sharetree._resolve import Leaf, structure_of
+from sharetree._resolve import Leaf, ViewLeaf, structure_of
 
 
 def _chain(n, transform=st.identity):
@@ -86,7 +86,7 @@ def test_dangling_ref_through_a_view_names_both_spellings():
 def test_records_are_named():
     s = structure_of(jax.tree.structure({"a": np.ones(2), "b": st.Tied("a", st.T)}))
     (view,) = s.views
-    assert isinstance(view, Leaf)
+    assert isinstance(view, ViewLeaf)
     assert (view.buffer, view.transform, view.path, view.tie) == (0, st.T, ("b",), ("b",))
     assert s.expanded[0] == Leaf(0, None, ("a",), None)
 
