@@ -33,6 +33,8 @@ PINNED = (
     "chex",
     "treescope",
     "tqdm",
+    "torch",
+    "transformers",
 )
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
@@ -86,7 +88,7 @@ def check(pins: dict[str, str]) -> list[str]:
         except metadata.PackageNotFoundError:
             bad.append(f"{name}: not installed (expected {floor})")
             continue
-        if have != floor:
+        if have.split("+")[0] != floor:  # a local build (torch 2.13.0+cpu) is that version
             bad.append(f"{name}: installed {have}, expected {floor}")
     return bad
 
