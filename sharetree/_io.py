@@ -591,7 +591,13 @@ def load(
             f"{path!r}: {len(builder.generic)} pytree node(s) of types sharetree cannot rebuild "
             f"on its own, such as {kind} at {path_str(where) if where else '<root>'!r}, were "
             "loaded as dicts keyed by their key names (paths and ties are unchanged). Pass "
-            "like=template to get the original types.",
+            "like=template to get the original types"
+            + (
+                " (Flax partition boxes: model.apply fails on these dicts; pass "
+                "like=jax.eval_shape(lambda: model.init(key, x))['params'])."
+                if any("Partitioned" in str(k) for _, k in builder.generic)
+                else "."
+            ),
             UserWarning,
             stacklevel=2,
         )

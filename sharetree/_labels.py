@@ -34,15 +34,21 @@ def _matches(pattern: str, path: Path) -> bool:
     return any(fnmatch.fnmatchcase(p, pattern) for p in _prefixes(path))
 
 
-def _rules(rules: Any) -> list[tuple[str, Any]]:
+def _rules(
+    rules: Any,
+    where: str = "label_by_path",
+    value: str = "label",
+    example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
+) -> list[tuple[str, Any]]:
+    """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     out = []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TieError(
-                f"label_by_path: expected rules {{pattern: label}} or a sequence of "
-                f"(pattern, label) pairs with str patterns, found {item!r}. "
-                "Fix: write {'embed/*': 'embed', '*bias': 'no_decay'}."
+                f"{where}: expected rules {{pattern: {value}}} or a sequence of "
+                f"(pattern, {value}) pairs with str patterns, found {item!r}. "
+                f"Fix: write {example}."
             )
         out.append(item)
     return out

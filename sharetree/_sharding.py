@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sharetree._errors import TieError
 from sharetree._labels import _matches, _unused_error
+from sharetree._labels import _rules as _label_rules
 from sharetree._paths import Path, aval_of, keypath_to_path, path_str
 
 __all__ = ["shardings_by_path"]
@@ -40,17 +41,9 @@ def _spec_of(value: Any, pattern: str) -> PartitionSpec:
 
 
 def _rules(rules: Any) -> list[tuple[str, PartitionSpec]]:
-    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    out = []
-    for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TieError(
-                f"{_WHERE}: expected rules {{pattern: PartitionSpec}} or a sequence of "
-                f"(pattern, PartitionSpec) pairs with str patterns, found {item!r}. "
-                "Fix: write {'embed/*': P('model', None), '*': P()}."
-            )
-        out.append((item[0], _spec_of(item[1], item[0])))
-    return out
+    example = "{'embed/*': P('model', None), '*': P()}"
+    pairs = _label_rules(rules, _WHERE, "PartitionSpec", example)
+    return [(pattern, _spec_of(value, pattern)) for pattern, value in pairs]
 
 
 def _axes(entry: Any) -> tuple[Any, ...]:
