@@ -1,11 +1,12 @@
-"""A realistic case: a small tied-embedding transformer LM (Flax linen) trained with optax.
+"""A realistic case: the tied-embedding transformer LM of ``sharetree._lm`` trained with optax.
 
-Two versions of the same model and train step:
+Two versions of the same model (``TinyLM``, the model of ``python -m sharetree
+demo``) and train step:
 
-* ``by hand``: the output projection is ``nn.Embed.attend`` (logits = h @ E.T),
-  the way linen users tie embeddings today;
-* ``sharetree``: the output projection is an ordinary ``nn.Dense(vocab,
-  use_bias=False, name="head")`` whose kernel is tied to the embedding with
+* ``by hand``: ``TinyLM(..., tie_by_hand=True)``, whose output layer is
+  ``nn.Embed.attend`` (logits = h @ E.T), the way linen users tie embeddings today;
+* ``sharetree``: ``TinyLM``'s own ``nn.Dense(vocab, use_bias=False, name="head")``
+  with its kernel tied to the embedding by
   ``sharetree.flax.tied(model, {"head/kernel": st.Tied("embed/embedding", st.T)})``.
 
 Both hold exactly the same parameters (the canonical tree has a ``Tied`` node
@@ -19,13 +20,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import sharetree as st
+from sharetree._lm import HEAD_TIE, TinyLM
 from sharetree.flax import tied
 
 
@@ -45,44 +45,9 @@ class LMConfig:
         """A configuration small enough for a smoke test."""
         return cls(vocab=32, d_model=16, heads=2, layers=1, seq=8, batch=2)
 
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and an MLP."""
-
-    d_model: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
-        mask = nn.make_causal_mask(jnp.ones(h.shape[:2], jnp.int32))
-        a = nn.LayerNorm(name="ln_attn")(h)
-        h = h + nn.SelfAttention(num_heads=self.heads, name="attn")(a, mask=mask)
-        m = nn.LayerNorm(name="ln_mlp")(h)
-        m = nn.Dense(4 * self.d_model, name="up")(m)
-        return h + nn.Dense(self.d_model, name="down")(nn.gelu(m))
-
-
-class TinyLM(nn.Module):
-    """Decoder-only LM; ``head`` chooses how the output projection is tied."""
-
-    cfg: LMConfig
-    head: str  # "attend" (tied by hand) or "dense" (a Dense kernel, tied by sharetree)
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        embed = nn.Embed(cfg.vocab, cfg.d_model, name="embed")
-        pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
-        h = embed(tokens) + pos[: tokens.shape[1]]
-        for i in range(cfg.layers):
-            h = Block(cfg.d_model, cfg.heads, name=f"block_{i}")(h)
-        h = nn.LayerNorm(name="ln_f")(h)
-        if self.head == "attend":
-            return embed.attend(h)
-        return nn.Dense(cfg.vocab, use_bias=False, name="head")(h)
-
-
-TIE = {"head/kernel": st.Tied("embed/embedding", st.T)}
+    def model(self, *, tie_by_hand: bool = False) -> TinyLM:
+        """The ``TinyLM`` of these sizes (context ``seq``)."""
+        return TinyLM(self.vocab, self.seq, self.d_model, self.heads, self.layers, tie_by_hand)
 
 
 def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation) -> Callable:
@@ -114,8 +79,8 @@ class LMCase:
 
 def make_case(cfg: LMConfig, seed: int = 0) -> LMCase:
     """Build both versions from one set of initial parameters."""
-    hand = TinyLM(cfg, "attend")
-    shared = tied(TinyLM(cfg, "dense"), TIE)
+    hand = cfg.model(tie_by_hand=True)
+    shared = tied(cfg.model(), HEAD_TIE)
     key = jax.random.key(seed)
     tokens = jax.random.randint(jax.random.fold_in(key, 1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
     p_hand = hand.init(key, tokens[:, :-1])["params"]

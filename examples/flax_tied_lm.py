@@ -1,7 +1,9 @@
 """A character-level transformer LM in Flax linen whose output layer is the embedding, transposed.
 
-The output projection ``head/kernel`` is tied to ``embed/embedding`` with
-``sharetree.flax.tied``: the parameters, the gradients, the AdamW state and the
+The model is ``TinyLM`` (``sharetree/_lm.py``, the model of ``python -m
+sharetree demo``): an ordinary linen module with a ``Dense`` head of its own,
+which knows nothing about tying. ``sharetree.flax.tied`` ties ``head/kernel``
+to ``embed/embedding``: the parameters, the gradients, the AdamW state and the
 weight-decay mask all hold the table once, and ``TrainState.apply_gradients``
 keeps the tie.
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +23,7 @@ import optax
 from flax.training import train_state
 
 import sharetree as st
+from sharetree._lm import TinyLM
 from sharetree.flax import tied
 
 TEXT = (
@@ -32,39 +34,8 @@ TEXT = (
 )
 
 
-class Block(nn.Module):
-    dim: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, x, mask):
-        x = x + nn.SelfAttention(num_heads=self.heads, name="attn")(nn.LayerNorm()(x), mask=mask)
-        h = nn.Dense(4 * self.dim, name="mlp_in")(nn.LayerNorm()(x))
-        return x + nn.Dense(self.dim, name="mlp_out")(nn.gelu(h))
-
-
-class TransformerLM(nn.Module):
-    vocab: int
-    dim: int = 64
-    heads: int = 4
-    layers: int = 2
-    max_len: int = 64
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.dim, name="embed")(tokens)
-        pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.dim))
-        x = x + pos[: tokens.shape[-1]]
-        mask = nn.make_causal_mask(tokens)
-        for i in range(self.layers):
-            x = Block(self.dim, self.heads, name=f"block_{i}")(x, mask)
-        x = nn.LayerNorm(name="ln_f")(x)
-        # its own kernel at init; sharetree replaces it with the embedding, transposed
-        return nn.Dense(self.vocab, use_bias=False, name="head")(x)
-
-
 def make_model(vocab: int, dim: int, layers: int, max_len: int):
-    lm = TransformerLM(vocab, dim=dim, heads=4, layers=layers, max_len=max_len)
+    lm = TinyLM(vocab, context=max_len, d_model=dim, heads=4, layers=layers)
     return tied(lm, {"head/kernel": st.Tied("embed/embedding", st.T)})
 
 

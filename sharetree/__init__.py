@@ -8,10 +8,13 @@ from sharetree._detect import find_ties, tie_identical
 from sharetree._display import MaterializedDisplay, summary, treescope_materialized
 from sharetree._errors import TieError
 from sharetree._flat import Restructure, destructure
-from sharetree._graph import Buffer, SharingGraph, View, canonicalize
+from sharetree._grad_by_use import grad_by_use
+from sharetree._grad_report import GradReport, grad_report
 from sharetree._io import load, save
 from sharetree._labels import label_by_path, mask_by_path
 from sharetree._materialize import materialize
+from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._sharding import shardings_by_path
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
@@ -26,11 +29,13 @@ from sharetree._transforms import (
     transform_from_spec,
     transpose,
 )
+from sharetree._untie import untie, untie_state
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Buffer",
+    "GradReport",
     "MaterializedDisplay",
     "Restructure",
     "SharingGraph",
@@ -45,6 +50,8 @@ __all__ = [
     "destructure",
     "find_ties",
     "fn",
+    "grad_by_use",
+    "grad_report",
     "identity",
     "label_by_path",
     "load",
@@ -53,10 +60,13 @@ __all__ = [
     "reshape",
     "save",
     "scale",
+    "shardings_by_path",
     "summary",
     "tie",
     "tie_identical",
     "transform_from_spec",
     "transpose",
     "treescope_materialized",
+    "untie",
+    "untie_state",
 ]

@@ -1,17 +1,15 @@
-"""The ``python -m sharetree demo`` model: a tied character-level language model.
+"""``python -m sharetree demo``: train the tied character-level LM of ``sharetree._lm``.
 
-A small causal transformer over a window of characters, in pure JAX, with two
-kinds of sharing written as ``Tied`` nodes:
+The model is ``TinyLM`` wrapped by :func:`sharetree.flax.tied` with two kinds
+of sharing, written as data: the output layer is the embedding transposed
+(``head/kernel = Tied("embed/embedding", T)``) and every block after the first
+is the first again (``block_1 = Tied("block_0")``). The training loop is plain
+``jax.grad`` + optax on the canonical tree: optax holds moments for each buffer
+once, and the gradient of a shared buffer is the sum over its uses without any
+extra code. The corpus ships with the package (``sharetree/data/corpus.txt``,
+original text dedicated to the public domain).
 
-* the output projection is the token embedding transposed
-  (``head/kernel = Tied("embed/tokens", T)``), as in GPT-2 and most LMs;
-* the second transformer block is the first one again
-  (``blocks/1 = Tied("blocks/0")``), ALBERT-style cross-layer sharing.
-
-The training loop is plain ``jax.grad`` + optax on the canonical tree: optax
-holds moments for each buffer once, and the gradient of a shared buffer is the
-sum over its uses without any extra code. The corpus ships with the package
-(``sharetree/data/corpus.txt``, original text dedicated to the public domain).
+Needs the ``demo`` extra (Flax, optax, tqdm).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
-import math
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,41 +27,46 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharetree as st
+from sharetree._display import format_bytes, saved_percent
+from sharetree._lm import HEAD_TIE, TinyLM, block_ties
+from sharetree.flax import TiedModule, tied
 
 __all__ = [
     "Config",
     "Vocab",
     "load_corpus",
+    "make_model",
     "init_params",
-    "forward",
     "loss_fn",
     "evaluate",
     "train",
     "generate",
     "TrainResult",
+    "run",
 ]
+
+PROMPT = "The well "
+"""What the demo's sample starts with."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Hyperparameters of the demo model and its training.
+    """Sizes of the demo model and hyperparameters of its training (hashable).
 
     Attributes:
         context: characters per window (the model sees at most this many).
         d_model: width of embeddings and of the residual stream.
-        n_heads: attention heads (``d_model`` must be divisible by it).
-        d_ff: hidden width of the feed-forward layer.
-        n_blocks: transformer blocks applied; blocks after the first are ``Tied``
-            to the first (one set of block weights used ``n_blocks`` times).
+        heads: attention heads (``d_model`` must be divisible by it).
+        layers: transformer blocks applied; blocks after the first are ``Tied``
+            to the first (one set of block weights used ``layers`` times).
         batch: windows per training step.
         lr: peak Adam learning rate (linear warm-up, cosine decay).
     """
 
     context: int = 32
     d_model: int = 64
-    n_heads: int = 4
-    d_ff: int = 192
-    n_blocks: int = 2
+    heads: int = 4
+    layers: int = 2
     batch: int = 32
     lr: float = 4e-3
 
@@ -95,113 +98,65 @@ class Vocab:
 
 
 def load_corpus() -> str:
-    """The demo corpus shipped in ``sharetree/data/corpus.txt`` (about 22 KB)."""
+    """The demo corpus shipped in ``sharetree/data/corpus.txt``."""
     return (importlib.resources.files("sharetree") / "data" / "corpus.txt").read_text("utf-8")
 
 
-def init_params(seed: int, vocab_size: int, cfg: Config) -> dict[str, Any]:
-    """The canonical parameter tree, with the two ties in place.
+def make_model(vocab_size: int, cfg: Config) -> TiedModule:
+    """``TinyLM`` of ``cfg``'s sizes, its head tied to the embedding and its blocks to the first.
 
-    Initialised with NumPy (host arrays, nothing to compile), float32.
+    Example:
+        >>> from sharetree._demo import Config, make_model
+        >>> make_model(10, Config(layers=2)).ties  # doctest: +NORMALIZE_WHITESPACE
+        ((('head', 'kernel'), Tied('embed/embedding', T)), (('block_1',), Tied('block_0')))
+    """
+    lm = TinyLM(vocab_size, cfg.context, cfg.d_model, cfg.heads, cfg.layers)
+    return tied(lm, {**HEAD_TIE, **block_ties(cfg.layers)})
+
+
+def init_params(seed: int, vocab_size: int, cfg: Config) -> dict[str, Any]:
+    """The canonical parameter tree of :func:`make_model`, with the ties in place.
 
     Example:
         >>> import sharetree as st
         >>> from sharetree._demo import Config, init_params
-        >>> p = init_params(0, 10, Config(d_model=8, n_heads=2, d_ff=16))
-        >>> p["head"]["kernel"], p["blocks"][1]
-        (Tied('embed/tokens', T), Tied('blocks/0'))
+        >>> p = init_params(0, 10, Config(context=8, d_model=8, heads=2))
+        >>> p["head"]["kernel"], p["block_1"]
+        (Tied('embed/embedding', T), Tied('block_0'))
         >>> st.materialize(p)["head"]["kernel"].shape
         (8, 10)
     """
-    if cfg.d_model % cfg.n_heads:
-        raise ValueError(f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
-    d, f = cfg.d_model, cfg.d_ff
-    rng = np.random.default_rng(seed)
-
-    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return (std * rng.standard_normal(shape)).astype(np.float32)
-
-    def zeros(n: int) -> np.ndarray:
-        return np.zeros(n, np.float32)
-
-    def norm() -> dict[str, np.ndarray]:
-        return {"scale": np.ones(d, np.float32), "bias": zeros(d)}
-
-    out_std = 0.02 / math.sqrt(2 * cfg.n_blocks)
-    block = {
-        "ln1": norm(),
-        "attn": {"qkv": normal((d, 3 * d), d**-0.5), "out": normal((d, d), out_std)},
-        "ln2": norm(),
-        "mlp": {
-            "w1": normal((d, f), d**-0.5),
-            "b1": zeros(f),
-            "w2": normal((f, d), out_std),
-            "b2": zeros(d),
-        },
-    }
-    return {
-        "embed": {
-            "tokens": normal((vocab_size, d), 0.02),
-            "positions": normal((cfg.context, d), 0.02),
-        },
-        "blocks": [block] + [st.Tied("blocks/0") for _ in range(cfg.n_blocks - 1)],
-        "ln_f": norm(),
-        "head": {"kernel": st.Tied("embed/tokens", st.T), "bias": zeros(vocab_size)},
-    }
+    tokens = jnp.zeros((1, cfg.context), jnp.int32)
+    init = jax.jit(make_model(vocab_size, cfg).init)  # one compilation, not one per op
+    return init(jax.random.key(seed), tokens)["params"]
 
 
-def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+def loss_fn(model: TiedModule, params: Any, tokens: jax.Array) -> jax.Array:
+    """Mean next-character cross-entropy (nats) of the canonical ``params`` on ``tokens``.
 
-
-def _attention(x: jax.Array, p: dict[str, jax.Array], n_heads: int) -> jax.Array:
-    b, c, d = x.shape
-    q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
-    q, k, v = (t.reshape(b, c, n_heads, d // n_heads).transpose(0, 2, 1, 3) for t in (q, k, v))
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d // n_heads)
-    scores = scores + jnp.where(jnp.tril(jnp.ones((c, c), bool)), 0.0, -1e9)  # causal
-    # A hand-written softmax: same values as jax.nn.softmax, a third of its XLA:CPU compile time.
-    e = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
-    weights = e / e.sum(-1, keepdims=True)
-    out = jnp.einsum("bhqk,bhkd->bhqd", weights, v).transpose(0, 2, 1, 3).reshape(b, c, d)
-    return out @ p["out"]
-
-
-def forward(materialized: dict[str, Any], tokens: jax.Array, n_heads: int) -> jax.Array:
-    """Next-character logits ``(batch, window, vocab)`` of a materialized tree."""
-    m = materialized
-    x = m["embed"]["tokens"][tokens] + m["embed"]["positions"][: tokens.shape[1]]
-    for block in m["blocks"]:
-        x = x + _attention(_layer_norm(x, block["ln1"]), block["attn"], n_heads)
-        h = jax.nn.gelu(_layer_norm(x, block["ln2"]) @ block["mlp"]["w1"] + block["mlp"]["b1"])
-        x = x + h @ block["mlp"]["w2"] + block["mlp"]["b2"]
-    x = _layer_norm(x, m["ln_f"])
-    return x @ m["head"]["kernel"] + m["head"]["bias"]
-
-
-def loss_fn(params: dict[str, Any], tokens: jax.Array, n_heads: int) -> jax.Array:
-    """Mean next-character cross-entropy (nats) of the canonical ``params`` on ``tokens``."""
-    logits = forward(st.materialize(params), tokens[:, :-1], n_heads)
+    ``tokens`` is ``(batch, window + 1)``: the model reads the first ``window``
+    characters of each row and is scored on the next one at every position.
+    """
+    logits = model.apply({"params": params}, tokens[:, :-1])
     logp = jax.nn.log_softmax(logits)
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _logits(params: dict[str, Any], tokens: jax.Array, n_heads: int) -> jax.Array:
-    return forward(st.materialize(params), tokens, n_heads)
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(cfg: Config, params: Any, tokens: jax.Array) -> jax.Array:
+    vocab_size = params["embed"]["embedding"].shape[0]
+    return make_model(vocab_size, cfg).apply({"params": params}, tokens)
 
 
-def evaluate(params: dict[str, Any], windows: np.ndarray, n_heads: int) -> float:
-    """Mean next-character cross-entropy on ``windows`` (one window at a time).
+def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
+    """Mean next-character cross-entropy on ``windows`` of ``cfg.context + 1`` ids.
 
     One window at a time, so that evaluation and :func:`generate` share one
     compiled forward pass of shape ``(1, context)``.
     """
     total = 0.0
     for w in windows:
-        logits = np.asarray(_logits(params, jnp.asarray(w[None, :-1]), n_heads), np.float64)[0]
+        logits = np.asarray(_logits(cfg, params, jnp.asarray(w[None, :-1])), np.float64)[0]
         logits -= logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         total += -logp[np.arange(len(w) - 1), w[1:]].mean()
@@ -223,7 +178,7 @@ class TrainResult:
         opt_state_size: number of floats in the optimizer state.
     """
 
-    params: dict[str, Any]
+    params: Any
     vocab: Vocab
     cfg: Config
     losses: list[float]
@@ -253,6 +208,9 @@ def train(
 
     Returns:
         A :class:`TrainResult`.
+
+    Raises:
+        ValueError: a corpus too short for the held-out split and one window.
     """
     import optax
 
@@ -271,13 +229,13 @@ def train(
     starts = np.linspace(0, len(held_out) - window, num=16).astype(int)
     eval_windows = np.stack([held_out[s : s + window] for s in starts])
 
-    params = jax.device_put(init_params(seed, len(vocab), cfg))  # ties survive device_put
+    model = make_model(len(vocab), cfg)
+    params = init_params(seed, len(vocab), cfg)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, max(1, min(50, steps // 10)), max(2, steps), cfg.lr * 0.1
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
     opt_state = opt.init(params)
-    n_heads = cfg.n_heads
     base_key = jax.random.key(seed)
 
     @jax.jit
@@ -285,11 +243,11 @@ def train(
         key = jax.random.fold_in(base_key, i)
         idx = jax.random.randint(key, (cfg.batch,), 0, train_data.shape[0] - window)
         tokens = jax.vmap(lambda j: jax.lax.dynamic_slice(train_data, (j,), (window,)))(idx)
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, n_heads)
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, params, tokens)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    initial_eval = evaluate(params, eval_windows, n_heads)
+    initial_eval = evaluate(params, eval_windows, cfg)
     losses: list[float] = []
     t0 = time.perf_counter()
     for i in range(steps):
@@ -298,13 +256,13 @@ def train(
         if progress is not None:
             progress(i, losses[-1])
     seconds = time.perf_counter() - t0
-    final_eval = evaluate(params, eval_windows, n_heads)
+    final_eval = evaluate(params, eval_windows, cfg)
     state_size = sum(x.size for x in jax.tree.leaves(opt_state) if jnp.ndim(x) > 0)
     return TrainResult(params, vocab, cfg, losses, initial_eval, final_eval, seconds, state_size)
 
 
 def generate(
-    params: dict[str, Any],
+    params: Any,
     vocab: Vocab,
     cfg: Config,
     prompt: str,
@@ -316,15 +274,14 @@ def generate(
     """Sample ``length`` characters after ``prompt`` (the prompt is not repeated).
 
     Example:
-        >>> import jax
         >>> from sharetree._demo import Config, Vocab, generate, init_params
-        >>> cfg = Config(context=8, d_model=8, n_heads=2, d_ff=16)
+        >>> cfg = Config(context=8, d_model=8, heads=2)
         >>> vocab = Vocab("abc ")
         >>> out = generate(init_params(0, len(vocab), cfg), vocab, cfg, "ab", 5)
         >>> len(out), set(out) <= set("abc ")
         (5, True)
     """
-    n_heads, c = cfg.n_heads, cfg.context
+    c = cfg.context
     rng = np.random.default_rng(seed)
     ids = list(vocab.encode(prompt)) or [0]
     out: list[int] = []
@@ -332,8 +289,63 @@ def generate(
         context = (ids + out)[-c:]
         window = np.zeros((1, c), np.int32)
         window[0, : len(context)] = context  # causal: positions after the last are ignored
-        logits = np.asarray(_logits(params, jnp.asarray(window), n_heads), np.float64)
+        logits = np.asarray(_logits(cfg, params, jnp.asarray(window)), np.float64)
         z = logits[0, len(context) - 1] / temperature
         p = np.exp(z - z.max())
         out.append(int(rng.choice(len(p), p=p / p.sum())))
     return vocab.decode(out)
+
+
+def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) -> TrainResult:
+    """Train with a tqdm progress bar on stderr; print the sharing summary and a sample.
+
+    Args:
+        steps: optimisation steps.
+        seed: seed of the initialisation, the batches and the sample.
+        sample: characters to generate after training (0: none).
+        quiet: no progress bar.
+
+    Returns:
+        The :class:`TrainResult` (its ``params`` are what ``--out`` saves).
+    """
+    from tqdm import tqdm
+
+    cfg = Config()
+    text = load_corpus()
+    print("sharetree demo: a character-level transformer language model with tied weights")
+    print(f"  corpus   {len(text):,} characters of sharetree/data/corpus.txt")
+    print("  ties     head/kernel = Tied('embed/embedding', T)   output layer = embedding.T")
+    print("           block_1     = Tied('block_0')              one block applied twice")
+    sys.stdout.flush()  # before the bar starts on stderr
+    with tqdm(total=steps, desc="training", unit="step", file=sys.stderr, disable=quiet) as bar:
+
+        def progress(i: int, loss: float) -> None:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update(1)
+
+        result = train(steps, seed=seed, cfg=cfg, text=text, progress=progress)
+    print(
+        f"held-out loss {result.initial_eval:.3f} -> {result.final_eval:.3f} nats/char "
+        f"after {steps} steps ({result.seconds:.1f} s, compilation included)"
+    )
+    print()
+    g = st.canonicalize(result.params)
+    print(st.summary(g))
+    print()
+    saved = g.size_expanded - g.size_unique
+    print(
+        f"parameters: {g.size_unique:,} unique vs {g.size_expanded:,} expanded: sharing saves "
+        f"{saved:,} parameters ({saved_percent(g.size_unique, g.size_expanded):.1f}%), "
+        f"{format_bytes(g.nbytes_expanded - g.nbytes_unique)} of float32"
+    )
+    print(
+        f"optimizer:  Adam holds {result.opt_state_size:,} floats (2 per unique parameter), "
+        f"not {2 * g.size_expanded:,}"
+    )
+    if sample:
+        text = PROMPT + generate(result.params, result.vocab, cfg, PROMPT, sample, seed=seed)
+        print()
+        print("sample (temperature 0.8):")
+        for line in text.splitlines() or [""]:
+            print(f"  {line}")
+    return result

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._graph import _is_tied
-from sharetree._tie import tie
-from sharetree._tied import Path, Tied, keypath_to_path, path_str
-from sharetree._transforms import T, Transform, check_transform, identity
+from sharetree._paths import Path, keypath_to_path, path_str
+from sharetree._tie import bit_equal, tie
+from sharetree._tied import Tied, is_tied
+from sharetree._transforms import (
+    T,
+    Transform,
+    _Chain,
+    _Reshape,
+    _Transpose,
+    check_transform,
+    identity,
+)
 
 __all__ = ["tie_identical", "find_ties"]
 
 
 def _positions(tree: Any) -> list[tuple[Path, Any]]:
-    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)
+    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
     return [(keypath_to_path(kp), x) for kp, x in flat]
 
 
@@ -54,11 +61,6 @@ def tie_identical(tree: Any) -> Any:
     return tie(tree, ties, check=False) if ties else tree
 
 
-def _digest(a: np.ndarray) -> tuple[Any, ...]:
-    a = np.ascontiguousarray(a)
-    return (a.shape, a.dtype.str, hashlib.sha1(a.tobytes()).hexdigest())
-
-
 def find_ties(
     tree: Any, transforms: Sequence[Transform] = (identity, T), *, atol: float = 0.0
 ) -> dict[str | Path, Tied]:
@@ -72,6 +74,11 @@ def find_ties(
     Constant arrays (all elements equal, e.g. freshly initialised zero biases)
     are never reported: equal content means nothing there, so tie them
     explicitly if they really are shared.
+
+    Each leaf's view through each transform is computed once (transposes and
+    reshapes as NumPy views, without copying); a leaf is compared in full only
+    with the views of its shape and dtype whose elements at a few sampled
+    positions match its own.
 
     Args:
         tree: a pytree of arrays (may already contain ``Tied`` nodes, kept as is).
@@ -100,51 +107,84 @@ def find_ties(
         return _find_ties(tree, transforms, atol)
 
 
-def _view(t: Transform, a: np.ndarray) -> np.ndarray | None:
+_SAMPLES = 256  # elements compared before any full compare
+
+
+class _View(NamedTuple):
+    """A candidate buffer seen through one transform, with its fingerprint."""
+
+    path: Path
+    transform: Transform
+    value: np.ndarray
+    sample: np.ndarray
+
+
+def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
+    """``t(a)``: a NumPy view (no copy) for axis permutations and reshapes, else computed."""
+    parts = t.parts if isinstance(t, _Chain) else (t,)
+    if all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts):
+        v = a
+        try:
+            for p in parts:
+                if isinstance(p, _Transpose):
+                    v = np.transpose(v, p.axes)
+                elif isinstance(p, _Reshape):
+                    v = np.reshape(v, p.shape)
+        except Exception:
+            return None
+        return v
     try:
         return np.asarray(t(a))
     except Exception:
         return None
 
 
-def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
-    candidates = [
-        (path, np.asarray(x))
-        for path, x in _positions(tree)
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)) and np.size(x) > 1
-    ]
-    candidates = [(p, a) for p, a in candidates if not np.all(a == a.flat[0])]
-    found: dict[Path, Tied] = {}
+def _sample(a: np.ndarray) -> np.ndarray:
+    """A fingerprint: the elements at a few evenly spaced flat positions (views included)."""
+    if a.size <= _SAMPLES:
+        return np.array(a).reshape(-1)
+    return a.flat[np.linspace(0, a.size - 1, _SAMPLES).astype(np.intp)]
+
+
+def _close(x: np.ndarray, y: np.ndarray, atol: float) -> bool:
     if atol == 0.0:
-        index: dict[tuple[Any, ...], tuple[Path, Transform]] = {}
-        for path, a in candidates:
-            hit = index.get(_digest(a))
-            if hit is not None:
-                found[path] = Tied(hit[0], hit[1])
+        return bit_equal(x, y)
+    return x.shape == y.shape and bool(np.allclose(x, y, rtol=0.0, atol=atol, equal_nan=True))
+
+
+def _constant(a: np.ndarray, sample: np.ndarray) -> bool:
+    return bool(np.all(sample == sample[0])) and bool(np.all(a == a.flat[0]))
+
+
+def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
+    # Each buffer's view through each transform is computed once (axis permutations and
+    # reshapes as NumPy views, for free). A candidate is compared in full only with the views
+    # of the same shape and dtype whose fingerprints match its own.
+    found: dict[Path, Tied] = {}
+    exact: dict[tuple[Any, ...], list[_View]] = {}  # atol == 0: keyed by the fingerprint's bytes
+    near: dict[tuple[Any, ...], list[_View]] = {}  # atol > 0: keyed by shape and dtype
+    for path, x in _positions(tree):
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
+            continue
+        a = np.asarray(x)
+        sample = _sample(a)
+        if _constant(a, sample):
+            continue  # equal content means nothing for constant arrays (fresh biases)
+        if atol == 0.0:
+            hits = exact.get((a.shape, a.dtype, sample.tobytes()), [])
+        else:
+            hits = [v for v in near.get((a.shape, a.dtype), []) if _close(v.sample, sample, atol)]
+        match = next((v for v in hits if _close(v.value, a, atol)), None)
+        if match is not None:
+            found[path] = Tied(match.path, match.transform)
+            continue
+        for t in transforms:
+            value = _np_view(t, a)
+            if value is None:
                 continue
-            for t in transforms:
-                view = _view(t, a)
-                if view is not None:
-                    index.setdefault(_digest(view), (path, t))
-    else:
-        buffers: list[tuple[Path, np.ndarray]] = []
-        for path, a in candidates:
-            match = None
-            for bpath, b in buffers:
-                for t in transforms:
-                    view = _view(t, b)
-                    if (
-                        view is not None
-                        and view.shape == a.shape
-                        and view.dtype == a.dtype
-                        and np.allclose(view, a, rtol=0.0, atol=atol, equal_nan=True)
-                    ):
-                        match = Tied(bpath, t)
-                        break
-                if match is not None:
-                    break
-            if match is not None:
-                found[path] = match
+            view = _View(path, t, value, _sample(value))
+            if atol == 0.0:
+                exact.setdefault((value.shape, value.dtype, view.sample.tobytes()), []).append(view)
             else:
-                buffers.append((path, a))
+                near.setdefault((value.shape, value.dtype), []).append(view)
     return {(p if any("/" in k for k in p) else path_str(p)): t for p, t in found.items()}

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import html
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._graph import Buffer, SharingGraph, View, canonicalize, leaves_and_structure
-from sharetree._graph import expand_leaves as _expand_leaves
-from sharetree._tied import Tied, path_str
+from sharetree._materialize import expand_leaves as _expand_leaves
+from sharetree._materialize import leaves_and_structure
+from sharetree._paths import format_aval, path_str, plural
+from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._tied import Tied
 from sharetree._transforms import identity
 
 __all__ = [
@@ -145,16 +147,16 @@ def _totals(g: SharingGraph) -> list[tuple[str, str, str, str]]:
 
 
 def _headline(g: SharingGraph) -> str:
-    b = "buffer" if g.num_unique == 1 else "buffers"
-    v = "view" if g.num_views == 1 else "views"
-    return f"sharing graph: {g.num_unique:,} {b}, {g.num_views:,} {v}"
+    return f"sharing graph: {plural(g.num_unique, 'buffer')}, {plural(g.num_views, 'view')}"
 
 
 # ---------------------------------------------------------------------------
 # text
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+def _table(
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], indent: str = "  "
+) -> list[str]:
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     out = []
     for r in [header, *rows]:
@@ -163,17 +165,25 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], indent: str = "
     return out
 
 
-def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
+def summary(
+    tree: Any,
+    grads_by_use: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    max_rows: int = MAX_ROWS,
+) -> str:
     """A plain-text summary of the sharing in ``tree``, for terminals and logs.
 
     Shows the totals (leaves, parameters and bytes, unique vs expanded, and
     the share that sharing saves), the buffers (path, shape, dtype, bytes,
     number of views) and the views (path, buffer, transform, shape, dtype).
     Each table is cut after ``max_rows`` rows with an ``... and K more`` line;
-    buffers that have views are kept first when cutting.
+    buffers that have views are kept first when cutting. Given the output of
+    :func:`~sharetree.grad_by_use`, it ends with the gradient-by-use report
+    (:func:`~sharetree.grad_report`: each use's norm, share and cosine).
 
     Args:
         tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
+        grads_by_use: optional ``st.grad_by_use(fun)(tree, ...)`` for this tree.
         max_rows: the most rows shown per table.
 
     Returns:
@@ -227,6 +237,10 @@ def summary(tree: Any, *, max_rows: int = MAX_ROWS) -> str:
         lines.append("  (none: nothing is shared)")
     if more_v:
         lines.append(f"  ... and {more_v:,} more views")
+    if grads_by_use is not None:
+        from sharetree._grad_report import grad_report  # it renders with this module's tables
+
+        lines.append(str(grad_report(grads_by_use, max_rows=max_rows)))
     return "\n".join(lines)
 
 
@@ -253,7 +267,7 @@ _MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
 
 
 def _html_table(
-    header: tuple[str, ...], rows: list[tuple[str, ...]], numeric: set[int], more: str = ""
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: set[int], more: str = ""
 ) -> str:
     e = html.escape
     head = "".join(
@@ -451,23 +465,17 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
     ]
     for i, b in enumerate(g.buffers):
         if include_unshared or b.path in used:
-            label = f"{b.path}\n{_aval_str(b.shape, b.dtype)}"
+            label = f"{b.path}\n{format_aval(b.aval)}"
             lines.append(
                 f'  b{i} [label={_dot_str(label)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
             )
     for j, v in enumerate(g.views.values()):
-        label = f"{v.path}\n{_aval_str(v.shape, v.dtype)}"
+        label = f"{v.path}\n{format_aval(v.aval)}"
         lines.append(f'  v{j} [label={_dot_str(label)}, style="dashed"];')
     for j, v in enumerate(g.views.values()):
         lines.append(f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];")
     lines.append("}")
     return "\n".join(lines)
-
-
-def _aval_str(shape: tuple[int, ...] | None, dtype: Any) -> str:
-    if shape is None:
-        return "static"
-    return f"{_dtype_str(dtype)}[{', '.join(map(str, shape))}]"
 
 
 # ---------------------------------------------------------------------------
@@ -524,14 +532,6 @@ class _Mark:
         return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
 
 
-def _tie_position(ties: dict[tuple[str, ...], Tied], path: tuple[str, ...]) -> tuple[str, ...]:
-    """The position of the ``Tied`` that produced the view at materialized ``path``."""
-    for k in range(len(path), 0, -1):
-        if path[:k] in ties:
-            return path[:k]
-    return path  # pragma: no cover - every view lies at or below a Tied
-
-
 class MaterializedDisplay:
     """A materialized tree shown by treescope with every buffer and view marked.
 
@@ -570,21 +570,19 @@ class MaterializedDisplay:
         structure, leaves = self._structure, self._leaves
         values = _expand_leaves(structure, leaves)
         uses: dict[int, list[str]] = {}
-        for i, t, p, _ in structure.expanded:
-            if t is not None:
-                uses.setdefault(i, []).append(path_str(p))
+        for view in structure.views:
+            uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
-        for (i, t, p, _), x in zip(structure.expanded, values, strict=True):
+        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
                 how = "" if t == identity else f" via {t!r}"
-                at = _tie_position(structure.ties, p)
-                note = f"from Tied at {path_str(at)}" if at != p else ""
+                note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
                 marked.append(_Mark(x, f"[view of {buf}{how}]", note, _color(buf)))
             elif i in uses:
                 n = len(uses[i])
                 first = ", ".join(uses[i][:3]) + (f", ... ({n - 3} more)" if n > 3 else "")
-                badge = f"[buffer: {n} view{'s' if n != 1 else ''}]"
+                badge = f"[buffer: {plural(n, 'view')}]"
                 marked.append(_Mark(x, badge, f"shared with {first}", _color(buf)))
             else:
                 marked.append(x)

@@ -7,6 +7,7 @@ import functools
 import itertools
 import math
 import operator
+import warnings
 from typing import Any
 
 import jax
@@ -15,7 +16,9 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._graph import Structure, expand_leaves, leaves_and_structure
+from sharetree._materialize import expand_leaves, leaves_and_structure
+from sharetree._paths import format_aval, path_str
+from sharetree._resolve import Structure
 from sharetree._transforms import canonical_dtype
 
 __all__ = ["destructure", "Restructure"]
@@ -43,6 +46,10 @@ def _kind(x: Any, cpu: bool) -> int:
     return _OTHER
 
 
+def _is_prng_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 class _Static:
     """A non-parameter leaf kept by ``restructure``; compared by value (arrays by content)."""
 
@@ -53,6 +60,10 @@ class _Static:
         self._key: Any
         if isinstance(value, jax.core.Tracer):  # an integer leaf under jit: same trace only
             self._key = ("id", id(value))
+        elif _is_prng_key(value):  # typed keys have no NumPy form: compare impl and key data
+            data = np.asarray(jax.random.key_data(value))
+            impl = str(jax.random.key_impl(value))
+            self._key = ("key", impl, data.shape, data.dtype.str, data.tobytes())
         elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
             arr = np.asarray(value)
             self._key = ("array", arr.shape, arr.dtype.str, arr.tobytes())
@@ -172,6 +183,13 @@ class Restructure:
             raise TieError(
                 f"restructure: expected a floating or complex vector ({self.flat_dtype.name}), "
                 f"got dtype {np.dtype(dtype).name}. Fix: cast it, e.g. flat.astype(jnp.float32)."
+            )
+        if _complex(np.dtype(dtype)) and not _complex(self.flat_dtype):
+            raise TieError(
+                f"restructure: expected a real vector ({self.flat_dtype.name}): every buffer of "
+                f"this tree is real, but the vector is {np.dtype(dtype).name}, whose imaginary "
+                "parts would be dropped. Fix: pass a real vector (e.g. jnp.real(flat) if the "
+                "imaginary parts are zero on purpose)."
             )
 
     def _leaves(self, flat: Any) -> list[Any]:
@@ -422,6 +440,40 @@ def _new_layout(
     return _Layout(types, config, tuple(leaf_dtypes), restructure, on_host, jax_arrays)
 
 
+_LAST_STATICS: dict[Any, tuple[tuple[int, _Static], ...]] = {}
+_LAST_STATICS_SIZE = 64  # structures remembered (oldest out)
+_WARNED: set[Any] = set()
+
+
+def _warn_on_changed_statics(restructure: Restructure) -> None:
+    """Warn once per leaf when a static leaf changed since the last destructure of its layout.
+
+    ``Restructure`` compares static leaves by value, so a ``jit`` that takes it as an
+    argument retraces whenever one changes (a step counter: every step).
+    """
+    key = restructure._key[:4] + restructure._key[5:]  # all but the static values
+    before = _LAST_STATICS.pop(key, None)
+    _LAST_STATICS[key] = restructure.statics
+    if len(_LAST_STATICS) > _LAST_STATICS_SIZE:
+        del _LAST_STATICS[next(iter(_LAST_STATICS))]
+    if before is None:
+        return
+    for (i, old), (_, new) in zip(before, restructure.statics):
+        if old != new and (key, i) not in _WARNED:
+            _WARNED.add((key, i))
+            where = path_str(restructure.structure.buffer_paths[i])
+            warnings.warn(
+                f"destructure: the static leaf {where!r} ({format_aval(new.value)}) changed "
+                "since the last destructure of a tree of this structure. restructure keeps "
+                "static leaves as values, so a jit that takes it as an argument retraces every "
+                "time this leaf changes. Fix: keep values that change every step (a step "
+                "counter) out of the tree you destructure, e.g. destructure state.params rather "
+                "than the whole train state.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     """Flatten the unique inexact buffers of ``tree`` into one 1-D vector.
 
@@ -470,5 +522,7 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
                 return layout.concat(buffers), re
     layout = _new_layout(leaves, structure, types, config)
     structure.__dict__["_flat_layout"] = layout
+    if layout.restructure.statics:
+        _warn_on_changed_statics(layout.restructure)
     buffers = [leaves[i] for i in layout.restructure.slots]
     return layout.concat(buffers), layout.restructure

@@ -1,42 +1,22 @@
-"""``save`` / ``load``: one safetensors file per canonical tree, each buffer stored once.
+"""``save`` / ``load`` / ``describe``: one safetensors file per canonical tree, each buffer once.
 
-File format (version 1). A standard safetensors file:
-
-* **tensors**: one per buffer (canonical array leaf), named by its ``/``-joined
-  path (``encoder/kernel``). Views are *not* stored: they are recomputed on
-  demand by :func:`sharetree.materialize`. Dtypes that safetensors has no code
-  for (``complex128``, ``float8_*``, ``int4``, ...) are stored as their raw
-  bytes (a 1-D ``uint8`` tensor) with the real dtype and shape in the metadata.
-* **metadata** (strings, in the safetensors header):
-
-  - ``sharetree.format_version``: ``"1"``; a reader refuses a newer version.
-  - ``sharetree.library_version``: the sharetree version that wrote the file
-    (informative).
-  - ``sharetree.tree``: JSON of the canonical tree's structure. Each node is an
-    object with a kind ``"t"``: ``dict`` / ``odict`` (``keys``, ``children``),
-    ``list`` / ``tuple`` (``children``), ``none``, ``node`` (any other pytree
-    node: its ``type`` name, ``keys`` and ``children``), ``tied`` (``ref``: list
-    of keys, ``transform``: the transform's ``spec()``), ``buffer``
-    (``tensor``, ``dtype``, ``shape``, ``raw``, ``scalar``), ``value`` (a
-    Python ``bool``/``int``/``float``/``complex``/``str`` leaf, kept in the
-    JSON), or ``static`` (a leaf no file can hold, such as an activation
-    function of an Equinox module: only its path and ``type`` are recorded).
-
-Because ties are data in the JSON and every buffer is one tensor, a loaded
-tree has exactly the ``Tied`` nodes of the saved one, and other safetensors
-readers see each shared weight once.
+The file format (tensor names, the ``sharetree.*`` metadata keys, the JSON of
+the tree, the limits a reader enforces) is specified in one place:
+``docs/saving_and_scaling.md``, section "The file format". Reading a file
+never imports or calls anything it names: ``st.fn`` transforms are restored
+only from the ``functions`` the caller passes in.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import os
-import struct
-import tempfile
+import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any, Union
 
 import jax
@@ -45,18 +25,41 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._graph import canonicalize
-from sharetree._tied import Path, Tied, key_name, keypath_to_path, path_str
-from sharetree._transforms import transform_from_spec
+from sharetree._foreign import KEY_VERSION as _KEY_VERSION
+from sharetree._foreign import load_foreign
+from sharetree._materialize import abstract_expanded, transform_error
+from sharetree._paths import Path, TieMap, key_name, keypath_to_path, path_str
+from sharetree._report import SharingGraph
+from sharetree._safetensors import Reader, TensorInfo, atomic_write, one_line
+from sharetree._tied import Tied, is_tied
+from sharetree._transforms import Transform, transform_from_spec
+from sharetree._transforms import _Unresolved as _Unresolved
 
-__all__ = ["save", "load", "FORMAT_VERSION"]
+__all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
 
-FORMAT_VERSION = 1
-"""The version of the file format written by :func:`save`; :func:`load` reads versions up to it."""
+FORMAT_VERSION = 2
+"""The newest file format version: :func:`load` reads versions up to it.
 
-_KEY_VERSION = "sharetree.format_version"
+:func:`save` writes version 1 unless the tree holds a typed PRNG key array
+(version 2 adds the ``key`` field of buffers, which a version-1 reader would
+misread as plain ``uint32`` data), so files without keys stay readable by
+every sharetree that reads version 1.
+"""
+
+MAX_DEPTH = 200
+"""The deepest nesting of containers :func:`save` writes and :func:`load` reads (the root is 0)."""
+
+_MAX_JSON_DEPTH = 2 * MAX_DEPTH + 16
+"""Nesting of the ``sharetree.tree`` JSON text that a tree of ``MAX_DEPTH`` levels can reach."""
+
+KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+"""The PRNG implementations of typed key arrays (``jax.random.key``) a file may hold."""
+
 _KEY_TREE = "sharetree.tree"
 _KEY_LIBRARY = "sharetree.library_version"
+_PREFIX = "sharetree."
+_RESERVED_NAMES = frozenset({"__metadata__"})
+"""Tensor names the safetensors format keeps for itself."""
 _RESAVE = (
     "The file was edited or damaged after st.save wrote it. Fix: save the tree again with "
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
@@ -67,15 +70,6 @@ _NATIVE = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 "
     "float16 float32 float64 complex64 bfloat16".split()
 )
-# safetensors header dtype codes -> numpy dtype names (for the fallback reader)
-_CODES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
-    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
-}  # fmt: skip
-
 PathOrStr = Union[str, "os.PathLike[str]"]
 
 
@@ -92,20 +86,48 @@ def _is_numeric(dtype: np.dtype) -> bool:
         return False
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_key_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _addressable(x: jax.Array) -> bool:
+    """Whether this process holds every shard of ``x`` (a seam for tests)."""
+    return bool(x.is_fully_addressable)
+
+
 class _Writer:
     """Walks a canonical tree into (JSON structure, {tensor name: array})."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather: bool) -> None:
         self.tensors: dict[str, np.ndarray] = {}
+        self.gather = gather
+        self.has_keys = False
 
     def name_for(self, path: Path) -> str:
         base = "/".join(path) if path else "<root>"
+        if not _utf8(base):  # lone surrogates: a file holds UTF-8 names only
+            base = base.encode("utf-8", "backslashreplace").decode("utf-8")
         name, k = base, 1
-        while name in self.tensors:  # keys containing '/' can make two paths print alike
+        # keys containing '/' can make two paths print alike; '__metadata__' is reserved
+        while name in self.tensors or name in _RESERVED_NAMES:
             name, k = f"{base}~{k}", k + 1
         return name
 
     def node(self, x: Any, path: Path) -> dict[str, Any]:
+        if len(path) > MAX_DEPTH:
+            raise TieError(
+                f"save: the tree is nested deeper than {MAX_DEPTH} levels (at "
+                f"{path_str(path[:8])!r}/...); a file holds at most {MAX_DEPTH} levels, so that "
+                "every reader can rebuild it without deep recursion. Fix: flatten the tree."
+            )
         if isinstance(x, Tied):
             try:
                 spec = x.transform.spec()
@@ -117,6 +139,7 @@ class _Writer:
         kind = type(x)
         if kind in (dict, collections.OrderedDict):
             keys = list(x.keys())
+            seen: dict[str, Any] = {}
             for k in keys:
                 if type(k) not in (str, int):
                     raise TieError(
@@ -124,6 +147,13 @@ class _Writer:
                         f"{type(k).__name__}; a file can hold str and int keys only. "
                         "Fix: use str or int keys."
                     )
+                if str(k) in seen:
+                    raise TieError(
+                        f"save: the dict at {path_str(path)!r} has the keys {seen[str(k)]!r} and "
+                        f"{k!r}, which name the same path {path_str((*path, str(k)))!r}. "
+                        "Fix: rename one key so that paths are unambiguous."
+                    )
+                seen[str(k)] = k
             return {
                 "t": "dict" if kind is dict else "odict",
                 "keys": keys,
@@ -134,8 +164,7 @@ class _Writer:
                 "t": kind.__name__,
                 "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)],
             }
-        treedef = jtu.tree_structure(x)
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        if jtu.all_leaves([x]):
             return self.leaf(x, path)
         flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
         keys = [key_name(kp[0]) for kp, _ in flat]
@@ -167,13 +196,28 @@ class _Writer:
                 f"save: the buffer at {path_str(path)!r} has no concrete value (it is traced "
                 "by jit/grad/vmap). Fix: call st.save outside jit/grad, on concrete arrays."
             )
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            raise TieError(
-                f"save: the buffer at {path_str(path)!r} is sharded over several processes "
-                "(not fully addressable here), and st.save writes one file from one process. "
-                "Fix: save multi-host trees with Orbax (see docs/saving_and_scaling.md), or "
-                "gather the array first (jax.experimental.multihost_utils.process_allgather)."
-            )
+        impl = None
+        if _is_key_array(x):
+            impl = str(jax.random.key_impl(x))
+            if impl not in KEY_IMPLS:
+                raise TieError(
+                    f"save: the PRNG key array at {path_str(path)!r} uses the implementation "
+                    f"{impl!r}; a file can hold keys of {', '.join(KEY_IMPLS)} only. Fix: store "
+                    "its raw data (jax.random.key_data) and wrap it again after loading."
+                )
+            x = jax.random.key_data(x)
+            self.has_keys = True
+        if isinstance(x, jax.Array) and not _addressable(x):
+            if not self.gather:
+                raise TieError(
+                    f"save: the buffer at {path_str(path)!r} is sharded over several processes "
+                    "(not fully addressable here), and st.save writes one file. Fix: call "
+                    "st.save(path, tree, gather=True) on every process (buffers are gathered "
+                    "and process 0 writes), or save with Orbax (docs/saving_and_scaling.md)."
+                )
+            from jax.experimental import multihost_utils
+
+            x = multihost_utils.process_allgather(x, tiled=True)
         a = np.asarray(x)
         if not _is_numeric(a.dtype):
             raise TieError(
@@ -189,7 +233,7 @@ class _Writer:
         raw = dtype not in _NATIVE
         name = self.name_for(path)
         self.tensors[name] = np.frombuffer(a.tobytes(), np.uint8) if raw else a
-        return {
+        node = {
             "t": "buffer",
             "tensor": name,
             "dtype": dtype,
@@ -197,157 +241,251 @@ class _Writer:
             "raw": raw,
             "scalar": isinstance(x, np.generic),
         }
+        if impl is not None:
+            node["key"] = impl
+        return node
 
 
-def save(path: PathOrStr, tree: Any) -> None:
+def _check_user_metadata(metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TieError(
+            f"save: metadata must be a dict of str -> str, found {type(metadata).__name__}. "
+            'Fix: pass e.g. metadata={"format": "pt"}.'
+        )
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TieError(
+                f"save: the metadata entry {k!r}: {v!r} is {type(k).__name__} -> "
+                f"{type(v).__name__}; safetensors metadata holds str -> str only. "
+                "Fix: convert it, e.g. with json.dumps."
+            )
+        if not (_utf8(k) and _utf8(v)):
+            raise TieError(
+                f"save: the metadata entry {k!r}: {v!r} is not valid UTF-8 text (it holds a lone "
+                "surrogate). Fix: pass text that encodes to UTF-8."
+            )
+        if k.startswith(_PREFIX):
+            raise TieError(
+                f"save: the metadata key {k!r} starts with {_PREFIX!r}, which sharetree keeps "
+                "for its own entries. Fix: choose another key, e.g. without the prefix."
+            )
+    return dict(metadata)
+
+
+def save(
+    path: PathOrStr,
+    tree: Any,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    gather: bool = False,
+) -> None:
     """Write a canonical tree to one safetensors file, each buffer stored once.
 
     The file holds one tensor per buffer (named by its ``/``-joined path) and,
     in the safetensors metadata, the tree's structure, its ``Tied`` nodes
     (ref and transform) and a format version; see ``docs/saving_and_scaling.md``.
     Python ``bool``/``int``/``float``/``complex``/``str`` leaves are kept in the
-    metadata. Leaves that no file can hold (the functions in an Equinox module)
-    are recorded by path and type only; :func:`load` takes them from its
-    ``like`` template.
+    metadata. Typed PRNG key arrays (``jax.random.key``) are stored as their
+    key data and implementation name. Leaves that no file can hold (the
+    functions in an Equinox module) are recorded by path and type only;
+    :func:`load` takes them from its ``like`` template.
 
     The write is atomic: the file is written to a temporary file in the same
     directory and renamed over ``path`` only when complete, so a failure
-    leaves any previous file intact.
+    leaves any previous file intact; a replaced file keeps its mode. Every
+    check runs before anything is written.
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
         tree: a canonical tree: dicts, lists, tuples, ``None``, Flax structs,
-            Equinox modules, any pytree; arrays may be NumPy or JAX (fully
-            addressable: for multi-host sharded trees use Orbax).
+            Equinox modules, any pytree; arrays may be NumPy or JAX.
+        metadata: extra ``str -> str`` entries for the file's metadata (such as
+            ``{"format": "pt"}`` for Hugging Face readers); keys starting with
+            ``sharetree.`` are sharetree's own. Read them back with
+            :func:`read_metadata`; :func:`load` ignores them.
+        gather: for arrays sharded over several processes (multi-host runs):
+            with ``True`` each such buffer is gathered with
+            ``jax.experimental.multihost_utils.process_allgather`` and only
+            process 0 writes the file, so **every process must call** ``save``
+            with the same tree; with ``False`` (default) such a buffer is an error.
 
     Raises:
         TieError: a bad sharing graph (see :func:`sharetree.canonicalize`), an
             ``st.fn`` transform whose function is not importable by name, a
-            dict key that is not ``str``/``int``, a non-numeric array, a
-            traced value (inside ``jit``) or an array sharded over several
-            processes; nothing is written then.
+            dict key that is not ``str``/``int`` or two keys naming one path, a
+            tree nested deeper than ``MAX_DEPTH``, a non-numeric array, a
+            traced value (inside ``jit``), an array sharded over several
+            processes without ``gather=True``, or bad ``metadata``; nothing is
+            written then.
         OSError: the file cannot be written (the previous file, if any, is kept).
 
     Example:
         >>> import os, tempfile, numpy as np, sharetree as st
         >>> tree = {"emb": np.arange(6.0).reshape(3, 2), "head": st.Tied("emb", st.T)}
         >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-        >>> st.save(path, tree)
+        >>> st.save(path, tree, metadata={"format": "np"})
         >>> st.load(path)["head"]
         Tied('emb', T)
+        >>> from sharetree._io import read_metadata
+        >>> read_metadata(path)
+        {'format': 'np'}
     """
-    canonicalize(tree).views  # noqa: B018 - validate the graph and every view's shape first
-    writer = _Writer()
-    structure = writer.node(tree, ())
+    user = _check_user_metadata(metadata)
+    writer = _Writer(gather)
+    structure = writer.node(tree, ())  # keys, depth and leaves first: names the path
+    try:
+        jtu.tree_structure(tree)
+    except (ValueError, TypeError) as e:  # jax cannot sort the keys (e.g. dict keys 0 and "a")
+        raise TieError(
+            f"save: jax cannot flatten the tree ({one_line(e)}). Fix: use dict keys of one "
+            "type per dict (all str or all int)."
+        ) from e
+    abstract_expanded(tree)  # validate the graph and every view's shape first
     from sharetree import __version__
 
-    metadata = {
-        _KEY_VERSION: str(FORMAT_VERSION),
+    meta = {
+        **user,
+        _KEY_VERSION: "2" if writer.has_keys else "1",
         _KEY_LIBRARY: __version__,
         _KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    _atomic_write(os.fspath(path), writer.tensors, metadata)
-
-
-def _serialize_file(
-    tensors: dict[str, np.ndarray], filename: str, metadata: dict[str, str]
-) -> None:
-    from safetensors.numpy import save_file
-
-    save_file(tensors, filename, metadata=metadata)
-
-
-def _atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        os.close(fd)
-        _serialize_file(tensors, tmp, metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    if jax.process_index() != 0:
+        return  # every process gathered; process 0 writes
+    atomic_write(os.fspath(path), writer.tensors, meta)
 
 
 # ----------------------------------------------------------------------------- load
 
 
-class _Reader:
-    """Reads tensors of one safetensors file, with a raw fallback for dtypes numpy lacks."""
+def read_metadata(path: PathOrStr) -> dict[str, str]:
+    """The metadata entries of a safetensors file other than sharetree's own (``sharetree.*``).
 
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
+    These are the ``metadata`` passed to :func:`save` (or those of a file
+    another tool wrote). A file that cannot be read is a :class:`TieError`.
 
-        self.path = path
-        try:
-            with safe_open(path, framework="np") as f:
-                self.metadata: dict[str, str] = dict(f.metadata() or {})
-                self.names: list[str] = list(f.keys())
-        except Exception as e:  # SafetensorError and friends
-            raise TieError(
-                f"load: {path!r} is not a readable safetensors file ({type(e).__name__}: {e}). "
-                "It may be empty, truncated or of another format. Fix: save it again with "
-                "st.save, or check that the path names the right file."
-            ) from None
-        self._header: dict[str, Any] | None = None
-
-    def header(self) -> dict[str, Any]:
-        if self._header is None:
-            with open(self.path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._header = json.loads(f.read(n))
-                self._header["__data_start__"] = 8 + n
-        return self._header
-
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="np") as f:
-            for name in self.names:
-                try:
-                    a = f.get_tensor(name)
-                except Exception:  # a dtype numpy lacks here
-                    try:
-                        a = self._raw(name)
-                    except TieError:
-                        raise
-                    except Exception as e:
-                        raise TieError(
-                            f"load: cannot read tensor {name!r} of {self.path!r} "
-                            f"({type(e).__name__}: {e}). Fix: check the file is complete."
-                        ) from None
-                yield name, np.array(a)  # own the memory (safetensors may hand out a view)
-
-    def _raw(self, name: str) -> np.ndarray:
-        entry = self.header()[name]
-        code = entry["dtype"]
-        if code not in _CODES:
-            raise TieError(
-                f"load: tensor {name!r} in {self.path!r} has the dtype code {code!r}, which "
-                f"sharetree cannot read (known: {', '.join(_CODES)}). Fix: convert the file."
-            )
-        start, end = entry["data_offsets"]
-        with open(self.path, "rb") as f:
-            f.seek(self.header()["__data_start__"] + start)
-            data = f.read(end - start)
-        return np.frombuffer(data, jnp.dtype(_CODES[code])).reshape(entry["shape"])
+    Example:
+        >>> import os, tempfile, numpy as np, sharetree as st
+        >>> from sharetree._io import read_metadata
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        >>> st.save(path, {"w": np.ones(2)}, metadata={"format": "pt"})
+        >>> read_metadata(path)
+        {'format': 'pt'}
+    """
+    meta = Reader(os.fspath(path), "read_metadata").metadata
+    return {k: v for k, v in meta.items() if not k.startswith(_PREFIX)}
 
 
-def load(path: PathOrStr, like: Any = None) -> Any:
+def _json_depth(text: str, limit: int) -> int:
+    r"""The nesting of ``[`` / ``{`` in JSON text, strings skipped; stops once above ``limit``.
+
+    Linear in the text and without recursion, whatever the text (an unterminated
+    string ends the scan: such text is not JSON, which the parser then reports).
+
+    Example:
+        >>> from sharetree._io import _json_depth
+        >>> _json_depth('{"a": [[1], "[[[\\"]"]}', 10), _json_depth("[" * 5000, 10)
+        (3, 11)
+    """
+    depth = deepest = pos = 0
+    while (m := _NEXT.search(text, pos)) is not None:
+        c, pos = m.group(), m.end()
+        if c == '"':
+            string = _STRING.match(text, m.start())
+            if string is None:
+                break
+            pos = string.end()
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        else:
+            depth -= 1
+    return deepest
+
+
+_NEXT = re.compile(r'["\[\]{}]')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.S)
+
+
+def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
+    version = meta[_KEY_VERSION]
+    if not (version.isascii() and version.isdigit()):
+        raise TieError(
+            f"{verb}: {path!r} has a malformed format version {version!r}; expected a "
+            f"decimal integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
+        )
+    if int(version) > FORMAT_VERSION:
+        raise TieError(
+            f"{verb}: {path!r} has format version {int(version)}, written by sharetree "
+            f"{meta.get(_KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
+            f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
+        )
+    if _KEY_TREE not in meta:
+        raise TieError(
+            f"{verb}: {path!r} has a format version but no {_KEY_TREE!r} metadata, so its tree "
+            f"structure is lost. {_RESAVE}"
+        )
+    text = meta[_KEY_TREE]
+    depth = _json_depth(text, _MAX_JSON_DEPTH)
+    if depth > _MAX_JSON_DEPTH:
+        raise TieError(
+            f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is nested {depth} or more levels "
+            f"deep; a "
+            f"file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at most "
+            f"{MAX_DEPTH} levels). {_RESAVE}"
+        )
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise TieError(
+            f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is not valid JSON "
+            f"({one_line(e)}). {_RESAVE}"
+        ) from e
+
+
+class _AnyFunction(Mapping[str, Any]):
+    """``functions=`` for describing: every name maps to a stand-in that is never called."""
+
+    def __getitem__(self, name: str) -> Any:
+        return _Unresolved(name)
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 1
+
+
+def _is_described(t: Transform | None) -> bool:
+    parts = getattr(t, "parts", (t,))
+    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts)
+
+
+def _tensors_of(reader: Reader) -> dict[str, Any]:
+    return dict(reader.tensors())
+
+
+def load(
+    path: PathOrStr,
+    like: Any = None,
+    *,
+    ties: TieMap | None = None,
+    atol: float | None = None,
+    functions: Mapping[str, Any] | None = None,
+    shardings: Any = None,
+) -> Any:
     r"""Read a file written by :func:`save`: the canonical tree, every ``Tied`` back.
 
     Buffers come back as NumPy arrays (NumPy scalars where a NumPy scalar was
-    saved); place them with ``jax.device_put(tree, shardings)``, which keeps
-    the ties. Dicts, ``OrderedDict``\ s, lists, tuples and ``None`` are rebuilt
-    as they were.
+    saved; typed PRNG keys as key arrays), or placed on devices with
+    ``shardings``. Dicts, ``OrderedDict``\ s, lists, tuples and ``None`` are
+    rebuilt as they were.
 
     Other pytree nodes (Flax structs, Equinox modules, namedtuples,
     dataclasses) need a template: ``load(path, like=template)`` checks that
@@ -360,17 +498,34 @@ def load(path: PathOrStr, like: Any = None) -> Any:
     dicts keyed by their key names (the paths, and so the ties, are the same)
     with a warning.
 
-    A safetensors file without sharetree metadata (written by another tool,
-    such as a PyTorch state dict) is loaded as a flat dict ``{tensor name:
-    array}`` with a ``UserWarning`` saying so; recover its ties with
-    :func:`sharetree.find_ties` and :func:`sharetree.tie`.
+    A file is untrusted input: loading never imports a module or calls a
+    function named in it. A tie whose transform is ``st.fn(f)`` is rebuilt
+    only from ``functions``, a mapping from the name the file stores
+    (``"module:qualname"``) to the function itself.
 
-    Transforms made with ``st.fn`` are rebuilt by importing their function by
-    module and name, so loading such a file imports that module.
+    A safetensors file without sharetree metadata (written by another tool,
+    such as a PyTorch state dict), or a Hugging Face ``save_pretrained``
+    directory (``model.safetensors`` or a sharded index), loads as a flat dict
+    ``{tensor name: array}``; ``ties={target: ref}`` (such as transformers'
+    ``model.all_tied_weights_keys``) makes it the canonical tree in one call:
+    an absent target becomes ``Tied(ref)``, a present one must equal its ref
+    (else a ``TieError`` naming both), and the file's own safetensors tie
+    metadata is honoured. See "Importing Hugging Face checkpoints" in
+    ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file.
         like: optional template tree (see above).
+        ties: ``{target: ref}`` for a file or directory not written by
+            sharetree (see above); a sharetree file carries its own ties.
+        atol: with ``ties``, a present target may differ from its ref by this
+            much (default: the copies must be equal bit for bit).
+        functions: ``{"module:qualname": function}`` for the file's ``st.fn``
+            transforms.
+        shardings: optional tree of ``jax.sharding.Sharding`` with the canonical
+            structure (at ``Tied`` positions anything, such as the ``Tied``
+            itself, is ignored; ``None`` keeps a buffer on the host): each
+            buffer is placed with ``jax.device_put``.
 
     Returns:
         The canonical tree.
@@ -378,75 +533,49 @@ def load(path: PathOrStr, like: Any = None) -> Any:
     Raises:
         FileNotFoundError: the file does not exist (other ``OSError``\ s, such
             as a permission error, pass through too).
-        TieError: anything wrong with the file's content: empty, truncated or
-            not a safetensors file, a directory, a newer format version,
-            malformed metadata, an unknown transform, a tensor that is missing
-            or of the wrong shape, a missing template for a static leaf, or a
-            template that does not match (naming the path). No partial tree is
-            ever returned.
+        TieError: anything wrong with the file's content (naming the file and
+            the path): empty, truncated or not a safetensors file, a newer
+            format version, malformed or too deeply nested metadata, an unknown
+            transform, an ``st.fn`` function not passed in ``functions``, a
+            tensor that is missing or of the wrong shape, a missing template for
+            a static leaf, a template or ``shardings`` that does not match. No
+            partial tree is ever returned.
 
     Example:
-        >>> import os, tempfile, numpy as np, sharetree as st
+        >>> import os, tempfile, numpy as np, jax.numpy as jnp, sharetree as st
         >>> tree = {"enc": {"w": np.ones((2, 3))}, "dec": {"w": st.Tied("enc/w", st.T)}}
         >>> path = os.path.join(tempfile.mkdtemp(), "ae.safetensors")
         >>> st.save(path, tree)
         >>> back = st.load(path)
         >>> back["dec"]["w"], back["enc"]["w"].shape
         (Tied('enc/w', T), (2, 3))
+        >>> st.save(path, {"w": np.ones((2, 2)), "f": st.Tied("w", st.fn(jnp.flipud))})
+        >>> st.load(path, functions={"jax.numpy:flipud": jnp.flipud})["f"]
+        Tied('w', fn(flipud))
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
     if os.path.isdir(path):
-        raise TieError(
-            f"load: {path!r} is a directory, not a safetensors file. If it is an Orbax "
-            "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
-            "target (see docs/saving_and_scaling.md)."
-        )
-    reader = _Reader(path)
+        return load_foreign(path, like=like, ties=ties, atol=atol)
+    reader = Reader(path)
     meta = reader.metadata
     if _KEY_VERSION not in meta:
-        return _load_foreign(reader, like)
-    version = meta[_KEY_VERSION]
-    if not version.isdigit():
+        return load_foreign(path, like=like, ties=ties, atol=atol)
+    if ties is not None or atol is not None:
         raise TieError(
-            f"load: {path!r} has a malformed format version {version!r}; expected a "
-            f"decimal integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
+            f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
+            "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
+            "tree with st.tie."
         )
-    if int(version) > FORMAT_VERSION:
-        raise TieError(
-            f"load: {path!r} has format version {int(version)}, written by sharetree "
-            f"{meta.get(_KEY_LIBRARY, '?')}; this sharetree reads versions up to "
-            f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
-        )
-    if _KEY_TREE not in meta:
-        raise TieError(
-            f"load: {path!r} has a format version but no {_KEY_TREE!r} metadata, so its tree "
-            f"structure is lost. {_RESAVE}"
-        )
-    try:
-        structure = json.loads(meta[_KEY_TREE])
-    except ValueError as e:
-        raise TieError(
-            f"load: the {_KEY_TREE!r} metadata of {path!r} is not valid JSON ({e}). {_RESAVE}"
-        ) from None
-    tensors = dict(reader.tensors())
-    builder = _Builder(path, tensors)
-    try:
-        tree = builder.build(structure, ())
-    except TieError:
-        raise
-    except Exception as e:  # malformed metadata of any shape
-        raise TieError(
-            f"load: the metadata of {path!r} is malformed near {path_str(builder.at)!r} "
-            f"({type(e).__name__}: {e}). Fix: save the tree again with st.save."
-        ) from None
-    unused = sorted(set(tensors) - builder.used)
-    if unused:
-        raise TieError(
-            f"load: {path!r} holds tensors that its tree does not use: {unused[:5]}. The file "
-            "was changed after st.save wrote it. Fix: save the tree again with st.save."
-        )
+    structure = _parse_structure(path, meta, "load")
+    tensors = _tensors_of(reader)
+
+    def resolve(spec: Any) -> Transform:
+        return transform_from_spec(spec, functions=functions)
+
+    builder = _Builder(path, "load", tensors, resolve, int(meta[_KEY_VERSION]))
+    tree = builder.run(structure)
     if like is not None:
         tree = _restore_like(path, tree, like)
     elif builder.statics:
@@ -462,121 +591,434 @@ def load(path: PathOrStr, like: Any = None) -> Any:
             f"{path!r}: {len(builder.generic)} pytree node(s) of types sharetree cannot rebuild "
             f"on its own, such as {kind} at {path_str(where) if where else '<root>'!r}, were "
             "loaded as dicts keyed by their key names (paths and ties are unchanged). Pass "
-            "like=template to get the original types.",
+            "like=template to get the original types"
+            + (
+                " (Flax partition boxes: model.apply fails on these dicts; pass "
+                "like=jax.eval_shape(lambda: model.init(key, x))['params'])."
+                if any("Partitioned" in str(k) for _, k in builder.generic)
+                else "."
+            ),
             UserWarning,
             stacklevel=2,
         )
     try:
-        canonicalize(tree).views  # noqa: B018 - dangling refs, cycles, bad transforms
+        # dangling refs, cycles, bad transforms; only the caller's functions are ever called
+        abstract_expanded(tree)
     except TieError as e:
         raise TieError(f"load: {path!r} holds a bad sharing graph: {e}") from None
+    if shardings is not None:
+        tree = _place(path, tree, shardings)
     return tree
 
 
-class _Builder:
-    """Rebuilds a canonical tree from the JSON structure and the file's tensors."""
+# ----------------------------------------------------------------------------- describe
 
-    def __init__(self, path: str, tensors: dict[str, np.ndarray]) -> None:
+
+class _FileGraph(SharingGraph):
+    """The sharing graph of a file: ``st.fn`` views are named, never called."""
+
+    @functools.cached_property
+    def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
+        out: list[jax.ShapeDtypeStruct | None] = []
+        for view in self.structure.views:
+            aval = self._avals[view.buffer]
+            if aval is None or view.transform is None or _is_described(view.transform):
+                out.append(None if view.transform is not None else aval)
+                continue
+            try:
+                out.append(view.transform.abstract(aval))
+            except Exception as e:  # a built-in transform that does not fit its buffer
+                raise transform_error(self.structure, view, aval, e) from e
+        return out
+
+
+def describe(path: PathOrStr, max_rows: int = 20) -> str:
+    """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
+
+    For a file written by :func:`save`: its size and format version, then the
+    sharing summary of its tree (as :func:`sharetree.summary` prints it), built
+    from the header and metadata only (tensor data is not read). ``st.fn``
+    views are shown by the function name the file stores
+    (``fn(mylib.ops:softcap)``); their functions are neither imported nor
+    called, so their shape and dtype are not shown (``static`` / ``-``). For
+    another safetensors file: how many tensors and bytes it holds.
+
+    Args:
+        path: the file.
+        max_rows: the most rows shown per table.
+
+    Returns:
+        Several lines of text, without a trailing newline.
+
+    Raises:
+        TieError: any problem (a missing or unreadable file, malformed
+            metadata, a bad graph), as one line naming the file.
+
+    Example:
+        >>> import os, tempfile, numpy as np, sharetree as st
+        >>> from sharetree._io import describe
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        >>> st.save(path, {"emb": np.zeros((4, 2), np.float32), "head": st.Tied("emb", st.T)})
+        >>> print(describe(path).splitlines()[1])
+        sharing graph: 1 buffer, 1 view
+    """
+    from sharetree._display import format_bytes, summary
+
+    path = os.fspath(path)
+    try:
+        if os.path.isdir(path):
+            raise TieError(f"inspect: {path!r} is a directory, not a safetensors file.")
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise TieError(f"inspect: cannot read {path!r} ({one_line(e)}).") from e
+    reader = Reader(path, "inspect")
+    meta = reader.metadata
+    if _KEY_VERSION not in meta:
+        data = sum(info.nbytes for info in reader.infos.values())
+        head = (
+            f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
+            f"{_KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
+            f"{format_bytes(data)} of tensor data, no ties recorded"
+        )
+        rows = [
+            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
+            for info in list(reader.infos.values())[:max_rows]
+        ]
+        if len(reader.infos) > max_rows:
+            rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
+        return "\n".join([head, *rows])
+    structure = _parse_structure(path, meta, "inspect")
+    builder = _Builder(
+        path,
+        "inspect",
+        reader.infos,
+        lambda s: transform_from_spec(s, functions=_AnyFunction()),
+        int(meta[_KEY_VERSION]),
+    )
+    tree = builder.run(structure)
+    leaves, treedef = jtu.tree_flatten(tree)
+    try:
+        from sharetree._resolve import structure_of
+
+        graph = _FileGraph(structure_of(treedef), leaves)
+        text = summary(graph, max_rows=max_rows)
+    except TieError as e:
+        raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
+    head = (
+        f"{path}: {size:,} bytes, sharetree format {meta[_KEY_VERSION]} "
+        f"(written by sharetree {_printable(meta.get(_KEY_LIBRARY, '?'))})"
+    )
+    notes = []
+    named = sum(_is_described(v.transform) for v in graph.structure.views)
+    if named:
+        notes.append(
+            f"note: {named:,} view(s) use st.fn functions the file names; they were not "
+            "imported or called, so their shape and dtype are not shown"
+        )
+    if builder.keys:
+        notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
+    return "\n".join([head, text, *notes])
+
+
+def _printable(text: str) -> str:
+    """``text`` as it is when printable, else its ``repr`` (file content never moves a terminal)."""
+    return text if text.isprintable() else repr(text)
+
+
+# ----------------------------------------------------------------------------- the builder
+
+
+class _Builder:
+    """Rebuilds a canonical tree from the JSON structure, checking every value's type.
+
+    ``tensors`` maps names to arrays (load) or to :class:`TensorInfo` (describe,
+    which builds ``jax.ShapeDtypeStruct`` leaves). Recursion is bounded: the
+    JSON is at most ``_MAX_JSON_DEPTH`` deep (checked before parsing) and the
+    tree at most ``MAX_DEPTH``.
+    """
+
+    def __init__(
+        self, path: str, verb: str, tensors: Mapping[str, Any], resolve: Any, version: int
+    ) -> None:
         self.path = path
+        self.version = version
+        self.verb = verb
         self.tensors = tensors
+        self.resolve = resolve
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
         self.generic: list[tuple[Path, str]] = []
-        self.at: Path = ()
+        self.keys: list[Path] = []
 
-    def build(self, node: dict[str, Any], path: Path) -> Any:
-        self.at = path
-        t = node["t"]
-        if t == "dict" or t == "odict":
-            keys, children = node["keys"], node["children"]
-            self._same_length(keys, children, path)
+    def run(self, structure: Any) -> Any:
+        tree = self.build(structure, ())
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            raise TieError(
+                f"{self.verb}: {self.path!r} holds tensors that its tree does not use: "
+                f"{unused[:5]}. {_RESAVE}"
+            )
+        return tree
+
+    def bad(self, path: Path, what: str) -> TieError:
+        return TieError(
+            f"{self.verb}: {self.path!r}: malformed node at {path_str(path)!r}: {what}. {_RESAVE}"
+        )
+
+    def field(self, node: dict[str, Any], name: str, path: Path, ok: Any, want: str) -> Any:
+        if name not in node:
+            raise self.bad(path, f"the field {name!r} ({want}) is missing")
+        v = node[name]
+        if not ok(v):
+            shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+            raise self.bad(
+                path, f"the field {name!r} should be {want}, found {type(v).__name__} {shown}"
+            )
+        return v
+
+    def children(
+        self, node: dict[str, Any], path: Path, keyed: bool
+    ) -> tuple[list[Any], list[Any]]:
+        children = self.field(node, "children", path, _is_list, "a list of nodes")
+        if not keyed:
+            return [str(i) for i in range(len(children))], children
+        keys = self.field(node, "keys", path, _is_key_list, "a list of str or int keys")
+        if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
+            raise self.bad(
+                path,
+                f"expected as many distinct keys as children, found keys {keys[:8]!r} for "
+                f"{len(children)} children",
+            )
+        return keys, children
+
+    def build(self, node: Any, path: Path) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise self.bad(path[:8], f"the tree is nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict):
+            raise self.bad(path, f"expected a JSON object, found {type(node).__name__}")
+        t = self.field(node, "t", path, lambda v: isinstance(v, str), "a node kind")
+        if t in ("dict", "odict"):
+            keys, children = self.children(node, path, True)
+            if t == "dict" and len({type(k) for k in keys}) > 1:
+                raise self.bad(
+                    path,
+                    f"a dict has keys of one type (jax sorts them), found str "
+                    f"and int keys {keys[:8]!r}",
+                )
             kind = dict if t == "dict" else collections.OrderedDict
             return kind(
                 (k, self.build(c, (*path, str(k)))) for k, c in zip(keys, children, strict=True)
             )
         if t in ("list", "tuple"):
-            out = [self.build(c, (*path, str(i))) for i, c in enumerate(node["children"])]
+            names, children = self.children(node, path, False)
+            out = [self.build(c, (*path, k)) for k, c in zip(names, children, strict=True)]
             return out if t == "list" else tuple(out)
         if t == "none":
             return None
         if t == "node":
-            keys, children = node["keys"], node["children"]
-            self._same_length(keys, children, path)
-            self.generic.append((path, node["type"]))
+            kind_name = self.field(node, "type", path, lambda v: isinstance(v, str), "a type name")
+            keys, children = self.children(node, path, True)
+            self.generic.append((path, kind_name))
             return {
                 str(k): self.build(c, (*path, str(k))) for k, c in zip(keys, children, strict=True)
             }
         if t == "tied":
-            try:
-                transform = transform_from_spec(node["transform"])
-            except TieError as e:
-                fix = "" if "Fix:" in str(e) else f" {_RESAVE}"
-                raise TieError(
-                    f"load: {self.path!r}: the tie at {path_str(path)!r} cannot be rebuilt: "
-                    f"{e}{fix}"
-                ) from None
-            return Tied(tuple(str(k) for k in node["ref"]), transform)
+            return self.tied(node, path)
         if t == "value":
             return self.value(node, path)
         if t == "static":
-            self.statics.append((path, node["type"]))
-            return _Static(node["type"])
+            kind_name = self.field(node, "type", path, lambda v: isinstance(v, str), "a type name")
+            self.statics.append((path, kind_name))
+            return _Static(kind_name)
         if t == "buffer":
             return self.buffer(node, path)
         raise TieError(
-            f"load: {self.path!r}: unknown node kind {t!r} at {path_str(path)!r}; the file may "
-            "come from a newer sharetree. Fix: upgrade sharetree."
+            f"{self.verb}: {self.path!r}: unknown node kind {t!r} at {path_str(path)!r}; the "
+            "file may come from a newer sharetree. Fix: upgrade sharetree."
         )
 
-    def _same_length(self, keys: list[Any], children: list[Any], path: Path) -> None:
-        if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
+    def tied(self, node: dict[str, Any], path: Path) -> Tied:
+        ref = self.field(node, "ref", path, _is_key_list, "a non-empty list of keys")
+        spec = self.field(node, "transform", path, lambda v: isinstance(v, dict), "a spec")
+        try:
+            transform = self.resolve(spec)
+        except TieError as e:
+            fix = "" if "Fix:" in str(e) else f" {_RESAVE}"
             raise TieError(
-                f"load: {self.path!r}: malformed node at {path_str(path)!r}: expected as many "
-                f"distinct keys as children, found keys {keys!r} for {len(children)} "
-                f"children. {_RESAVE}"
-            )
+                f"{self.verb}: {self.path!r}: the tie at {path_str(path)!r} cannot be rebuilt: "
+                f"{e}{fix}"
+            ) from None
+        try:
+            return Tied(tuple(ref), transform)
+        except TieError as e:
+            raise TieError(
+                f"{self.verb}: {self.path!r}: the tie at {path_str(path)!r} is malformed: {e} "
+                f"{_RESAVE}"
+            ) from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
-        kind, v = node["type"], node["value"]
+        kind = self.field(
+            node,
+            "type",
+            path,
+            lambda v: isinstance(v, str) and v in _VALUE_TYPES,
+            "bool, int, float, complex or str",
+        )
+        v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
         if kind == "complex":
-            return complex(*v)
-        types = {"bool": bool, "int": int, "float": float, "str": str}
-        if kind not in types or not isinstance(v, (types[kind], int)):
-            raise TieError(
-                f"load: {self.path!r}: malformed value {v!r} at {path_str(path)!r}: expected "
-                f"a value of type {kind!r} (one of bool, int, float, complex, str). {_RESAVE}"
-            )
-        return types[kind](v)
+            return complex(v[0], v[1])
+        return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name = node["tensor"]
+        name = self.field(node, "tensor", path, lambda v: isinstance(v, str), "a tensor name")
+        dtype_name = self.field(node, "dtype", path, _is_dtype_name, "a numeric dtype name")
+        shape = tuple(self.field(node, "shape", path, _is_shape, "a list of sizes >= 0"))
+        raw = self.field(node, "raw", path, lambda v: isinstance(v, bool), "true or false")
+        scalar = node.get("scalar", False)
+        if not isinstance(scalar, bool) or (scalar and shape):
+            raise self.bad(
+                path,
+                f"the field 'scalar' should be true (for shape []) or false, "
+                f"found {scalar!r} for shape {list(shape)}",
+            )
+        impl = node.get("key")
+        if impl is not None and (
+            self.version < 2 or impl not in KEY_IMPLS or dtype_name != "uint32" or raw
+        ):
+            raise self.bad(
+                path,
+                f"the field 'key' should be one of {list(KEY_IMPLS)} on uint32 data in a file "
+                f"of format version 2, found {impl!r} on {dtype_name} (version {self.version})",
+            )
         if name not in self.tensors:
             raise TieError(
-                f"load: {self.path!r}: the buffer at {path_str(path)!r} needs the tensor "
-                f"{name!r}, which the file does not hold. Fix: save the tree again with st.save."
+                f"{self.verb}: {self.path!r}: the buffer at {path_str(path)!r} needs the tensor "
+                f"{name!r}, which the file does not hold. {_RESAVE}"
             )
         if name in self.used:
             raise TieError(
-                f"load: {self.path!r}: the tensor {name!r} is used twice (again at "
+                f"{self.verb}: {self.path!r}: the tensor {name!r} is used twice (again at "
                 f"{path_str(path)!r}); each buffer has a tensor of its own. {_RESAVE}"
             )
         self.used.add(name)
-        a = self.tensors[name]
-        dtype, shape = jnp.dtype(node["dtype"]), tuple(int(s) for s in node["shape"])
-        if node["raw"]:
-            if a.dtype != np.uint8 or a.size != math.prod(shape) * dtype.itemsize:
+        dtype = jnp.dtype(dtype_name)
+        found = self.tensors[name]
+        if isinstance(found, TensorInfo):
+            got_dtype, got_shape = _CODE_NAMES.get(found.code, found.code), found.shape
+        else:
+            got_dtype, got_shape = found.dtype.name, found.shape
+        if raw:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if got_dtype != "uint8" or got_shape != (nbytes,):
                 raise TieError(
-                    f"load: {self.path!r}: tensor {name!r} should hold the raw bytes of "
-                    f"{dtype.name}{list(shape)}, found {a.dtype.name}{list(a.shape)}. {_RESAVE}"
+                    f"{self.verb}: {self.path!r}: tensor {name!r} at {path_str(path)!r} should "
+                    f"hold the raw bytes of {dtype.name}{list(shape)}, found "
+                    f"{got_dtype}{list(got_shape)}. {_RESAVE}"
                 )
-            a = np.frombuffer(a.tobytes(), dtype).reshape(shape)
-        elif a.dtype != dtype or a.shape != shape:
+        elif got_dtype != dtype.name or got_shape != shape:
             raise TieError(
-                f"load: {self.path!r}: tensor {name!r} at {path_str(path)!r} is "
-                f"{a.dtype.name}{list(a.shape)} but the metadata says {dtype.name}{list(shape)}. "
+                f"{self.verb}: {self.path!r}: tensor {name!r} at {path_str(path)!r} is "
+                f"{got_dtype}{list(got_shape)} but the metadata says {dtype.name}{list(shape)}. "
                 f"{_RESAVE}"
             )
-        return a[()] if node.get("scalar") else a
+        if impl is not None:
+            self.keys.append(path)
+        if isinstance(found, TensorInfo):
+            return jax.ShapeDtypeStruct(shape, dtype)
+        a = np.frombuffer(found.tobytes(), dtype).reshape(shape) if raw else found
+        if impl is not None:
+            try:
+                return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
+            except (ValueError, TypeError) as e:
+                raise self.bad(
+                    path,
+                    f"key data {dtype.name}{list(shape)} does not fit {impl} keys ({one_line(e)})",
+                ) from e
+        return a[()] if scalar else a
+
+
+def _is_list(v: Any) -> bool:
+    return isinstance(v, list)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_key_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
+
+
+def _is_dtype_name(v: Any) -> bool:
+    if not isinstance(v, str) or not v.isidentifier():
+        return False
+    try:
+        d = jnp.dtype(v)
+    except TypeError:
+        return False
+    return d.name == v and _is_numeric(d)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_VALUE_TYPES: dict[str, Any] = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": _is_int,
+    "float": _is_real,
+    "str": lambda v: isinstance(v, str),
+    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
+}
+
+_CODE_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
+    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
+}  # fmt: skip
+
+
+def _place(path: str, tree: Any, shardings: Any) -> Any:
+    """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
+    from jax.sharding import Sharding
+
+    def stop(x: Any) -> bool:
+        return x is None or is_tied(x) or isinstance(x, Sharding)
+
+    want = {keypath_to_path(kp): s for kp, s in jtu.tree_flatten_with_path(shardings, stop)[0]}
+    flat, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
+    paths = [keypath_to_path(kp) for kp, _ in flat]
+    buffers = {p for p, (_, x) in zip(paths, flat) if _is_array(x)}
+    missing = sorted(map(path_str, buffers - want.keys()))
+    extra = sorted(map(path_str, want.keys() - set(paths)))
+    if missing or extra:
+        raise TieError(
+            f"load: shardings= does not match {path!r}: buffers without a sharding: "
+            f"{missing[:5] or 'none'}; paths the file does not have: {extra[:5] or 'none'}. "
+            "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
+            "sharding, abstract_tree) (Tied positions are ignored)."
+        )
+    leaves = []
+    for p, (_, x) in zip(paths, flat, strict=True):
+        s = want.get(p)
+        if not _is_array(x) or s is None or is_tied(s):
+            leaves.append(x)
+            continue
+        if not isinstance(s, Sharding):
+            raise TieError(
+                f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
+                "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
+            )
+        leaves.append(jax.device_put(x, s))
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, jax.Array))
 
 
 class _Static:
@@ -589,42 +1031,20 @@ class _Static:
         return f"<unsaved {self.kind}>"
 
 
-def _load_foreign(reader: _Reader, like: Any) -> dict[str, np.ndarray]:
-    if like is not None:
-        raise TieError(
-            f"load: {reader.path!r} was not written by sharetree (no {_KEY_VERSION!r} in its "
-            "metadata), so it has no tree structure to check against like=. Fix: load it "
-            "without like (a flat dict {tensor name: array}), then build your tree from it."
-        )
-    tensors = dict(reader.tensors())
-    warnings.warn(
-        f"{reader.path!r} was not written by sharetree (no {_KEY_VERSION!r} in its metadata): "
-        f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}}, without ties. "
-        "Recover ties stored twice with st.tie(tree, st.find_ties(tree), atol=0.0).",
-        UserWarning,
-        stacklevel=3,
-    )
-    return tensors
-
-
 def _describe_leaf(x: Any) -> str:
     if isinstance(x, Tied):
         return repr(x)
     if isinstance(x, _Static):
         return f"an unsaved {x.kind} leaf"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"a buffer {np.dtype(x.dtype).name}{list(np.shape(x))}"
+        return f"a buffer {x.dtype}{list(x.shape)}"
     return f"{type(x).__name__} {x!r}"
 
 
-def _is_tied(x: Any) -> bool:
-    return isinstance(x, Tied)
-
-
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
-    file_flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)
+    file_flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
     got = {keypath_to_path(kp): x for kp, x in file_flat}
-    tmpl_flat, _ = jtu.tree_flatten_with_path(like, is_leaf=_is_tied)
+    tmpl_flat, _ = jtu.tree_flatten_with_path(like, is_leaf=is_tied)
     want = {keypath_to_path(kp): x for kp, x in tmpl_flat}
     if got.keys() != want.keys():
         only_file = sorted(map(path_str, got.keys() - want.keys()))
@@ -655,9 +1075,7 @@ def _restore_like(path: str, tree: Any, like: Any) -> Any:
             leaves.append(t)
             continue
         if hasattr(t, "shape") and hasattr(t, "dtype"):
-            ok = isinstance(f, (np.ndarray, np.generic)) and (
-                tuple(np.shape(f)) == tuple(t.shape) and np.dtype(f.dtype) == np.dtype(t.dtype)
-            )
+            ok = _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
         else:
             ok = type(f) is type(t)
         if not ok:

@@ -16,9 +16,9 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, closest
-from sharetree._graph import _is_tied
-from sharetree._tied import Path, keypath_to_path, path_str
+from sharetree._errors import TieError
+from sharetree._paths import Path, closest, keypath_to_path, path_str, prefixes
+from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
 
@@ -27,22 +27,28 @@ _MISSING: Any = object()
 
 def _prefixes(path: Path) -> list[str]:
     """``("a", "b")`` -> ``["a", "a/b"]``: a pattern may name any node above a leaf."""
-    return ["/".join(path[:k]) for k in range(1, len(path) + 1)]
+    return ["/".join(p) for p in prefixes(path)]
 
 
 def _matches(pattern: str, path: Path) -> bool:
     return any(fnmatch.fnmatchcase(p, pattern) for p in _prefixes(path))
 
 
-def _rules(rules: Any) -> list[tuple[str, Any]]:
+def _rules(
+    rules: Any,
+    where: str = "label_by_path",
+    value: str = "label",
+    example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
+) -> list[tuple[str, Any]]:
+    """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     out = []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TieError(
-                f"label_by_path: expected rules {{pattern: label}} or a sequence of "
-                f"(pattern, label) pairs with str patterns, found {item!r}. "
-                "Fix: write {'embed/*': 'embed', '*bias': 'no_decay'}."
+                f"{where}: expected rules {{pattern: {value}}} or a sequence of "
+                f"(pattern, {value}) pairs with str patterns, found {item!r}. "
+                f"Fix: write {example}."
             )
         out.append(item)
     return out
@@ -51,8 +57,8 @@ def _rules(rules: Any) -> list[tuple[str, Any]]:
 def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
     ties = [
         (keypath_to_path(kp), x)
-        for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=_is_tied)[0]
-        if _is_tied(x)
+        for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=is_tied)[0]
+        if is_tied(x)
     ]
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
     nodes = {n for p in leaf_paths for n in _prefixes(p)} | {path_str(p) for p, _ in ties}

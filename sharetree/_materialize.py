@@ -1,17 +1,40 @@
-"""``materialize``: compute every view of a canonical tree."""
+"""Evaluating views: the only place where a ``Tied`` becomes a value."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
+import numpy as np
 
-from sharetree._graph import expand_leaves, structure_of
+from sharetree._errors import TieError
+from sharetree._paths import Path, aval_of, format_aval, is_array_leaf, path_str
+from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
+from sharetree._transforms import Transform, _Chain, _Fn, identity
 
-__all__ = ["materialize"]
+__all__ = [
+    "materialize",
+    "expand_leaves",
+    "expanded_by_path",
+    "abstract_expanded",
+    "leaves_and_structure",
+    "transform_error",
+    "EAGER_PROGRAM_CACHE_SIZE",
+]
+
+PyTree = Any
+
+_JIT_VIEWS_MIN = 16
+"""From this many views on, eager ``materialize`` computes them in one compiled call."""
+
+EAGER_PROGRAM_CACHE_SIZE = 32
+"""How many structures keep a compiled program for eager ``materialize`` (least recent out)."""
 
 
-def materialize(tree: Any) -> Any:
+def materialize(tree: PyTree) -> PyTree:
     """Replace every ``Tied`` by its value: ``transform(value at ref)``.
 
     Pure JAX: works under ``jit``, ``grad``, ``vmap`` and ``jvp``, and under
@@ -19,7 +42,8 @@ def materialize(tree: Any) -> Any:
     accumulates over all of its uses. An identity view of an array is the very
     same object as its buffer. A tree without ties is returned as it is.
     Transforms apply to array and number leaves; other leaves (strings, None,
-    functions) of a tied subtree are shared as they are.
+    functions) of a tied subtree are shared as they are. The values (types and
+    dtypes included) never depend on how many views a tree has.
 
     Args:
         tree: a canonical tree.
@@ -38,8 +62,138 @@ def materialize(tree: Any) -> Any:
         >>> m["dec"].shape, m["same"] is w
         ((3, 2), True)
     """
-    leaves, treedef = jtu.tree_flatten(tree)
-    structure = structure_of(treedef)
+    leaves, structure = leaves_and_structure(tree)
     if not structure.ties:
         return tree
     return jtu.tree_unflatten(structure.expanded_treedef, expand_leaves(structure, leaves))
+
+
+def leaves_and_structure(tree: PyTree) -> tuple[list[Any], Structure]:
+    """Flatten a canonical tree and resolve its structure (cached per treedef)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return leaves, structure_of(treedef)
+
+
+def transform_error(
+    structure: Structure, leaf: Leaf | ViewLeaf, aval: Any, err: BaseException
+) -> TieError:
+    """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
+    tie = structure.ties.get(leaf.tie) if leaf.tie is not None else None
+    where = leaf.tie or leaf.path
+    return TieError(
+        f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
+        f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
+        f"of {format_aval(aval)}: {type(err).__name__}: {err}. "
+        f"Fix: use a transform that accepts {format_aval(aval)}."
+    )
+
+
+def _transformable(x: Any) -> bool:
+    return is_array_leaf(x) or hasattr(x, "shape")
+
+
+def _has_fn(t: Transform) -> bool:
+    """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
+    parts = t.parts if isinstance(t, _Chain) else (t,)
+    return any(isinstance(p, _Fn) for p in parts)
+
+
+def _concrete_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic)) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+
+
+class _EagerViews:
+    """One compiled function computing the built-in views of a structure (no ``st.fn``)."""
+
+    def __init__(self, structure: Structure) -> None:
+        views = [
+            (k, leaf)
+            for k, leaf in enumerate(structure.expanded)
+            if leaf.transform is not None and leaf.transform is not identity
+        ]
+        self.positions = tuple(
+            k for k, leaf in views if leaf.transform and not _has_fn(leaf.transform)
+        )
+        chosen = [structure.expanded[k] for k in self.positions]
+        self.inputs = tuple(sorted({leaf.buffer for leaf in chosen}))
+        slot = {i: n for n, i in enumerate(self.inputs)}
+
+        def compute(buffers: tuple[Any, ...]) -> list[Any]:
+            out = []
+            for leaf in chosen:
+                assert leaf.transform is not None
+                x = buffers[slot[leaf.buffer]]
+                try:
+                    out.append(leaf.transform(x))
+                except Exception as e:
+                    raise transform_error(structure, leaf, aval_of(x), e) from e
+            return out
+
+        self.fn = jax.jit(compute)
+
+
+@functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
+def _eager_views(structure: Structure) -> _EagerViews:
+    return _EagerViews(structure)
+
+
+def expand_leaves(
+    structure: Structure,
+    leaves: list[Any],
+    apply: Callable[[Transform, Any], Any] | None = None,
+) -> list[Any]:
+    """The materialized leaves: each buffer, and each view computed from its buffer.
+
+    ``apply(transform, x)`` replaces calling the transform (e.g. abstract
+    evaluation). Eager calls with many views on concrete arrays compute the
+    built-in transforms in one compiled call (kept for the
+    ``EAGER_PROGRAM_CACHE_SIZE`` most recent structures); ``st.fn`` views are
+    always called one by one, so results never depend on the number of views.
+    """
+    out = [leaves[i] for i in structure.sources]
+    todo: Sequence[int] = range(len(out))
+    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
+        batch = _eager_views(structure)
+        if batch.positions and all(_concrete_array(leaves[i]) for i in batch.inputs):
+            for k, value in zip(batch.positions, batch.fn(tuple(leaves[i] for i in batch.inputs))):
+                out[k] = value
+            done = set(batch.positions)
+            todo = [k for k in todo if k not in done]
+    for k in todo:
+        leaf = structure.expanded[k]
+        x = out[k]
+        t = leaf.transform
+        if t is None or t is identity or not _transformable(x):
+            continue
+        try:
+            out[k] = t(x) if apply is None else apply(t, x)
+        except Exception as e:
+            raise transform_error(structure, leaf, aval_of(x), e) from e
+    return out
+
+
+def _by_path(structure: Structure, values: list[Any]) -> dict[Path, Any]:
+    return {leaf.path: x for leaf, x in zip(structure.expanded, values)}
+
+
+def expanded_by_path(tree: PyTree) -> dict[Path, Any]:
+    """Path -> value of every leaf of the materialized tree."""
+    leaves, structure = leaves_and_structure(tree)
+    return _by_path(structure, expand_leaves(structure, leaves))
+
+
+def abstract_expanded(tree: PyTree) -> dict[Path, Any]:
+    """Path -> shape/dtype (or the leaf itself when not an array) of the materialized tree."""
+    leaves, structure = leaves_and_structure(tree)
+    avals = [_abstract_leaf(x) for x in leaves]
+    return _by_path(structure, expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a)))
+
+
+def _abstract_leaf(x: Any) -> Any:
+    if is_array_leaf(x):
+        return aval_of(x)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return x

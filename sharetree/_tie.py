@@ -9,19 +9,29 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, closest
-from sharetree._graph import (
-    _fmt,
+from sharetree._errors import TieError
+from sharetree._materialize import (
     abstract_expanded,
     expanded_by_path,
-    is_array,
     leaves_and_structure,
-    structure_of,
+    transform_error,
 )
-from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
+from sharetree._paths import (
+    Path,
+    TieMap,
+    aval_of,
+    closest,
+    format_aval,
+    is_array_leaf,
+    keypath_to_path,
+    path_str,
+    to_path,
+)
+from sharetree._resolve import structure_of
+from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, canonical_dtype, identity
 
-__all__ = ["tie"]
+__all__ = ["tie", "bit_equal"]
 
 
 def _shape_of(positions: Mapping[Path, Any]) -> str:
@@ -33,12 +43,12 @@ def _shape_of(positions: Mapping[Path, Any]) -> str:
 
 
 def _describe(x: Any) -> str:
-    return _fmt(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
+    return format_aval(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
 
 
 def tie(
     tree: Any,
-    ties: Mapping[PathLike, PathLike | Tied],
+    ties: TieMap,
     *,
     check: bool = True,
     atol: float | None = None,
@@ -62,8 +72,9 @@ def tie(
             (and, for a subtree, the structure) of the value it replaces.
         atol: ``None`` (default): do not compare values. A number: require
             ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact
-            up to NaNs in the same places), compared in float64; the arrays
-            must be concrete (not traced).
+            up to NaNs in the same places); bit-identical copies pass at once,
+            others are compared in float64; the arrays must be concrete (not
+            traced).
 
     Returns:
         The canonical tree; the replaced values are dropped (they are now views).
@@ -129,7 +140,10 @@ def tie(
         raise TieError(
             f"tie target {path_str(missing[0])!r} does not exist in the tree; "
             f"{closest(path_str(missing[0]), all_paths)}. Fix: use the path as "
-            "jax.tree_util key paths name it, '/'-joined (dict keys, indices, attribute names)."
+            "jax.tree_util key paths name it, '/'-joined (dict keys, indices, attribute names). "
+            "If the value is absent on purpose (a checkpoint that omits a tied tensor, such as "
+            "a Hugging Face lm_head.weight tied to the input embedding), load the file with "
+            "st.load(path, ties={target: ref}), which adds the Tied itself."
         )
     structure_of(jtu.tree_structure(out))  # dangling refs, cycles, self-references
     if check:
@@ -197,14 +211,47 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
     return (float(d.max()) if d.size else 0.0), d
 
 
+def bit_equal(a: Any, b: Any) -> bool:
+    """Whether two arrays have the same shape, dtype and bytes (one pass, no copies).
+
+    Bit-identical arrays are equal under any tolerance, so this is the fast
+    path of every comparison; arrays it rejects may still be equal as numbers
+    (``0.0`` and ``-0.0``, NaNs with different payloads).
+
+    Example:
+        >>> import numpy as np
+        >>> bit_equal(np.arange(3.0), np.arange(3.0)), bit_equal(np.zeros(2), -np.zeros(2))
+        (True, False)
+    """
+    if a is b:
+        return True
+    x, y = np.asarray(a), np.asarray(b)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(x.dtype.itemsize)
+    if width is None or x.dtype.hasobject:
+        return bool(np.array_equal(x, y))
+    return bool(np.array_equal(x.view(width), y.view(width)))
+
+
+def _old_values(old_tree: Any, new: dict[Path, Tied]) -> dict[Path, Any]:
+    """The values the ties replace, by path (materialized only if some of them are views)."""
+    flat, _ = jtu.tree_flatten_with_path(old_tree, is_leaf=is_tied)
+    under = {keypath_to_path(kp): x for kp, x in flat}
+    under = {p: x for p, x in under.items() if _under(p, new) is not None}
+    if any(is_tied(x) for x in under.values()):
+        with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+            return expanded_by_path(old_tree)
+    return under
+
+
 def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: float) -> None:
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
         raise TieError(f"tie: atol must be a number >= 0 or None, got {atol!r}.")
-    with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
-        old = expanded_by_path(old_tree)
-        now = expanded_by_path(new_tree)
+    old = _old_values(old_tree, new)
     leaves, structure = leaves_and_structure(new_tree)
-    for i, t, path, _via in structure.expanded:
+    for leaf in structure.expanded:
+        i, t, path = leaf.buffer, leaf.transform, leaf.path
         target = _under(path, new)
         if target is None:
             continue
@@ -212,8 +259,8 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
         buffer = path_str(structure.buffer_paths[i])
         x = leaves[i]
         before = old.get(path)
-        if not (is_array(x) or hasattr(x, "shape")) or not (
-            is_array(before) or hasattr(before, "shape")
+        if not (is_array_leaf(x) or hasattr(x, "shape")) or not (
+            is_array_leaf(before) or hasattr(before, "shape")
         ):
             if type(x) is not type(before) or x != before:
                 raise TieError(
@@ -222,8 +269,18 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                     f"{buffer!r}, or the other way round to keep {where!r}."
                 )
             continue
-        view = _concrete(now[path], buffer)
+        if t is None or t is identity:
+            view = _concrete(x, buffer)
+        else:
+            with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+                try:
+                    computed = t(x)
+                except Exception as e:
+                    raise transform_error(structure, leaf, aval_of(x), e) from e
+                view = _concrete(computed, buffer)
         b = _concrete(before, where)
+        if bit_equal(b, view):
+            continue  # the same bits: equal under any atol, no need to look closer
         if view.shape != b.shape:
             raise TieError(
                 f"tie {where!r} <- {new[target]!r}: the view of {buffer!r} has shape "

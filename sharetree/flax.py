@@ -6,6 +6,16 @@ stored once, a ``Tied`` node at each view) and materializes it on every
 ``jax.grad`` returns canonical gradients, so ``state.apply_gradients`` and any
 optax chain see each buffer once and keep the ties.
 
+Models that declare their sharding with ``nn.with_partitioning`` /
+``nn.with_logical_partitioning`` keep their ``"params"`` in partition boxes
+(``Partitioned`` / ``LogicallyPartitioned``). A tie may name a box
+(``"decoder/logitdense/kernel"``): the whole box becomes the view, so
+``nn.get_partition_spec`` gives a spec per buffer and none for the view, and
+the box that ``materialize`` / ``apply`` rebuild at the view carries the
+buffer's partition names permuted by the transform (``T`` swaps them) -- at
+``init`` those must be the target's own names. Tie the ``value`` leaf instead
+(``"decoder/logitdense/kernel/value"``) to keep the target's box as it is.
+
 Import it explicitly (``import sharetree.flax``); ``import sharetree`` never needs flax.
 """
 
@@ -17,7 +27,7 @@ from typing import Any
 
 try:
     import flax.linen as nn
-    from flax.core import FrozenDict
+    from flax.core import FrozenDict, meta
 except ImportError as e:  # pragma: no cover - exercised only without flax
     raise ImportError(
         "sharetree.flax needs Flax: pip install 'sharetree[flax]' (or pip install flax)."
@@ -26,17 +36,19 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._graph import structure_of
 from sharetree._materialize import materialize
+from sharetree._paths import Path, TieMap, keypath_to_path, path_str, to_path
+from sharetree._resolve import structure_of
 from sharetree._tie import tie
-from sharetree._tied import Path, PathLike, Tied, keypath_to_path, path_str, to_path
+from sharetree._tied import Tied
+from sharetree._transforms import Transform, _Chain, _Transpose
 
 __all__ = ["TiedModule", "tied"]
 
 COLLECTION = "params"
 
 
-def _normalize(ties: Mapping[PathLike, PathLike | Tied]) -> tuple[tuple[Path, Tied], ...]:
+def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
     if not isinstance(ties, Mapping):
         raise TieError(
             f"tied(module, ties): expected a mapping {{target: ref or Tied}}, got "
@@ -48,6 +60,112 @@ def _normalize(ties: Mapping[PathLike, PathLike | Tied]) -> tuple[tuple[Path, Ti
         path = to_path(target, "tie target")
         out.append((path, ref if isinstance(ref, Tied) else Tied(ref)))
     return tuple(out)
+
+
+def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
+    """Partition names of ``t(x)`` for an ``x`` with ``names``; ``None`` if ``t`` mixes axes."""
+    out = tuple(names)
+    for part in t.parts if isinstance(t, _Chain) else (t,):
+        if part.spec_name in ("identity", "astype", "scale"):
+            continue
+        if not isinstance(part, _Transpose):
+            return None  # reshape, fn: no axis of the view is an axis of the buffer
+        axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
+        if len(axes) != len(out):
+            return None
+        out = tuple(out[a] for a in axes)
+    return out
+
+
+def _node_at(tree: Any, path: Path) -> Any:
+    """The node at ``path`` of a nested mapping (``None`` if there is none)."""
+    for key in path:
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _boxes(tree: Any) -> dict[Path, Any]:
+    """Every partition box of a tree, by path."""
+    flat = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))[0]
+    return {keypath_to_path(kp): x for kp, x in flat if isinstance(x, meta.AxisMetadata)}
+
+
+def _value_fix(target: Path, t: Tied) -> str:
+    return (
+        f"Fix: tie the value leaves, {{'{path_str(target)}/value': "
+        f"st.Tied('{path_str(t.ref)}/value', {t.transform!r})}}, which keeps the target's own "
+        "box and partition names."
+    )
+
+
+def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, where: str) -> None:
+    """A tie that names a partition box must give the view the target's own partition names."""
+    for target, t in ties:
+        box = _node_at(params, target)
+        if not isinstance(box, meta.AxisMetadata):
+            continue
+        ref = _node_at(params, t.ref)
+        if ref is None:
+            continue  # st.tie names the missing ref and the closest paths
+        if not isinstance(box, meta.Partitioned) or type(ref) is not type(box):
+            raise TieError(
+                f"{where}: the tie {path_str(target)!r} -> {t!r} joins a "
+                f"{type(box).__name__} box and a {type(ref).__name__}; a view of a box is "
+                f"rebuilt from its buffer's box, so both must be the same kind of partition box. "
+                + _value_fix(target, t)
+            )
+        names = _box_names(ref.names, t.transform)
+        if names is None:
+            raise TieError(
+                f"{where}: the tie {path_str(target)!r} -> {t!r} names partition boxes, but "
+                f"{t.transform!r} does not map the axes of {path_str(t.ref)!r} (names "
+                f"{tuple(ref.names)}) to axes of the view, so the view's partition names are "
+                "unknown. " + _value_fix(target, t)
+            )
+        own = (tuple(box.names), box.mesh, getattr(box, "rules", None))
+        derived = (names, ref.mesh, getattr(ref, "rules", None))
+        if check and own != derived:
+            raise TieError(
+                f"{where}: the view {path_str(target)!r} would carry the partition names "
+                f"{names} ({path_str(t.ref)!r}'s {tuple(ref.names)} under {t.transform!r}), "
+                f"but its own box has {tuple(box.names)}"
+                + ("" if own[1:] == derived[1:] else " and a different mesh or rules")
+                + ": the view would be sharded unlike the parameter it replaces. "
+                + _value_fix(target, t)
+            )
+
+
+def _rebox(canonical: Any, materialized: Any, where: str) -> Any:
+    """Give each partition box that a view copied from its buffer the view's own names."""
+    structure = structure_of(jtu.tree_structure(canonical))
+    if not structure.ties:
+        return materialized
+    own = _boxes(canonical)  # boxes that hold a Tied value keep their own names
+    copied = _boxes(materialized)
+    fixed: dict[Path, Any] = {}
+    for leaf in structure.views:
+        at, source = leaf.path[:-1], structure.buffer_paths[leaf.buffer][:-1]
+        if at in own or at not in copied or source not in own:
+            continue
+        names = _box_names(own[source].names, leaf.transform)
+        if names is None:
+            raise TieError(
+                f"{where}: the view {path_str(leaf.path[:-1])!r} ({structure.ties[leaf.tie]!r} "
+                f"at {path_str(leaf.tie)!r}) copies the partition box of "
+                f"{path_str(source)!r}, but {leaf.transform!r} does not map its axes to axes of "
+                "the view. Fix: tie the box's 'value' leaf instead, so the view keeps a box "
+                "of its own."
+            )
+        fixed[at] = copied[at].replace(names=names)
+    if not fixed:
+        return materialized
+    return jtu.tree_map_with_path(
+        lambda kp, x: fixed.get(keypath_to_path(kp), x),
+        materialized,
+        is_leaf=lambda x: isinstance(x, meta.AxisMetadata),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +226,7 @@ class TiedModule:
             >>> model.tie(params)
             {'bias': Tied('kernel', reshape(3)), 'kernel': array([[1., 1., 1.]], dtype=float32)}
         """
+        _check_boxes(params, self.ties, self.check, self._where("tie"))
         try:
             return tie(params, dict(self.ties), check=self.check)
         except TieError as e:
@@ -142,6 +261,7 @@ class TiedModule:
                 f"{[path_str(p) for p, _ in self.ties]} have nothing to tie. "
                 "Fix: initialise with the method that creates the parameters."
             )
+        _check_boxes(variables[COLLECTION], self.ties, self.check, self._where(method))
         try:
             params = tie(variables[COLLECTION], dict(self.ties), check=self.check)
         except TieError as e:
@@ -154,7 +274,9 @@ class TiedModule:
     def materialize(self, variables: Any) -> Any:
         """The variables with the ``"params"`` collection materialized (every view computed).
 
-        Other collections pass through unchanged.
+        A view that is a whole partition box gets a box with the buffer's
+        partition names permuted by its transform. Other collections pass
+        through unchanged.
 
         Example:
             >>> import numpy as np, flax.linen as nn, sharetree as st
@@ -165,11 +287,27 @@ class TiedModule:
             >>> variables = {"params": {"kernel": kernel, "bias": bias}}
             >>> model.materialize(variables)["params"]["bias"]
             Array([0., 1., 2.], dtype=float32)
+
+            A view that is a partition box carries the names of the parameter it replaces:
+
+            >>> import jax, jax.numpy as jnp
+            >>> def boxed(*names):
+            ...     return nn.with_logical_partitioning(nn.initializers.ones, names)
+            >>> class AE(nn.Module):
+            ...     @nn.compact
+            ...     def __call__(self, x):
+            ...         x = nn.Dense(2, kernel_init=boxed("embed", "mlp"), name="enc")(x)
+            ...         return nn.Dense(4, kernel_init=boxed("mlp", "embed"), name="dec")(x)
+            >>> model = tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)})
+            >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
+            >>> model.materialize(variables)["params"]["dec"]["kernel"].names
+            ('mlp', 'embed')
         """
         if COLLECTION not in variables:
             return variables
         out = dict(variables)
-        out[COLLECTION] = materialize(variables[COLLECTION])
+        canonical = variables[COLLECTION]
+        out[COLLECTION] = _rebox(canonical, materialize(canonical), self._where("materialize"))
         return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
@@ -227,7 +365,7 @@ class TiedModule:
 
 
 def tied(
-    module: nn.Module, ties: Mapping[PathLike, PathLike | Tied], *, check: bool = True
+    module: nn.Module, ties: TieMap, *, check: bool = True
 ) -> TiedModule:
     """Wrap a linen module so that its ``"params"`` collection is tied.
 

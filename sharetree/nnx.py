@@ -16,12 +16,11 @@ Import it explicitly (``import sharetree.nnx``); ``import sharetree`` never need
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 try:
     from flax import nnx
-    from flax.nnx import graphlib
+    from flax.nnx import graph as graphlib  # (flax.nnx.graphlib is flax >= 0.12.5 only)
 except ImportError as e:  # pragma: no cover - exercised only without flax
     raise ImportError(
         "sharetree.nnx needs Flax: pip install 'sharetree[flax]' (or pip install flax)."
@@ -29,20 +28,17 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, closest
-from sharetree._graph import structure_of
+from sharetree._errors import TieError
 from sharetree._materialize import materialize
+from sharetree._paths import Path, TieMap, closest, node_paths, path_str, to_path
+from sharetree._resolve import structure_of
 from sharetree._tie import tie
-from sharetree._tied import Path, PathLike, Tied, path_str, to_path
+from sharetree._tied import Tied
 
 __all__ = ["GraphDef", "split", "merge", "update"]
 
 RawPath = tuple[Any, ...]
 """A path with NNX's own keys (attribute names and list indices as ints)."""
-
-
-def _is_var_or_tied(x: Any) -> bool:
-    return isinstance(x, (nnx.Variable, Tied))
 
 
 def _str_path(raw: RawPath) -> Path:
@@ -93,7 +89,14 @@ class GraphDef:
 
 
 def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
-    """Every path (NNX keys) at which the model holds each Variable object, by ``id``."""
+    """Every path (NNX keys) at which the model holds each Variable object, by ``id``.
+
+    NNX has no public function for this: ``nnx.iter_graph`` yields a shared
+    node only at its first path, and ``nnx.iter_children`` skips pytree
+    containers (an ``nnx.data`` list or dict of modules). So this walks each
+    node's children as ``nnx.split`` does, through ``graphlib``'s node
+    implementations, at every path (a node is not entered again below itself).
+    """
     found: dict[int, list[RawPath]] = {}
 
     def visit(node: Any, path: RawPath, ancestors: frozenset[int]) -> None:
@@ -111,13 +114,8 @@ def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
 
 
 def _flat(state: Any) -> list[tuple[RawPath, Any]]:
-    """(raw path, Variable or Tied) for every Variable node of a state."""
-    flat, _ = jtu.tree_flatten_with_path(state, is_leaf=_is_var_or_tied)
-    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in kp), x) for kp, x in flat]
-
-
-def _nodes(paths: list[Path]) -> set[Path]:
-    return {p[:k] for p in paths for k in range(1, len(p) + 1)}
+    """(NNX path, Variable or Tied) at every Variable position of a state, sorted by path."""
+    return list(nnx.to_flat_state(state if isinstance(state, nnx.State) else nnx.State(state)))
 
 
 def _strip_value(path: Path, variables: set[Path]) -> Path:
@@ -126,7 +124,12 @@ def _strip_value(path: Path, variables: set[Path]) -> Path:
     return path
 
 
-def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *filters: Any) -> Any:
+def split(
+    model: Any,
+    ties: TieMap | None = None,
+    *filters: Any,
+    check: bool = True,
+) -> Any:
     """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
 
     Args:
@@ -136,6 +139,9 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
             also name a whole submodule. ``None`` only records shared Variables.
         *filters: NNX filters (``nnx.Param``, ``...``) as for ``nnx.split``; then
             one state per filter is returned, and a tie must stay within one state.
+        check: require each view to have exactly the shape and dtype of the
+            Variable it replaces (as :func:`sharetree.tie` does). With ``False``,
+            :func:`merge` puts the view into that Variable whatever its shape.
 
     Returns:
         ``(graphdef, state)``, or ``(graphdef, state, *more_states)`` with filters.
@@ -147,8 +153,8 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
     Raises:
         TieError: a target or ref that does not exist in the NNX state (naming the
             closest existing path), a tie across two filtered states, a target
-            that is already the same object as another Variable, or a view whose
-            shape or dtype differs from the Variable it replaces.
+            that is already the same object as another Variable, or (with
+            ``check``) a view whose shape or dtype differs from the Variable it replaces.
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st, sharetree.nnx
@@ -188,7 +194,7 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
     where: dict[Path, int] = {_str_path(r): i for r, i in owner_state.items()}
     where.update({a: i for a, (i, _) in aliases.items()})
     variables = set(where)
-    nodes = _nodes(list(variables))
+    nodes = node_paths(variables)
 
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for target, ref in (ties or {}).items():
@@ -205,11 +211,9 @@ def split(model: Any, ties: Mapping[PathLike, PathLike | Tied] | None = None, *f
             state = nnx.from_flat_state(flat)
         if per_state[i]:
             try:
-                state = tie(state, per_state[i])
+                state = tie(state, per_state[i], check=check)
             except TieError as e:
-                # (a view must fit its Variable exactly: NNX rebuilds the Variable around it)
-                msg = str(e).replace(", or pass check=False", "")
-                raise TieError(f"sharetree.nnx.split: {msg}") from None
+                raise TieError(f"sharetree.nnx.split: {e}") from None
         out.append(state)
     return (
         GraphDef(

@@ -66,6 +66,11 @@ def spec_of(path: tuple, x: jax.Array) -> P:
     }[name]
 
 
+def _spec(spec) -> str:
+    """``str`` of a PartitionSpec as jax >= 0.9.1 prints it (older jax: ``PartitionSpec(...)``)."""
+    return str(spec).replace("PartitionSpec(", "P(")
+
+
 def make_mesh() -> jax.sharding.Mesh:
     """A 4x2 (data, model) mesh with automatic (GSPMD) sharding propagation."""
     auto = jax.sharding.AxisType.Auto
@@ -124,6 +129,20 @@ def sharding_checks() -> dict:
         lambda path, x: NamedSharding(mesh, spec_of(path, x)), params
     )
     out["sharding_tree_keeps_tie"] = shardings["head"] == params["head"]
+    # the same tree from path rules (the hand-written spec_of above is the reference)
+    by_path = st.shardings_by_path(
+        params,
+        mesh,
+        {
+            "embed": P(None, "model"),
+            "mlp/w1": P(None, "model"),
+            "*b1": P("model"),
+            "mlp/*": P("model", None),
+        },
+    )
+    out["shardings_by_path_equal"] = jax.tree.structure(by_path) == jax.tree.structure(
+        shardings
+    ) and all(a == b for a, b in zip(jax.tree.leaves(by_path), jax.tree.leaves(shardings)))
     out["num_shardings"] = len(jax.tree.leaves(shardings))
     batch_sharding = NamedSharding(mesh, P("data", None))
     ps = jax.device_put(params, shardings)
@@ -131,7 +150,7 @@ def sharding_checks() -> dict:
     out["device_put_keeps_tie"] = ps["head"] == st.Tied("embed", st.T)
     out["num_buffers"] = len(jax.tree.leaves(ps))
     emb = ps["embed"]
-    out["embed_spec"] = str(emb.sharding.spec)
+    out["embed_spec"] = _spec(emb.sharding.spec)
     out["embed_num_shards"] = len(emb.addressable_shards)
     out["embed_shard_shapes"] = sorted({tuple(s.data.shape) for s in emb.addressable_shards})
     out["embed_devices"] = len({s.device for s in emb.addressable_shards})
@@ -156,7 +175,7 @@ def sharding_checks() -> dict:
     )
     ss = jax.jit(opt.init, out_shardings=state_shardings)(ps)
     out["opt_state_keeps_tie"] = ss[0].mu["head"] == st.Tied("embed", st.T)
-    out["opt_state_embed_spec"] = str(ss[0].mu["embed"].sharding.spec)
+    out["opt_state_embed_spec"] = _spec(ss[0].mu["embed"].sharding.spec)
     sharded_step = jax.jit(
         step,
         in_shardings=(shardings, state_shardings, batch_sharding),
@@ -175,8 +194,8 @@ def sharding_checks() -> dict:
     out["step_equal"] = close(new_s, new1)
     out["state_equal"] = close(state_s, state1)
     out["new_params_keep_tie"] = new_s["head"] == st.Tied("embed", st.T)
-    out["new_embed_spec"] = str(new_s["embed"].sharding.spec)
-    out["grad_embed_spec"] = str(grads_s["embed"].sharding.spec)
+    out["new_embed_spec"] = _spec(new_s["embed"].sharding.spec)
+    out["grad_embed_spec"] = _spec(grads_s["embed"].sharding.spec)
     out["new_num_buffers"] = len(jax.tree.leaves(new_s))
 
     # a second step from the sharded state stays equal to the one-device run
@@ -211,7 +230,7 @@ def orbax_checks(tmp: str) -> dict:
         a.sharding == b.sharding
         for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ps), strict=True)
     )
-    out["restored_embed_spec"] = str(back["embed"].sharding.spec)
+    out["restored_embed_spec"] = _spec(back["embed"].sharding.spec)
     out["restored_num_buffers"] = len(jax.tree.leaves(back))
 
     # the documented recipe for a train state: a fresh program's abstract tree, with the
@@ -241,7 +260,7 @@ def orbax_checks(tmp: str) -> dict:
         state["opt_state"][0].mu["head"] == st.Tied("embed", st.T),
         state["opt_state"][0].nu["head"] == st.Tied("embed", st.T),
     ]
-    out["state_mu_embed_spec"] = str(state["opt_state"][0].mu["embed"].sharding.spec)
+    out["state_mu_embed_spec"] = _spec(state["opt_state"][0].mu["embed"].sharding.spec)
     out["state_equal"] = close(state, {"params": ps, "opt_state": opt_state}, rtol=0, atol=0)
 
     # st.save of a sharded (single-process, fully addressable) tree, then device_put back
@@ -250,7 +269,7 @@ def orbax_checks(tmp: str) -> dict:
     loaded = jax.device_put(st.load(f), shardings)
     out["st_load_tie"] = loaded["head"] == st.Tied("embed", st.T)
     out["st_load_equal"] = close(loaded, params, rtol=0, atol=0)
-    out["st_load_embed_spec"] = str(loaded["embed"].sharding.spec)
+    out["st_load_embed_spec"] = _spec(loaded["embed"].sharding.spec)
     return out
 
 

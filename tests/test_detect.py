@@ -2,6 +2,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st_h
 
 import sharetree as st
 
@@ -83,3 +85,88 @@ def test_find_ties_atol_validated_and_nans_match_in_place():
     assert st.find_ties(sd, atol=0.1) == {"b": st.Tied("a")}
     with pytest.raises(st.TieError, match="atol must be a number >= 0"):
         st.find_ties(sd, atol=-1)
+
+
+def test_find_ties_computes_each_view_once():
+    calls = []
+
+    def counting(x):
+        calls.append(1)
+        return x * 2.0
+
+    rng = np.random.default_rng(0)
+    sd = {f"w{i:02d}": rng.normal(size=(3, 4)) for i in range(30)}
+    sd["w30"] = sd["w07"] * 2.0
+    for atol in (0.0, 1e-9):
+        calls.clear()
+        ties = st.find_ties(sd, transforms=(st.identity, st.fn(counting)), atol=atol)
+        assert ties == {"w30": st.Tied("w07", st.fn(counting))}
+        assert len(calls) == 30  # once per buffer (the tied w30 is no buffer), not per pair
+
+
+def test_find_ties_fingerprint_never_replaces_the_full_compare():
+    a = np.random.default_rng(1).normal(size=100_000).astype(np.float32)
+    b = a.copy()
+    b[1] += 1.0  # index 1 is not among the sampled positions of 100,000 elements
+    b2 = a.copy()
+    b2[-2] = np.nextafter(b2[-2], np.float32(np.inf))
+    assert st.find_ties({"a": a, "b": b, "c": b2}) == {}
+    assert st.find_ties({"a": a, "b": b, "c": b2}, atol=1e-6) == {"c": st.Tied("a")}
+    assert st.find_ties(
+        {"a": a, "b": a.copy(), "c": a.reshape(200, 500).T.copy()},
+        transforms=(st.identity, st.reshape(500, 200), st.T),
+    ) == {
+        "b": st.Tied("a"),
+    }
+
+
+def _reference_find_ties(sd, transforms, atol):
+    """The definition, pair by pair: a later leaf equal to transform(an earlier buffer)."""
+    found, buffers = {}, []
+    for k, a in sd.items():  # sorted keys = flatten order of these dicts
+        if a.size <= 1 or np.all(a == a.flat[0]):
+            continue
+        hit = None
+        for bk, b in buffers:
+            for t in transforms:
+                v = np.asarray(t(b))
+                if (
+                    v.shape == a.shape
+                    and v.dtype == a.dtype
+                    and (
+                        np.array_equal(v.view(np.uint64), a.view(np.uint64))
+                        if atol == 0
+                        else np.allclose(v, a, rtol=0, atol=atol, equal_nan=True)
+                    )
+                ):
+                    hit = st.Tied(bk, t)
+                    break
+            if hit:
+                break
+        if hit:
+            found[k] = hit
+        else:
+            buffers.append((k, a))
+    return found
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    picks=st_h.lists(st_h.tuples(st_h.integers(0, 3), st_h.integers(0, 2)), min_size=1, max_size=8),
+    atol=st_h.sampled_from([0.0, 1e-3]),
+)
+def test_find_ties_matches_the_pairwise_definition(picks, atol):
+    rng = np.random.default_rng(len(picks))
+    base = [
+        rng.normal(size=(2, 3)),
+        rng.normal(size=(3, 2)),
+        rng.normal(size=(2, 3)),
+        np.round(rng.normal(size=(3, 3))),
+    ]
+    ops = [lambda x: x, lambda x: x.T.copy(), lambda x: x + 1e-4]
+    sd = {f"k{i}": ops[o](base[b]) for i, (b, o) in enumerate(picks)}
+    sd = dict(sorted(sd.items()))
+    transforms = (st.identity, st.T)
+    with jax.enable_x64(True):
+        expected = _reference_find_ties(sd, transforms, atol)
+    assert st.find_ties(sd, transforms, atol=atol) == expected

@@ -293,7 +293,7 @@ def test_treescope_tied_text_matches_its_repr():
     for tied in (st.Tied("a/b"), st.Tied(("x/y", "z"), st.T >> st.scale(2.0))):
         assert treescope.render_to_text({"t": tied}) == f"{{'t': {tied!r}}}"  # collapsed
         text = treescope.render_to_text({"t": tied, "pad": np.arange(30.0).reshape(3, 10)})
-        assert f"'t': {tied!r},  # → view of {st._tied.path_str(tied.ref)}" in text
+        assert f"'t': {tied!r},  # → view of {st._paths.path_str(tied.ref)}" in text
 
 
 def test_treescope_escapes_tied_refs_in_html():

@@ -7,6 +7,8 @@ a name from an earlier block fails here. The process runs in a temporary
 directory (also its ``TMPDIR``), so no block can litter the repository or /tmp.
 The blocks assert their own claims (the ties survive, each buffer is stored
 once, the shardings are kept); this test checks that every block ran to the end.
+A block that imports ``transformers`` (the ``hf`` extra) is skipped when
+transformers or PyTorch is not installed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ doc = sys.argv[1]
 import jax
 print(f"=== devices {jax.device_count()}", flush=True)
 blocks = re.findall(r"^```python\n(.*?)^```$", open(doc).read(), re.S | re.M)
+import importlib.util
+hf = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 for i, code in enumerate(blocks):
+    if "import transformers" in code and not hf:
+        print(f"=== block {i} skipped (needs torch and transformers)", flush=True)
+        continue
     try:
         exec(compile(code, f"{doc} (python block {i})", "exec"), {"__name__": "__main__"})
         print(f"=== block {i} ok", flush=True)
@@ -47,6 +54,10 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> str:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     work = tmp_path_factory.mktemp("docs")
     env["TMPDIR"] = str(work)  # the blocks' tempfile directories land in pytest's tmp dir
+    # the blocks import this checkout's sharetree (they run in a temporary directory)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(DOC.parent.parent), env.get("PYTHONPATH")])
+    )
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, str(DOC)],
         capture_output=True,
@@ -61,8 +72,9 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_the_page_has_its_blocks() -> None:
-    # save/load, find_ties, tie by hand, Orbax, sharding (the multi-host sketch is ```text)
-    assert len(BLOCKS) == 5
+    # save/load, find_ties, tie by hand, Hugging Face with and without torch, Orbax, sharding
+    # (the multi-host sketch is ```text)
+    assert len(BLOCKS) == 7
     assert all("import sharetree as st" in code for code in BLOCKS)  # each block stands alone
     assert "jax.distributed.initialize()" in DOC.read_text()
     assert "jax.distributed.initialize()" not in "".join(BLOCKS)
@@ -75,4 +87,6 @@ def test_eight_simulated_devices(output: str) -> None:
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_python_block_runs(output: str, index: int) -> None:
     sections = {s.split("\n", 1)[0]: s for s in re.split(r"^=== ", output, flags=re.M) if s}
+    if f"block {index} skipped (needs torch and transformers)" in sections:
+        pytest.skip("this block needs torch and transformers (the hf extra)")
     assert f"block {index} ok" in sections, sections.get(f"block {index} failed", output)[-4000:]

@@ -19,7 +19,7 @@ def test_01_dangling_ref_names_closest_path():
 
 def test_02_cycle_shows_whole_cycle():
     tree = {"a": st.Tied("b"), "b": st.Tied("c"), "c": st.Tied("a"), "w": W}
-    with pytest.raises(st.TieError, match=r"cycle of ties: 'a' -> 'b' -> 'c' -> 'a'"):
+    with pytest.raises(st.TieError, match=r"cycle of ties: 'a' -> 'b' -> 'c' -> 'a' \(3 ties"):
         st.canonicalize(tree)
 
 
@@ -33,6 +33,11 @@ def test_03_self_reference():
 def test_04_ref_below_a_leaf():
     with pytest.raises(st.TieError, match=r"'w/0' goes below the leaf 'w'"):
         st.materialize({"w": W, "v": st.Tied("w/0")})
+    through_view = {"enc": {"w": W}, "dec": st.Tied("enc"), "v": st.Tied("dec/w/0")}
+    with pytest.raises(
+        st.TieError, match=r"'v': ref 'dec/w/0' \(followed through views to 'enc/w/0'\) goes below"
+    ):
+        st.materialize(through_view)
 
 
 def test_05_tie_target_missing():
@@ -160,3 +165,349 @@ def test_12b_restructure_with_changed_offsets():
     moved = jax.tree.map(lambda o: o + 2, re)
     with pytest.raises(st.TieError, match=r"offset 0 is 2, expected 0\. Fix: do not tree_map"):
         moved(flat)
+
+
+def test_12c_restructure_given_a_complex_vector_for_a_real_tree():
+    flat, re = st.destructure({"a": W, "c": st.Tied("a", st.T)})
+    with pytest.raises(st.TieError, match=r"expected a real vector.*imaginary parts would be drop"):
+        re(flat * 1j)
+
+
+def test_18_astype_not_a_numeric_dtype():
+    for bad in (None, jnp.ones(2), "object"):
+        with pytest.raises(st.TieError, match=r"astype\(.*expected a boolean or numeric dtype"):
+            st.astype(bad)
+
+
+def test_19_scale_not_finite():
+    for bad in (float("nan"), float("inf"), -float("inf"), 10**400):
+        with pytest.raises(st.TieError, match=r"scale\(.*expected a finite number"):
+            st.scale(bad)
+    with pytest.raises(st.TieError, match="finite Python or NumPy number"):
+        st.scale("2")
+
+
+def test_20_malformed_spec_of_a_known_transform():
+    from sharetree._transforms import describe_spec
+
+    with pytest.raises(st.TieError, match=r"\{'name': 'reshape'\}: the field 'shape' is missing"):
+        st.transform_from_spec({"name": "reshape"})
+    with pytest.raises(st.TieError, match=r"field 'shape' of 'reshape' should be a list of int"):
+        describe_spec({"name": "reshape", "shape": "2x3"})
+    with pytest.raises(st.TieError, match=r"the field 'order' is not one of its fields"):
+        st.transform_from_spec({"name": "reshape", "shape": [6], "order": "F"})
+
+
+def test_21_fn_spec_function_not_passed_in():
+    with pytest.raises(
+        st.TieError,
+        match=r"'mylib.ops:softcap' is not among the functions passed in.*never imported.*"
+        r"functions=\{'mylib.ops:softcap': softcap\}",
+    ):
+        st.transform_from_spec({"name": "fn", "function": "mylib.ops:softcap"})
+
+
+def test_22_meaningless_axes_or_sizes():
+    with pytest.raises(st.TieError, match=r"transpose\(0, 0\): expected a permutation"):
+        st.transpose(0, 0)
+    with pytest.raises(st.TieError, match=r"reshape\(-1, -1\): expected sizes >= 0 and at most"):
+        st.reshape(-1, -1)
+
+
+def test_23_grad_by_use_argnums_not_one_int():
+    for bad in ((0, 1), -1, True, "0"):
+        with pytest.raises(st.TieError, match=r"argnums must be one non-negative int"):
+            st.grad_by_use(lambda t: 0.0, argnums=bad)
+    with pytest.raises(st.TieError, match=r"positional argument 1, but only 1 positional"):
+        st.grad_by_use(lambda x, t: 0.0, argnums=1)({"a": W})
+
+
+def test_24_untie_a_path_that_is_not_a_view():
+    tree = {"enc": {"w": W}, "dec": {"w": st.Tied("enc/w", st.T)}}
+    with pytest.raises(st.TieError, match=r"'enc/w' is not a view.*closest.*'dec/w'"):
+        st.untie(tree, "enc/w")
+
+
+def test_24b_untie_a_path_inside_a_subtree_view():
+    with pytest.raises(st.TieError, match=r"'b/w' lies inside the view 'b'.*Fix: untie 'b'"):
+        st.untie({"a": {"w": W}, "b": st.Tied("a")}, "b/w")
+
+
+def test_25_untie_state_through_a_view_that_changes_values():
+    import optax
+
+    params = {"w": W, "v": st.Tied("w", st.scale(2.0))}
+    with pytest.raises(st.TieError, match=r"the view 'v' is scale\(2.0\) of 'w'.*1/c\*\*2"):
+        st.untie_state(optax.adam(1e-3).init(params), params)
+
+
+def test_26_untie_state_of_a_state_for_another_tree():
+    import optax
+
+    params = {"w": W, "v": st.Tied("w", st.T)}
+    state = optax.adam(1e-3).init(st.materialize(params))
+    with pytest.raises(
+        st.TieError, match=r"part '0/mu'.*at 'v' the tree has Tied\('w', T\), the state has a leaf"
+    ):
+        st.untie_state(state, params)
+
+
+def test_27_grad_report_of_something_else():
+    with pytest.raises(st.TieError, match=r"expected a dict \{buffer path"):
+        st.grad_report([W])
+    with pytest.raises(st.TieError, match=r"uses of buffer 'a' have different sizes"):
+        st.grad_report({"a": {"a": W, "b": jnp.ones(2)}})
+
+
+# --------------------------------------------------------------------------- files (rows 28-37)
+
+
+def _saved(tmp_path, tree, edit=None):
+    import json
+
+    import numpy as np  # noqa: F401 - used by callers' trees
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    st.save(path, tree)
+    if edit is None:
+        return path
+    with safe_open(str(path), framework="np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = dict(f.metadata())
+    structure = json.loads(meta["sharetree.tree"])
+    edit(structure)
+    meta["sharetree.tree"] = json.dumps(structure)
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def test_28_fn_function_not_passed_to_load(tmp_path):
+    path = _saved(tmp_path, {"w": W, "f": st.Tied("w", st.fn(jnp.flipud))})
+    with pytest.raises(
+        st.TieError,
+        match=r"m\.safetensors'.*tie at 'f'.*'jax\.numpy:flipud'.*never imported or called.*"
+        r"st\.load\(path, functions=\{'jax\.numpy:flipud': flipud\}\)",
+    ):
+        st.load(path)
+
+
+def test_29_malformed_metadata_field(tmp_path):
+    tree = {"w": W, "t": st.Tied("w", st.T)}
+
+    def empty_ref(s):
+        s["children"][s["keys"].index("t")]["ref"] = []
+
+    with pytest.raises(st.TieError, match=r"m\.safetensors'.*tie at 't' is malformed.*empty key"):
+        st.load(_saved(tmp_path, tree, empty_ref))
+
+    def string_shape(s):
+        s["children"][s["keys"].index("w")]["shape"] = "2x3"
+
+    with pytest.raises(
+        st.TieError, match=r"m\.safetensors'.*at 'w'.*'shape' should be a list of sizes.*'2x3'"
+    ):
+        st.load(_saved(tmp_path, tree, string_shape))
+
+
+def test_30_nesting_limits(tmp_path):
+    import numpy as np
+
+    deep = np.ones(1)
+    for _ in range(201):
+        deep = [deep]
+    with pytest.raises(st.TieError, match=r"nested deeper than 200 levels"):
+        st.save(tmp_path / "d.safetensors", deep)
+
+    from safetensors.numpy import save_file
+
+    text = '{"t":"list","children":' + "[" * 1000 + "]" * 1000 + "}"
+    meta = {"sharetree.format_version": "1", "sharetree.tree": text}
+    save_file({}, str(tmp_path / "n.safetensors"), metadata=meta)
+    with pytest.raises(st.TieError, match=r"nested 417 or more levels deep.*at most 416"):
+        st.load(tmp_path / "n.safetensors")
+
+
+def test_31_keys_that_name_one_path(tmp_path):
+    import collections
+
+    import numpy as np
+
+    with pytest.raises(st.TieError, match=r"keys 0 and '0', which name the same path '0'"):
+        st.save(tmp_path / "k.safetensors", collections.OrderedDict([(0, W), ("0", W)]))
+    with pytest.raises(st.TieError, match=r"jax cannot flatten the tree.*one type per dict"):
+        st.save(tmp_path / "k.safetensors", {0: np.ones(1), "a": np.ones(1)})
+
+
+def test_32_bad_user_metadata(tmp_path):
+    with pytest.raises(st.TieError, match=r"'sharetree.x' starts with 'sharetree.'"):
+        st.save(tmp_path / "m.safetensors", {"w": W}, metadata={"sharetree.x": "1"})
+    with pytest.raises(st.TieError, match=r"'n': 1 is str -> int"):
+        st.save(tmp_path / "m.safetensors", {"w": W}, metadata={"n": 1})
+
+
+def test_33_prng_key_of_unknown_impl(tmp_path, monkeypatch):
+    from sharetree import _io
+
+    monkeypatch.setattr(_io, "KEY_IMPLS", ("rbg",))
+    with pytest.raises(st.TieError, match=r"PRNG key array at 'k'.*'threefry2x32'.*rbg only"):
+        st.save(tmp_path / "k.safetensors", {"k": jax.random.key(0)})
+
+
+def test_34_not_fully_addressable_without_gather(tmp_path, monkeypatch):
+    from sharetree import _io
+
+    monkeypatch.setattr(_io, "_addressable", lambda x: False)
+    with pytest.raises(
+        st.TieError,
+        match=r"buffer at 'w' is sharded over several processes.*"
+        r"gather=True",
+    ):
+        st.save(tmp_path / "m.safetensors", {"w": W})
+
+
+def test_35_shardings_that_do_not_match(tmp_path):
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    path = _saved(tmp_path, {"w": W, "v": W, "t": st.Tied("w")})
+    with pytest.raises(
+        st.TieError,
+        match=r"buffers without a sharding: \['v'\].*file does not "
+        r"have: \['x'\]",
+    ):
+        st.load(path, shardings={"w": s, "x": s})
+    with pytest.raises(st.TieError, match=r"at 'v' is int 3, not a jax.sharding.Sharding"):
+        st.load(path, shardings={"w": s, "v": 3, "t": None})
+
+
+def test_36_ties_for_a_sharetree_file(tmp_path):
+    with pytest.raises(st.TieError, match=r"carries its own ties; ties= \(and atol=\) are for"):
+        st.load(_saved(tmp_path, {"w": W}), ties={"a": "w"})
+    with pytest.raises(st.TieError, match=r"carries its own ties"):
+        st.load(_saved(tmp_path, {"w": W}), atol=1e-6)
+
+
+def test_37_describe_problems_are_one_line(tmp_path):
+    from sharetree._io import describe
+
+    for bad, match in [(tmp_path / "none.safetensors", "cannot read"), (tmp_path, "directory")]:
+        with pytest.raises(st.TieError, match=match) as e:
+            describe(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_38_sharding_rule_unmatched_or_unused():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"leaf 'b' \(shape \(3,\)\) matches none of the"):
+        st.shardings_by_path({"w": W, "b": jnp.ones(3)}, mesh, {"w": P()})
+    with pytest.raises(st.TieError, match=r"pattern 'wx' matches no leaf.*closest.*'w'"):
+        st.shardings_by_path({"w": W}, mesh, {"wx": P(), "*": P()})
+
+
+def test_39_sharding_rule_unknown_mesh_axis():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*axis 'data' does not exist"):
+        st.shardings_by_path({"w": W}, mesh, {"w": P("data")})
+    with pytest.raises(st.TieError, match=r"'w' \(shape.*axis 'model' is used for more than one"):
+        st.shardings_by_path({"w": jnp.ones((2, 4))}, mesh, {"w": P("model", "model")})
+
+
+def test_40_sharding_rule_non_divisible_dimension():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(
+        st.TieError, match=r"'w' \(shape \(2, 3\).*dimension 1 has size 3.*'model' of size 2"
+    ):
+        st.shardings_by_path({"w": W}, mesh, {"w": P(None, "model")})
+
+
+def test_41_partition_spec_longer_than_the_array():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("model",))
+    with pytest.raises(st.TieError, match=r"'w' \(shape \(2, 3\).*3 entries.*2 dimension"):
+        st.shardings_by_path({"w": W}, mesh, {"w": P(None, None, None)})
+
+
+def test_42_flax_tie_between_partition_boxes_that_would_shard_the_view_wrongly():
+    nn = pytest.importorskip("flax.linen")
+    from sharetree.flax import tied
+
+    def boxed(*names):
+        return nn.with_logical_partitioning(nn.initializers.ones, names)
+
+    class AE(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(2, kernel_init=boxed("embed", "mlp"), name="enc")(x)
+            return nn.Dense(4, kernel_init=boxed("embed", "mlp"), name="dec")(x)
+
+    with pytest.raises(
+        st.TieError,
+        match=r"'dec/kernel' would carry the partition names \('mlp', 'embed'\).*"
+        r"own box has \('embed', 'mlp'\).*'dec/kernel/value': st.Tied\('enc/kernel/value', T\)",
+    ):
+        tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)}).init(
+            jax.random.key(0), jnp.ones((1, 4))
+        )
+
+
+def _foreign_file(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"emb": np.arange(6.0, dtype=np.float32).reshape(3, 2)}, str(path))
+    return path
+
+
+def _load_ties(path, ties):
+    return st.load(path, ties=ties)
+
+
+def test_43_load_ties_not_tensor_names(tmp_path):
+    path = _foreign_file(tmp_path)
+    with pytest.raises(st.TieError, match=r"ties must be a mapping.*all_tied_weights_keys"):
+        _load_ties(path, ["lm_head.weight"])
+    with pytest.raises(st.TieError, match=r"tie target \('a', 'b'\) is not a tensor name"):
+        _load_ties(path, {("a", "b"): "emb"})
+
+
+def test_44_load_tie_target_and_ref_absent(tmp_path):
+    with pytest.raises(st.TieError, match=r"'head' <- 'embb': neither is in the file.*'emb'"):
+        _load_ties(_foreign_file(tmp_path), {"head": "embb"})
+
+
+def test_45_load_tie_buffer_cannot_move(tmp_path):
+    with pytest.raises(st.TieError, match=r"holds 'emb' but not 'new'.*no inverse.*other way"):
+        _load_ties(_foreign_file(tmp_path), {"emb": st.Tied("new", st.scale(2.0))})
+
+
+def test_46_load_tied_copies_differ(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.arange(4.0), "b": np.arange(4.0) + 0.5}, str(path))
+    with pytest.raises(st.TieError, match=r"'b' and 'a' differ by up to 0\.5.*choose which"):
+        _load_ties(path, {"b": "a"})
+
+
+def test_47_directory_not_a_checkpoint(tmp_path):
+    with pytest.raises(st.TieError, match=r"neither 'model.safetensors' nor 'model.safetensors"):
+        st.load(tmp_path)
+
+
+def test_48_bad_shard_index(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "gone.st"}}')
+    with pytest.raises(st.TieError, match=r"index.json' names the shard 'gone.st'.*not exist"):
+        st.load(tmp_path)

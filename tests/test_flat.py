@@ -172,12 +172,22 @@ def test_complex_and_real_buffers_share_one_complex_vector():
 _NO_PADDING = {"pad", "dynamic_update_slice", "scatter-add", "scatter_add"}
 
 
+def _sub_jaxprs(params):
+    """The jaxprs in an equation's params (``jax.extend.core.jaxprs_in_params``, jax >= 0.10)."""
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, jax.extend.core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jax.extend.core.Jaxpr):
+                yield x
+
+
 def _primitives(jaxpr):
     """Every primitive name in a jaxpr, sub-jaxprs (custom_jvp, pjit, cond) included."""
     out = []
     for eqn in jaxpr.eqns:
         out.append(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _sub_jaxprs(eqn.params):
             out.extend(_primitives(sub))
     return out
 
@@ -451,6 +461,7 @@ def _host_reference(tree):
     return np.concatenate([x.ravel().astype(np.float32) for x in inexact])
 
 
+@pytest.mark.filterwarnings("ignore:destructure. the static leaf 'k'")
 def test_repeated_destructure_follows_values_shapes_dtypes_and_statics():
     # the layout is reused per structure (the first call on the host, later ones
     # through a jitted concatenate): every call must still read the tree it is given
@@ -498,3 +509,46 @@ def test_repeated_destructure_mixes_numpy_and_jax_leaves():
         np.testing.assert_array_equal(np.asarray(flat), _host_reference(t))
         for got, want in zip(jax.tree.leaves(re(flat)), jax.tree.leaves(st.materialize(t))):
             np.testing.assert_array_equal(got, want)
+
+
+def test_prng_keys_stay_static_and_pass_through():
+    key = jax.random.key(0)
+    old = jax.random.PRNGKey(1)  # old-style uint32[2] key
+    tree = {"w": jnp.ones((2, 3)), "wT": st.Tied("w", st.T), "key": key, "old": old}
+    flat, re = st.destructure(tree)
+    assert flat.shape == (6,)
+    back = re(flat)
+    assert back["key"] is key and back["old"] is old
+    np.testing.assert_array_equal(back["wT"], jnp.ones((3, 2)))
+    assert st.materialize(tree)["key"] is key
+    assert "key<fry>" in st.summary(tree)
+    # equal keys give equal restructures; another key does not
+    assert st.destructure(dict(tree, key=jax.random.key(0)))[1] == re
+    with pytest.warns(UserWarning, match="static leaf 'key'"):
+        assert st.destructure(dict(tree, key=jax.random.key(2)))[1] != re
+    g = jax.jit(jax.grad(lambda v, r: jnp.sum(r(v)["wT"] ** 2)))(flat, re)
+    np.testing.assert_allclose(g, 2 * np.ones(6))
+
+
+def test_complex_vector_for_an_all_real_tree_is_an_error():
+    flat, re = st.destructure({"w": jnp.ones(3), "v": st.Tied("w")})
+    with pytest.raises(st.TieError, match=r"real vector \(float32\).*complex64.*imaginary"):
+        re(flat.astype(jnp.complex64) * 1j)
+    # a genuinely mixed tree keeps the documented behaviour: real buffers take the real part
+    flat, re = st.destructure({"w": jnp.ones(2), "z": jnp.ones(2, jnp.complex64)})
+    assert re(flat * (1 + 1j))["w"].dtype == jnp.float32
+
+
+def test_a_changing_static_leaf_warns_once_naming_it():
+    import warnings
+
+    def tree(step):
+        return {"w": jnp.ones(3), "v": st.Tied("w"), "step": jnp.int32(step), "tag": "x"}
+
+    st.destructure(tree(0))
+    with pytest.warns(UserWarning, match=r"static leaf 'step' \(int32\[\]\) changed.*retraces"):
+        st.destructure(tree(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st.destructure(tree(2))  # once per leaf
+        st.destructure(tree(2))  # unchanged

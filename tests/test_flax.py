@@ -277,3 +277,237 @@ def test_wrapper_is_hashable_static_and_jittable():
     full = jax.eval_shape(LM().init, jax.random.key(0), x)["params"]
     assert a.tie(full)["head"] == {"kernel": st.Tied("embed/embedding", st.T)}
     assert "tied(LM(" in repr(a) and "head/kernel" in repr(a)
+
+
+# --- partition boxes: an lm1b-style Transformer declared with nn.with_logical_partitioning -----
+
+EMB, HEADS, MLP_DIM, LAYERS = 16, 2, 32, 2
+RULES = (("batch", "data"), ("vocab", "model"), ("mlp", "model"), ("kv", None), ("embed", None))
+
+
+def _lp(init, *names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class Lm1bBlock(nn.Module):
+    """Pre-norm decoder block with every parameter boxed, as in Flax's lm1b example."""
+
+    @nn.compact
+    def __call__(self, x, mask):
+        ln = {"scale_init": _lp(nn.initializers.ones, "embed")}
+        ln["bias_init"] = _lp(nn.initializers.zeros, "embed")
+        y = nn.LayerNorm(**ln)(x)
+        y = nn.SelfAttention(
+            num_heads=HEADS,
+            qkv_features=EMB,
+            kernel_init=_lp(nn.initializers.xavier_uniform(), "embed", "kv"),
+            use_bias=False,
+            deterministic=True,
+        )(y, mask)
+        x = x + y
+        z = nn.LayerNorm(**ln)(x)
+        z = nn.Dense(MLP_DIM, kernel_init=_lp(nn.initializers.xavier_uniform(), "embed", "mlp"))(z)
+        z = nn.Dense(EMB, kernel_init=_lp(nn.initializers.xavier_uniform(), "mlp", "embed"))(
+            nn.relu(z)
+        )
+        return x + z
+
+
+class Lm1bDecoder(nn.Module):
+    logits_via_embedding: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(
+            VOCAB, EMB, embedding_init=_lp(nn.initializers.normal(1.0), "vocab", "embed")
+        )
+        y = embed(tokens)
+        mask = nn.make_causal_mask(tokens)
+        for i in range(LAYERS):
+            y = Lm1bBlock(name=f"encoderdecoderblock_{i}")(y, mask)
+        norm = {"scale_init": _lp(nn.initializers.ones, "embed")}
+        y = nn.LayerNorm(name="encoderdecoder_norm", **norm)(y)
+        if self.logits_via_embedding:  # lm1b's own tie: attend, then divide by sqrt(d)
+            return embed.attend(y) / jnp.sqrt(y.shape[-1])
+        return nn.Dense(
+            VOCAB,
+            kernel_init=_lp(nn.initializers.xavier_uniform(), "embed", "vocab"),
+            bias_init=_lp(nn.initializers.normal(1e-6), "vocab"),
+            name="logitdense",
+        )(y)
+
+
+class Lm1b(nn.Module):
+    logits_via_embedding: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        return Lm1bDecoder(self.logits_via_embedding, name="decoder")(tokens)
+
+
+def _mesh():
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((1, 1), ("data", "model"), axis_types=(auto, auto))
+
+
+HEAD_BOX_TIE = {"decoder/logitdense/kernel": st.Tied("decoder/Embed_0/embedding", st.T)}
+TOKENS = jnp.arange(2 * SEQ, dtype=jnp.int32).reshape(2, SEQ) % VOCAB
+
+
+def _num_boxes(tree):
+    return sum(
+        isinstance(x, nn.Partitioned)
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    )
+
+
+def test_a_tie_naming_boxes_gives_the_view_the_targets_own_partition_names():
+    untied = Lm1b().init(jax.random.key(0), TOKENS)["params"]["decoder"]
+    assert untied["logitdense"]["kernel"].names == ("embed", "vocab")  # the target's own names
+    model = tied(Lm1b(), HEAD_BOX_TIE)  # check=True
+    variables = model.init(jax.random.key(0), TOKENS)
+    params = variables["params"]
+    assert params["decoder"]["logitdense"]["kernel"] == HEAD_BOX_TIE["decoder/logitdense/kernel"]
+    m = model.materialize(variables)["params"]["decoder"]
+    emb = params["decoder"]["Embed_0"]["embedding"]
+    assert m["logitdense"]["kernel"].names == ("embed", "vocab")  # not the embedding's
+    assert type(m["logitdense"]["kernel"]) is nn.LogicallyPartitioned
+    np.testing.assert_array_equal(m["logitdense"]["kernel"].value, emb.value.T)
+    assert m["Embed_0"]["embedding"].names == ("vocab", "embed")
+    # the same box as the untied model's, names and all
+    assert _num_boxes(model.materialize(variables)["params"]) == _num_boxes({"decoder": untied})
+
+
+def test_partition_specs_of_a_tied_boxed_tree_are_one_per_buffer_none_for_views():
+    mesh = _mesh()
+    params = tied(Lm1b(), HEAD_BOX_TIE).init(jax.random.key(0), TOKENS)["params"]
+    specs = nn.get_partition_spec(params)
+    assert specs["decoder"]["logitdense"]["kernel"] == HEAD_BOX_TIE["decoder/logitdense/kernel"]
+    assert specs["decoder"]["Embed_0"]["embedding"] == jax.sharding.PartitionSpec("vocab", "embed")
+    assert len(jax.tree.leaves(specs)) == len(jax.tree.leaves(params))  # one per buffer
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    assert jax.tree.structure(shardings) == jax.tree.structure(nn.unbox(params))
+    assert shardings["decoder"]["Embed_0"]["embedding"].spec == jax.sharding.PartitionSpec(
+        "model", None
+    )
+
+
+def test_the_materialized_view_is_sharded_like_the_parameter_it_replaces():
+    mesh = _mesh()
+    model = tied(Lm1b(), HEAD_BOX_TIE)
+    variables = model.init(jax.random.key(0), TOKENS)
+    m = model.materialize(variables)["params"]
+    s = nn.logical_to_mesh_sharding(nn.get_partition_spec(m), mesh, RULES)
+    # vocab -> model: the (embed, vocab) kernel splits its columns, like the untied one
+    assert s["decoder"]["logitdense"]["kernel"].spec == jax.sharding.PartitionSpec(None, "model")
+    untied = Lm1b().init(jax.random.key(0), TOKENS)["params"]
+    u = nn.logical_to_mesh_sharding(nn.get_partition_spec(untied), mesh, RULES)
+    assert s == u  # every sharding of the materialized tree is the untied model's
+
+
+def test_boxed_tie_matches_lm1b_logits_via_embedding_values_and_gradients():
+    # lm1b's own tie (attend / sqrt(d), no head parameters) is the independent reference
+    ref_model = Lm1b(logits_via_embedding=True)
+    model = tied(
+        Lm1b(),
+        {
+            "decoder/logitdense/kernel": st.Tied(
+                "decoder/Embed_0/embedding", st.T >> st.scale(EMB**-0.5)
+            )
+        },
+    )
+    variables = model.init(jax.random.key(1), TOKENS)
+    params = variables["params"]
+    bias = params["decoder"]["logitdense"]["bias"]
+    params["decoder"]["logitdense"]["bias"] = bias.replace(value=jnp.zeros_like(bias.value))
+    ref = {"decoder": {k: v for k, v in params["decoder"].items() if k != "logitdense"}}
+    mesh = _mesh()
+    # placed on the mesh by the boxes' logical names (a prefix tree: one sharding per box)
+    params = jax.device_put(
+        params, nn.logical_to_mesh_sharding(nn.get_partition_spec(params), mesh, RULES)
+    )
+    ref = jax.device_put(ref, nn.logical_to_mesh_sharding(nn.get_partition_spec(ref), mesh, RULES))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        out = jax.jit(model.apply)({"params": params}, TOKENS)
+        want = jax.jit(ref_model.apply)({"params": ref}, TOKENS)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+        def loss(apply, p):
+            logits = apply({"params": p}, TOKENS)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS).mean()
+
+        g = jax.grad(lambda p: loss(model.apply, p))(params)
+        g_ref = jax.grad(lambda p: loss(ref_model.apply, p))(ref)
+    assert g["decoder"]["logitdense"]["kernel"] == params["decoder"]["logitdense"]["kernel"]
+    np.testing.assert_allclose(  # both uses of the table summed into one gradient
+        g["decoder"]["Embed_0"]["embedding"].value,
+        g_ref["decoder"]["Embed_0"]["embedding"].value,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_tying_the_value_leaf_keeps_the_targets_box():
+    model = tied(
+        Lm1b(),
+        {"decoder/logitdense/kernel/value": st.Tied("decoder/Embed_0/embedding/value", st.T)},
+    )
+    variables = model.init(jax.random.key(0), TOKENS)
+    box = variables["params"]["decoder"]["logitdense"]["kernel"]
+    assert box.names == ("embed", "vocab")
+    assert box.value == st.Tied("decoder/Embed_0/embedding/value", st.T)
+    m = model.materialize(variables)["params"]["decoder"]["logitdense"]["kernel"]
+    assert m.names == ("embed", "vocab")
+    assert model.apply(variables, TOKENS).shape == (2, SEQ, VOCAB)
+
+
+class TwoDense(nn.Module):
+    b_init: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(
+            EMB, kernel_init=_lp(nn.initializers.lecun_normal(), "embed", "mlp"), name="a"
+        )(x)
+        b_init = self.b_init or _lp(nn.initializers.lecun_normal(), "mlp", "embed")
+        return nn.Dense(EMB, kernel_init=b_init, name="b")(x)
+
+
+def test_boxed_ties_that_would_shard_the_view_wrongly_are_errors_naming_the_value_fix():
+    x = jnp.ones((1, EMB))
+    # identity keeps ('embed', 'mlp'), but b's own kernel is ('mlp', 'embed')
+    with pytest.raises(
+        st.TieError,
+        match=r"'b/kernel' would carry the partition names \('embed', 'mlp'\).*own box has "
+        r"\('mlp', 'embed'\).*\{'b/kernel/value': st.Tied\('a/kernel/value', identity\)\}",
+    ):
+        tied(TwoDense(), {"b/kernel": "a/kernel"}).init(jax.random.key(0), x)
+    tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
+    with pytest.raises(st.TieError, match=r"reshape\(16, 16\) does not map the axes"):
+        tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", st.reshape(16, 16))}).init(
+            jax.random.key(0), x
+        )
+    physical = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None))
+    with pytest.raises(st.TieError, match=r"joins a Partitioned box and a LogicallyPartitioned"):
+        tied(TwoDense(physical), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
+
+
+def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
+    model = tied(Lm1b(), HEAD_BOX_TIE)
+    params = model.init(jax.random.key(0), TOKENS)["params"]
+    path = tmp_path / "lm1b.safetensors"
+    st.save(path, params)
+    like = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS))["params"]
+    back = st.load(path, like=like)  # the boxes (and their names) come from the template
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert back["decoder"]["Embed_0"]["embedding"].names == ("vocab", "embed")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+        model.apply({"params": back}, TOKENS), model.apply({"params": params}, TOKENS)
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"LogicallyPartitioned.*Flax partition boxes: model.apply fails.*like=jax.eval_shape",
+    ):
+        st.load(path)  # without a template the boxes are dicts: the warning says to pass like=

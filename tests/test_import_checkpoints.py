@@ -7,6 +7,7 @@ to choose which copy wins.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -213,3 +214,278 @@ def test_shape_mismatch_with_check_off_is_still_caught_by_atol() -> None:
     sd = {"a": np.ones((2, 3)), "b": np.ones((3, 2))}
     with pytest.raises(st.TieError, match=r"shape \(2, 3\).*shape \(3, 2\)"):
         st.tie(sd, {"b": "a"}, check=False, atol=0.0)
+
+
+# ----------------------------------------------------------------------------- load with ties
+# Files sharetree did not write: st.load(path, ties=...) -> the canonical tree in one call.
+# The two helpers below are the final API's shape; until st.save takes metadata= and st.load
+# takes ties= (the io module), they fall back to safetensors and load_foreign.
+
+
+def save_pt(path, tree) -> None:
+    """A file PyTorch loaders accept."""
+    st.save(path, tree, metadata={"format": "pt"})
+
+
+def load_ties(path, ties=None, **kw):
+    """A file or directory sharetree did not write, tied in one call."""
+    return st.load(path, ties=ties, **kw)
+
+
+HEAD, EMB = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _without_head(seed: int = 0) -> dict[str, np.ndarray]:
+    sd = hf_state_dict(seed)
+    del sd[HEAD]  # as save_pretrained of a tied model writes it
+    return sd
+
+
+def _assert_materializes_to(tree, reference) -> None:
+    m = st.materialize(tree)
+    assert set(m) == set(reference)
+    for k, v in reference.items():
+        assert np.asarray(m[k]).dtype == v.dtype, k
+        np.testing.assert_array_equal(np.asarray(m[k]), v, err_msg=k)
+
+
+def test_absent_head_becomes_a_tie(tmp_path) -> None:
+    sd = _without_head()
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"tied as asked \(ties=\): 'lm_head.weight' <- 'model"):
+        tree = load_ties(tmp_path / "model.safetensors", ties={HEAD: EMB})
+    assert tree[HEAD] == st.Tied((EMB,)) == st.Tied(EMB)
+    _assert_materializes_to(tree, {**sd, HEAD: sd[EMB]})  # independent reference: the table
+    assert list(tree) == sorted(tree)
+
+
+def test_absent_head_with_a_transposed_tie(tmp_path) -> None:
+    sd = _without_head()
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m.safetensors", ties={HEAD: st.Tied(EMB, st.T)})
+    assert tree[HEAD] == st.Tied(EMB, st.T)
+    np.testing.assert_array_equal(np.asarray(st.materialize(tree)[HEAD]), sd[EMB].T)
+
+
+def test_without_ties_the_warning_points_to_ties(tmp_path) -> None:
+    save_file(_without_head(), str(tmp_path / "m.safetensors"))
+    with pytest.warns(UserWarning, match=r"st\.load\(path, ties=.*all_tied_weights_keys"):
+        tree = load_ties(tmp_path / "m.safetensors")
+    assert HEAD not in tree and not any(isinstance(v, st.Tied) for v in tree.values())
+
+
+def test_save_model_metadata_is_honoured_without_asking(tmp_path) -> None:
+    # safetensors.torch.save_model keeps one copy and records {dropped: kept}
+    sd = hf_state_dict()
+    kept = {k: v for k, v in sd.items() if k != EMB}
+    save_file(kept, str(tmp_path / "m.safetensors"), metadata={EMB: HEAD, "format": "pt"})
+    with pytest.warns(UserWarning, match=r"metadata records: 'model.embed_tokens.weight' <- 'lm"):
+        tree = load_ties(tmp_path / "m.safetensors")
+    assert tree[EMB] == st.Tied(HEAD)
+    _assert_materializes_to(tree, sd)
+    # asked for transformers' direction, the buffer moves to the ref side
+    with pytest.warns(UserWarning, match="tied as asked"):
+        tree = load_ties(tmp_path / "m.safetensors", ties={HEAD: EMB})
+    assert tree[HEAD] == st.Tied(EMB) and isinstance(tree[EMB], np.ndarray)
+    _assert_materializes_to(tree, sd)
+
+
+def test_only_the_target_stored_moves_the_buffer_through_the_inverse(tmp_path) -> None:
+    w = np.random.default_rng(3).normal(size=(4, 3, 2)).astype(np.float32)
+    save_file({"dec": w}, str(tmp_path / "m.safetensors"))
+    for t in (st.T, st.transpose(1, 2, 0)):
+        with pytest.warns(UserWarning):
+            tree = load_ties(tmp_path / "m.safetensors", ties={"dec": st.Tied("enc", t)})
+        assert tree["dec"] == st.Tied("enc", t) and tree["enc"].dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(st.materialize(tree)["dec"]), w)
+
+
+def test_both_copies_equal_are_tied_the_asked_way(tmp_path) -> None:
+    sd = hf_state_dict()
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m.safetensors", ties={HEAD: EMB})
+    assert tree[HEAD] == st.Tied(EMB)  # transformers' direction: the embedding is the buffer
+    _assert_materializes_to(tree, sd)
+    assert st.canonicalize(tree).num_unique == len(sd) - 1
+
+
+def test_both_copies_differing_is_an_error_naming_both(tmp_path) -> None:
+    sd = hf_state_dict()
+    sd[HEAD] = sd[HEAD].copy()
+    sd[HEAD][1, 1] += 1e-6
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    with pytest.raises(st.TieError, match=r"'lm_head.weight'.*'model.embed_tokens.weight'.*differ"):
+        load_ties(tmp_path / "m.safetensors", ties={HEAD: EMB})
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m.safetensors", ties={HEAD: EMB}, atol=1e-5)
+    assert tree[HEAD] == st.Tied(EMB)
+
+
+def test_zero_and_minus_zero_are_equal_copies(tmp_path) -> None:
+    a = np.array([0.0, 1.0, np.nan], np.float32)
+    save_file({"a": a, "b": np.array([-0.0, 1.0, np.nan], np.float32)}, str(tmp_path / "m"))
+    with pytest.warns(UserWarning):
+        assert load_ties(tmp_path / "m", ties={"b": "a"})["b"] == st.Tied("a")
+
+
+def test_names_with_slashes_are_one_key(tmp_path) -> None:
+    emb = np.arange(6.0).reshape(3, 2)
+    save_file({"enc/emb": emb}, str(tmp_path / "m.safetensors"))
+    for ref in ("enc/emb", ("enc/emb",), st.Tied("enc/emb"), st.Tied(("enc/emb",))):
+        with pytest.warns(UserWarning):
+            tree = load_ties(tmp_path / "m.safetensors", ties={"dec/head": ref})
+        assert tree["dec/head"] == st.Tied(("enc/emb",))
+        assert set(st.materialize(tree)) == {"enc/emb", "dec/head"}
+        np.testing.assert_array_equal(np.asarray(st.materialize(tree)["dec/head"]), emb)
+
+
+def test_export_writes_buffers_only(tmp_path) -> None:
+    sd = _without_head()
+    save_file(sd, str(tmp_path / "in.safetensors"))
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "in.safetensors", ties={HEAD: EMB})
+    save_pt(tmp_path / "out.safetensors", tree)
+    back = load_file(str(tmp_path / "out.safetensors"))
+    assert set(back) == set(sd)  # the head is a view: not written
+    for k in sd:
+        np.testing.assert_array_equal(back[k], sd[k])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out.safetensors"), "np") as f:
+        assert f.metadata()["format"] == "pt"
+
+
+def _sharded(tmp_path, sd, groups, index=None):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    weight_map = {}
+    for i, names in enumerate(groups):
+        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: sd[k] for k in names}, str(d / shard), metadata={"format": "pt"})
+        weight_map |= {k: shard for k in names}
+    text = index if index is not None else json.dumps({"metadata": {}, "weight_map": weight_map})
+    (d / "model.safetensors.index.json").write_text(text)
+    return d, weight_map
+
+
+def test_save_pretrained_directories(tmp_path, monkeypatch) -> None:
+    from sharetree import _safetensors
+
+    sd = _without_head()
+    names = sorted(sd)
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(sd, str(single / "model.safetensors"), metadata={"format": "pt"})
+    reads: list[str] = []
+    real = _safetensors.Reader.tensors
+
+    def counting(self):
+        for name, a in real(self):
+            reads.append(name)
+            yield name, a
+
+    monkeypatch.setattr(_safetensors.Reader, "tensors", counting)
+    d, _ = _sharded(tmp_path, sd, [names[:2], names[2:4], names[4:]])
+    for where in (single, d):
+        reads.clear()
+        with pytest.warns(UserWarning, match="3 files" if where == d else "one file"):
+            tree = load_ties(where, ties={HEAD: EMB})
+        assert sorted(reads) == names  # every tensor read once
+        _assert_materializes_to(tree, {**sd, HEAD: sd[EMB]})
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing shard", r"names the shard 'model-00002-of-00002.safetensors'.*does not exist"),
+        ("listed twice", r"lists 'model.norm.weight' twice"),
+        ("in no shard", r"puts 'extra.weight' in 'model-00001.*does not hold it.*in no shard"),
+        ("not listed", r"holds 'model.norm.weight', but .*index.json' does not list it"),
+        ("stored twice", r"'model.norm.weight' is stored in both"),
+        ("outside", r"'../evil.safetensors', which is not a file name in the index's directory"),
+        ("not json", r"index.json' is not valid JSON"),
+        ("no weight map", r"has no 'weight_map' object"),
+    ],
+)
+def test_bad_shard_index_names_the_file(tmp_path, case, match) -> None:
+    sd = _without_head()
+    names = sorted(sd)
+    s1 = "model-00001-of-00002.safetensors"
+    s2 = "model-00002-of-00002.safetensors"
+    wm = {k: s1 if i < 2 else s2 for i, k in enumerate(names)}
+    index = None
+    if case == "listed twice":
+        body = ", ".join(f'"{k}": "{v}"' for k, v in wm.items())
+        index = '{"weight_map": {' + body + ', "model.norm.weight": "' + s1 + '"}}'
+    elif case == "in no shard":
+        index = json.dumps({"weight_map": {**wm, "extra.weight": s1}})
+    elif case == "not listed":
+        wm.pop("model.norm.weight")
+        index = json.dumps({"weight_map": wm})
+    elif case == "outside":
+        index = json.dumps({"weight_map": {**wm, "x": "../evil.safetensors"}})
+    elif case == "not json":
+        index = "[" * 100_000
+    elif case == "no weight map":
+        index = json.dumps({"weight_map": ["a"]})
+    groups = [names[:2], names[2:]]
+    if case == "stored twice":
+        groups = [names[:2] + ["model.norm.weight"], names[2:]]
+    d, _ = _sharded(tmp_path, sd, groups, index)
+    if case == "missing shard":
+        os.unlink(d / s2)
+    with pytest.raises(st.TieError, match=match) as err:
+        load_ties(d)
+    assert "index.json" in str(err.value) or "shard" in str(err.value)
+
+
+def test_directory_without_a_checkpoint_or_with_two(tmp_path) -> None:
+    with pytest.raises(st.TieError, match=r"neither 'model.safetensors' nor .*Orbax"):
+        load_ties(tmp_path)
+    sd = _without_head()
+    d, _ = _sharded(tmp_path, sd, [sorted(sd)])
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(st.TieError, match=r"both 'model.safetensors' and 'model.safetensors.index"):
+        load_ties(d)
+
+
+def test_bad_ties_are_errors(tmp_path) -> None:
+    save_file(_without_head(), str(tmp_path / "m"))
+    path = tmp_path / "m"
+    with pytest.raises(st.TieError, match=r"ties must be a mapping \{target: ref\}, got list"):
+        load_ties(path, ties=[HEAD])  # transformers 4.x's _tied_weights_keys is a list
+    with pytest.raises(st.TieError, match=r"the tie target \('a', 'b'\) is not a tensor name"):
+        load_ties(path, ties={("a", "b"): EMB})
+    with pytest.raises(st.TieError, match=r"target 'x' is given twice"):
+        load_ties(path, ties={"x": EMB, ("x",): EMB})
+    with pytest.raises(st.TieError, match=r"'lm_head.weight' <- 'model.embed_token': neither.*"):
+        load_ties(path, ties={HEAD: "model.embed_token"})
+    with pytest.raises(st.TieError, match=r"scale\(2.0\) has no inverse"):
+        load_ties(path, ties={"model.norm.weight": st.Tied("new", st.scale(2.0))})
+    with pytest.raises(st.TieError, match=r"view is float32\[8, 32\] but the value it replaces"):
+        load_ties(path, ties={"model.layers.0.mlp.up_proj.weight": st.Tied(EMB, st.T)})
+    with pytest.raises(st.TieError, match=r"no 'sharetree.format_version'.*like="):
+        load_ties(path, like={})
+
+
+def test_ties_refer_to_a_moved_buffer_in_any_order(tmp_path) -> None:
+    sd = hf_state_dict()
+    save_file({HEAD: sd[HEAD]}, str(tmp_path / "m"))
+    # the first tie's ref exists only once the second tie has moved the head's buffer to EMB
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m", ties={"proj.weight": st.Tied(EMB, st.T), HEAD: EMB})
+    assert tree == {EMB: tree[EMB], HEAD: st.Tied(EMB), "proj.weight": st.Tied(EMB, st.T)}
+    np.testing.assert_array_equal(tree[EMB], sd[HEAD])
+
+
+def test_file_tie_chains_onto_an_asked_tie(tmp_path) -> None:
+    # save_model dropped EMB (= HEAD); ties= says HEAD is the transpose of a third tensor
+    w = np.random.default_rng(4).normal(size=(D, V)).astype(np.float32)
+    save_file({HEAD: np.ascontiguousarray(w.T), "w": w}, str(tmp_path / "m"), metadata={EMB: HEAD})
+    with pytest.warns(UserWarning, match="metadata records"):
+        tree = load_ties(tmp_path / "m", ties={HEAD: st.Tied("w", st.T)})
+    assert tree[HEAD] == st.Tied("w", st.T) and tree[EMB] == st.Tied(HEAD)
+    assert st.canonicalize(tree).num_unique == 1  # nothing stored twice
+    _assert_materializes_to(tree, {"w": w, HEAD: w.T, EMB: w.T})

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import builtins
 import collections
 import dataclasses
+import importlib
 import json
 import os
+import re
 import stat
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -23,7 +27,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import sharetree as st
-from sharetree import _io
+from sharetree import _io, _safetensors
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -111,7 +115,7 @@ def test_metadata_keys_and_version(tmp_path) -> None:
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     _, meta = read_raw(path)
-    assert meta["sharetree.format_version"] == str(_io.FORMAT_VERSION) == "1"
+    assert meta["sharetree.format_version"] == "1" and _io.FORMAT_VERSION == 2
     assert meta["sharetree.library_version"] == st.__version__
     tree = json.loads(meta["sharetree.tree"])
     assert tree["t"] == "dict"
@@ -220,7 +224,9 @@ def test_keys_with_slashes_and_dots(tmp_path) -> None:
 def test_fn_transform_roundtrip(tmp_path) -> None:
     tree = {"w": np.arange(6.0).reshape(3, 2), "f": st.Tied("w", st.fn(jnp.flipud))}
     st.save(tmp_path / "f.safetensors", tree)
-    assert st.load(tmp_path / "f.safetensors")["f"] == st.Tied("w", st.fn(jnp.flipud))
+    back = st.load(tmp_path / "f.safetensors", functions={"jax.numpy:flipud": jnp.flipud})
+    assert back["f"] == st.Tied("w", st.fn(jnp.flipud))
+    np.testing.assert_array_equal(st.materialize(back)["f"], np.flipud(tree["w"]))
 
 
 def test_gradient_of_loaded_tree_matches_original(tmp_path) -> None:
@@ -418,7 +424,7 @@ def test_failed_write_leaves_previous_file_intact(tmp_path, monkeypatch) -> None
             f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{partial")  # a torn write
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_io, "_serialize_file", half_then_fail)
+    monkeypatch.setattr(_safetensors, "_serialize_file", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         st.save(path, {"other": np.zeros(100)})
     assert path.read_bytes() == before
@@ -430,7 +436,7 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     before = path.read_bytes()
-    real = _io._serialize_file
+    real = _safetensors._serialize_file
 
     def write_then_interrupt(tensors, filename, metadata):
         real(tensors, filename, metadata)
@@ -438,7 +444,7 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
             f.truncate(os.path.getsize(filename) // 2)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_io, "_serialize_file", write_then_interrupt)
+    monkeypatch.setattr(_safetensors, "_serialize_file", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         st.save(path, {"x": np.ones(1000)})
     assert path.read_bytes() == before
@@ -535,11 +541,13 @@ def test_foreign_file_with_float8_is_read_raw(tmp_path) -> None:
 
 def test_newer_format_version(tmp_path) -> None:
     def bump(tensors, meta, structure):
-        meta["sharetree.format_version"] = "2"
+        meta["sharetree.format_version"] = "3"
         meta["sharetree.library_version"] = "9.0"
 
     bad = tampered(tmp_path, TIED, bump)
-    with pytest.raises(st.TieError, match=r"format version 2, written by sharetree 9\.0.*upgrade"):
+    with pytest.raises(
+        st.TieError, match=r"format version 3, written by sharetree '9\.0'.*up to 2.*upgrade"
+    ):
         st.load(bad)
 
 
@@ -565,7 +573,11 @@ def test_unimportable_fn_transform(tmp_path) -> None:
         structure["children"][i]["transform"] = {"name": "fn", "function": "no_such_mod:f"}
 
     bad = tampered(tmp_path, TIED, rename)
-    with pytest.raises(st.TieError, match=r"'head'.*cannot import 'no_such_mod:f'"):
+    with pytest.raises(
+        st.TieError,
+        match=r"bad\.safetensors'.*tie at 'head'.*'no_such_mod:f' is not among the functions.*"
+        r"st\.load\(path, functions=\{'no_such_mod:f': f\}\)",
+    ):
         st.load(bad)
 
 
@@ -584,7 +596,7 @@ def test_metadata_malformed_structure(tmp_path) -> None:
         i = structure["keys"].index("enc")
         del structure["children"][i]["children"][0]["t"]
 
-    with pytest.raises(st.TieError, match=r"malformed near 'enc"):
+    with pytest.raises(st.TieError, match=r"malformed node at 'enc/w': the field 't'.*missing"):
         st.load(tampered(tmp_path, TIED, drop))
 
     def unknown(tensors, meta, structure):
@@ -647,3 +659,570 @@ def test_bad_file_never_returns_partial_tree(tmp_path) -> None:
             assert all(isinstance(v, np.ndarray) for v in out.values())
             outcomes["foreign"] += 1
     assert outcomes["error"] > 0 and outcomes["same structure"] > 0
+
+
+# ----------------------------------------------------------------------------- loading runs no code
+
+SIDE_EFFECT_MODULE = "sharetree_test_sidefx_mod"
+
+
+def _fn_file(tmp_path: Any, name: str) -> str:
+    """A saved TIED whose 'head' tie names the function ``name``."""
+
+    def edit(tensors, meta, structure):
+        i = structure["keys"].index("head")
+        structure["children"][i]["transform"] = {"name": "fn", "function": name}
+
+    return tampered(tmp_path, TIED, edit)
+
+
+@pytest.fixture
+def side_effect_module(tmp_path, monkeypatch):
+    """A module on sys.path whose import writes a marker file."""
+    marker = tmp_path / "imported.marker"
+    code = f"open({str(marker)!r}, 'w').write('x')\ndef f(x):\n    return x\n"
+    (tmp_path / f"{SIDE_EFFECT_MODULE}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, SIDE_EFFECT_MODULE, raising=False)
+    return marker
+
+
+@pytest.mark.parametrize(
+    "name", ["sys:exit", "os:system", "builtins:exec", f"{SIDE_EFFECT_MODULE}:f"]
+)
+def test_load_never_imports_or_calls_a_named_function(
+    tmp_path, monkeypatch, side_effect_module, name
+) -> None:
+    bad = _fn_file(tmp_path, name)
+    imported: list[str] = []
+    real_import = builtins.__import__
+    real_import_module = importlib.import_module
+
+    def record_import(mod, *args, **kwargs):
+        imported.append(mod)
+        return real_import(mod, *args, **kwargs)
+
+    def record_import_module(mod, *args, **kwargs):
+        imported.append(mod)
+        return real_import_module(mod, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", record_import)
+    monkeypatch.setattr(importlib, "import_module", record_import_module)
+    module = name.partition(":")[0]
+    with pytest.raises(
+        st.TieError,
+        match=rf"bad\.safetensors'.*tie at 'head'.*{re.escape(name)!s}.*never imported or "
+        rf"called.*st\.load\(path, functions=",
+    ):
+        st.load(bad)
+    text = _io.describe(bad)  # inspect shows the name, calls nothing
+    assert f"fn({name})" in text
+    monkeypatch.undo()
+    assert SIDE_EFFECT_MODULE not in sys.modules
+    assert not side_effect_module.exists()
+    assert module not in imported or module in ("sys", "os", "builtins")  # never by our hand
+    assert SIDE_EFFECT_MODULE not in imported
+
+
+def test_load_with_functions_calls_only_the_given_function(tmp_path) -> None:
+    calls: list[Any] = []
+
+    def flip(x):
+        calls.append(x.shape)
+        return jnp.flipud(x)
+
+    bad = _fn_file(tmp_path, "mylib.ops:flip")
+    back = st.load(bad, functions={"mylib.ops:flip": flip})
+    assert back["head"] == st.Tied("embed", st.fn(flip))
+    calls.clear()
+    np.testing.assert_array_equal(st.materialize(back)["head"], np.flipud(TIED["embed"]))
+    assert calls == [(4, 3), (4, 3)]  # head, and flat (a reshape of head)
+
+
+# ----------------------------------------------------------------------------- describe
+
+
+def test_describe_a_sharetree_file(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    tree = {
+        "w": np.ones((2, 3), np.float32),
+        "t": st.Tied("w", st.T),
+        "f": st.Tied("w", st.T >> st.fn(jnp.flipud)),
+    }
+    st.save(path, tree)
+    text = _io.describe(path)
+    lines = text.splitlines()
+    assert (
+        lines[0] == f"{path}: {os.path.getsize(path):,} bytes, sharetree format 1 (written by "
+        f"sharetree {st.__version__})"
+    )
+    # the summary of the same graph, independently built from the tree itself (the fn view
+    # aside, whose shape describe does not compute)
+    expected = st.summary({"w": tree["w"], "t": tree["t"]}).splitlines()
+    assert "  w     (2, 3)  float32  24 B   2" in lines
+    assert any(ln.split() == ["t", "w", "T", "(3,", "2)", "float32"] for ln in lines)
+    assert any(ln.split()[:5] == ["f", "w", "T", ">>", "fn(jax.numpy:flipud)"] for ln in lines)
+    assert lines[1] == "sharing graph: 1 buffer, 2 views" and expected[0].startswith("sharing")
+    assert "not imported or called" in lines[-1]
+
+
+def test_describe_reads_no_tensor_data(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "m.safetensors"
+    st.save(path, TIED)
+    monkeypatch.setattr(_safetensors.Reader, "tensors", lambda self: pytest.fail("read data"))
+    # the same text as the summary of the tree that was saved
+    assert (
+        _io.describe(path, max_rows=3).splitlines()[1:] == st.summary(TIED, max_rows=3).splitlines()
+    )
+
+
+def test_describe_a_foreign_file_and_problems(tmp_path) -> None:
+    path = tmp_path / "torch.safetensors"
+    save_file({"a": np.ones(3), "b": np.zeros((2, 2), np.float32)}, str(path))
+    text = _io.describe(path)
+    assert "not written by sharetree" in text and "2 tensors, 40 B of tensor data" in text
+    assert text.splitlines()[1:] == ["  a  F64[3]", "  b  F32[2, 2]"]
+    save_file({"evil\x1b[2J\nname": np.ones(1)}, str(path))
+    text = _io.describe(path)  # a name from the file never moves the terminal
+    assert text.count("\n") == 1 and "'evil\\x1b[2J\\nname'" in text and "\x1b" not in text
+    for bad, match in [
+        (tmp_path / "missing.safetensors", "cannot read"),
+        (tmp_path, "is a directory"),
+    ]:
+        with pytest.raises(st.TieError, match=match) as e:
+            _io.describe(bad)
+        assert "\n" not in str(e.value)
+    (tmp_path / "garbage.safetensors").write_bytes(b"\xff" * 100)
+    with pytest.raises(st.TieError, match="not a readable safetensors file") as e:
+        _io.describe(tmp_path / "garbage.safetensors")
+    assert "\n" not in str(e.value)
+    deep = tampered(tmp_path, TIED, lambda t, m, s: s.update(x=[[[[[[[[]]]]]]]]))
+    _io.describe(deep)  # an unknown extra field is ignored, like load does
+    dangling = tampered(
+        tmp_path,
+        TIED,
+        lambda t, m, s: s["children"][s["keys"].index("head")].update(ref=["embedd"]),
+    )
+    with pytest.raises(st.TieError, match=r"inspect: .*bad sharing graph.*'embedd'") as e:
+        _io.describe(dangling)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- permissions
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_new_file_follows_umask_and_save_never_changes_it(tmp_path, monkeypatch, umask) -> None:
+    old = os.umask(umask)
+    try:
+        monkeypatch.setattr(os, "umask", lambda *a: pytest.fail("os.umask called"))
+        st.save(tmp_path / "m.safetensors", {"a": np.ones(2)})
+        monkeypatch.undo()
+        assert stat.S_IMODE(os.stat(tmp_path / "m.safetensors").st_mode) == 0o666 & ~umask
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o664])
+def test_replaced_file_keeps_its_mode(tmp_path, mode) -> None:
+    path = tmp_path / "m.safetensors"
+    st.save(path, {"a": np.ones(2)})
+    os.chmod(path, mode)
+    st.save(path, {"a": np.zeros(3)})
+    assert stat.S_IMODE(os.stat(path).st_mode) == mode
+    np.testing.assert_array_equal(st.load(path)["a"], np.zeros(3))
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def test_reserved_tensor_name_round_trips(tmp_path) -> None:
+    tree = {"__metadata__": np.arange(3.0), "a": {"__metadata__": st.Tied("__metadata__")}}
+    path = tmp_path / "m.safetensors"
+    st.save(path, tree)
+    assert_same_tree(st.load(path), tree)
+    assert sorted(load_file(str(path))) == ["__metadata__~1"]
+    tree = {"\ud800": np.ones(1), "\\ud800": np.zeros(1)}  # a lone surrogate, and its escape
+    st.save(path, tree)
+    assert_same_tree(st.load(path), tree)
+    assert sorted(load_file(str(path))) == ["\\ud800", "\\ud800~1"]
+
+
+@pytest.mark.parametrize(
+    "tree, match",
+    [
+        (collections.OrderedDict([(0, np.ones(1)), ("0", np.ones(2))]), r"keys 0 and '0'"),
+        ({1: np.ones(1), "a": np.ones(2)}, r"jax cannot flatten the tree"),
+        ({"a": {"b": np.ones(1)}, "c": [st.Tied("a/c")]}, r"'a/c' does not exist"),
+        ({"__metadata__": np.array(["s"])}, r"dtype <U1"),
+    ],
+)
+def test_refused_names_leave_the_old_file_untouched(tmp_path, tree, match) -> None:
+    path = tmp_path / "m.safetensors"
+    st.save(path, TIED)
+    before = path.read_bytes()
+    with pytest.raises((st.TieError,), match=match):
+        st.save(path, tree)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+_KEYS = hs.one_of(
+    hs.sampled_from(
+        ["", "/", "a/b", "__metadata__", "<root>", "0", "1", "é", "~1", "a~1", ".", "\ud800"]
+    ),
+    hs.integers(0, 3),
+    hs.text(max_size=4),
+)
+
+
+def _trees(leaf: Any) -> Any:
+    return hs.recursive(
+        leaf,
+        lambda c: hs.one_of(
+            hs.dictionaries(_KEYS, c, max_size=4),
+            hs.lists(c, max_size=3),
+            hs.lists(hs.tuples(_KEYS, c), max_size=3).map(collections.OrderedDict),
+        ),
+        max_leaves=8,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tree=_trees(
+        hs.sampled_from([np.float32(1.5), 3, "s", None]).map(
+            lambda v: np.arange(2.0) if v is None else v
+        )
+    )
+)
+def test_any_tree_save_accepts_loads_back_equal(tmp_path_factory, tree) -> None:
+    path = tmp_path_factory.mktemp("names") / "m.safetensors"
+    st.save(path, {"keep": np.ones(1)})
+    before = path.read_bytes()
+    try:
+        st.save(path, tree)
+    except st.TieError:
+        assert path.read_bytes() == before  # refused before the old file was touched
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = st.load(path)
+    assert_same_tree(back, tree)
+    assert _plain(back) == _plain(tree)  # key types and order kept
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return (type(x).__name__, [(type(k).__name__, k, _plain(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [_plain(v) for v in x])
+    if isinstance(x, np.ndarray):
+        return ("array", x.tolist())
+    return (type(x).__name__, x)
+
+
+# ----------------------------------------------------------------------------- untrusted metadata
+
+
+def test_deeply_nested_metadata_is_a_tie_error(tmp_path) -> None:
+    good = tmp_path / "g.safetensors"
+    st.save(good, TIED)
+    tensors, meta = read_raw(good)
+    for text in ["[" * 100_000 + "]" * 100_000, '{"t":"list","children":' + "[" * 5000]:
+        meta["sharetree.tree"] = text
+        write_with_metadata(tmp_path / "b.safetensors", tensors, meta)
+        with pytest.raises(
+            st.TieError, match=r"b\.safetensors'.*nested 417 or more levels deep.*at most 416"
+        ):
+            st.load(tmp_path / "b.safetensors")
+        with pytest.raises(st.TieError, match="nested"):
+            _io.describe(tmp_path / "b.safetensors")
+    # an unterminated string of escaped quotes: scanned once (linear), then not JSON
+    meta["sharetree.tree"] = '["' + '\\"' * 200_000
+    write_with_metadata(tmp_path / "b.safetensors", tensors, meta)
+    with pytest.raises(st.TieError, match="not valid JSON"):
+        st.load(tmp_path / "b.safetensors")
+
+
+def test_tree_depth_limit_is_the_same_for_save_and_load(tmp_path) -> None:
+    tree: Any = np.ones(2)
+    for _ in range(_io.MAX_DEPTH - 1):
+        tree = [tree]
+    ok = {"w": tree, "v": st.Tied(("w",) + ("0",) * (_io.MAX_DEPTH - 1))}  # leaves at depth 200
+    st.save(tmp_path / "ok.safetensors", ok)
+    assert_same_tree(st.load(tmp_path / "ok.safetensors"), ok)
+    with pytest.raises(st.TieError, match=r"nested deeper than 200 levels"):
+        st.save(tmp_path / "no.safetensors", {"w": [tree]})
+    assert not (tmp_path / "no.safetensors").exists()
+
+
+def _set(key: str, value: Any, where: str = "enc/w") -> Any:
+    """An edit of the saved TIED that sets field ``key`` of the node at ``where``."""
+
+    def edit(tensors, meta, structure):
+        node = structure
+        for k in where.split("/") if where else []:
+            node = node["children"][node["keys"].index(k)]
+        if value is _DROP:
+            del node[key]
+        else:
+            node[key] = value
+
+    return edit
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "edit, where, match",
+    [
+        (_set("ref", [], "head"), "head", r"empty key"),
+        (_set("ref", "embed", "head"), "head", r"field 'ref' should be a non-empty list of keys"),
+        (_set("ref", [None], "head"), "head", r"field 'ref'"),
+        (_set("transform", "T", "head"), "head", r"field 'transform' should be a spec"),
+        (_set("transform", {"name": "chain", "parts": 3}, "head"), "head", r"'parts'"),
+        (_set("t", 3), "enc/w", r"field 't' should be a node kind"),
+        (_set("shape", [2, -3]), "enc/w", r"field 'shape' should be a list of sizes >= 0"),
+        (_set("shape", [2.0, 3]), "enc/w", r"field 'shape'"),
+        (_set("shape", [True, 3]), "enc/w", r"field 'shape'"),
+        (_set("shape", _DROP), "enc/w", r"field 'shape' .* is missing"),
+        (_set("dtype", "object"), "enc/w", r"field 'dtype' should be a numeric dtype name"),
+        (_set("dtype", ["f4"]), "enc/w", r"field 'dtype'"),
+        (_set("dtype", "float64"), "enc/w", r"'enc/w' is float32\[2, 3\] but the metadata says"),
+        (_set("raw", "no"), "enc/w", r"field 'raw' should be true or false"),
+        (_set("raw", True), "enc/w", r"should hold the raw bytes of float32\[2, 3\]"),
+        (_set("scalar", True), "enc/w", r"field 'scalar'"),
+        (_set("tensor", 7), "enc/w", r"field 'tensor' should be a tensor name"),
+        (_set("tensor", "embed"), "enc/w", r"'embed' is used twice"),
+        (_set("key", "threefry2x32"), "enc/w", r"field 'key'"),
+        (_set("key", "os.system"), "enc/w", r"field 'key'"),
+        (_set("keys", "ab", "enc"), "enc", r"field 'keys' should be a list of str or int keys"),
+        (_set("keys", ["w", "w"], "enc"), "enc", r"as many distinct keys as children"),
+        (_set("children", {}, "enc"), "enc", r"field 'children' should be a list of nodes"),
+        (_set("children", [1, 2], "enc"), "enc/w", r"expected a JSON object, found int"),
+    ],
+)
+def test_every_malformed_field_names_file_and_path(tmp_path, edit, where, match) -> None:
+    bad = tampered(tmp_path, TIED, edit)
+    with pytest.raises(st.TieError, match=rf"bad\.safetensors'.*'{where}'.*{match}|{match}") as e:
+        st.load(bad)
+    assert "bad.safetensors" in str(e.value) and f"'{where}'" in str(e.value)
+
+
+def test_malformed_value_leaves(tmp_path) -> None:
+    tree = {"n": 3, "s": "x", "c": 1 + 2j, "w": np.ones(1)}
+    for key, value, match in [
+        ("n", {"t": "value", "type": "int", "value": "3"}, r"field 'value' should be a int value"),
+        ("n", {"t": "value", "type": "module", "value": 3}, r"field 'type' should be bool"),
+        ("c", {"t": "value", "type": "complex", "value": [1]}, r"field 'value'"),
+        ("s", {"t": "static", "type": 5}, r"field 'type' should be a type name"),
+        ("s", {"t": "node", "type": "x.Y", "keys": ["a"], "children": []}, r"distinct keys"),
+    ]:
+
+        def edit(tensors, meta, structure, key=key, value=value):
+            structure["children"][structure["keys"].index(key)] = value
+
+        with pytest.raises(st.TieError, match=rf"bad\.safetensors'.*'{key}'.*{match}"):
+            st.load(tampered(tmp_path, tree, edit))
+
+
+# ----------------------------------------------------------------------------- PRNG keys
+
+
+def test_prng_keys_round_trip(tmp_path) -> None:
+    tree = {
+        "k": jax.random.key(0),
+        "rbg": jax.random.split(jax.random.key(1, impl="rbg"), 3),
+        "unsafe": jax.random.key(2, impl="unsafe_rbg"),
+        "old": jax.random.PRNGKey(3),  # a plain uint32 array
+        "alias": st.Tied("k"),
+    }
+    st.save(tmp_path / "k.safetensors", tree)
+    back = st.load(tmp_path / "k.safetensors")
+    for name in ("k", "rbg", "unsafe"):
+        assert back[name].dtype == tree[name].dtype and back[name].shape == tree[name].shape
+        assert str(jax.random.key_impl(back[name])) == str(jax.random.key_impl(tree[name]))
+        np.testing.assert_array_equal(
+            jax.random.key_data(back[name]), jax.random.key_data(tree[name])
+        )
+        # the same random numbers
+        np.testing.assert_array_equal(
+            jax.random.uniform(jax.random.fold_in(back[name].reshape(-1)[0], 7), (3,)),
+            jax.random.uniform(jax.random.fold_in(tree[name].reshape(-1)[0], 7), (3,)),
+        )
+    _, meta = read_raw(tmp_path / "k.safetensors")
+    assert meta["sharetree.format_version"] == "2"  # a version-1 reader would misread the keys
+    assert isinstance(back["old"], np.ndarray) and back["old"].dtype == np.uint32
+    np.testing.assert_array_equal(back["old"], tree["old"])
+    assert back["alias"] == st.Tied("k")
+    assert st.materialize(back)["alias"] is back["k"]
+
+
+def test_key_field_needs_format_version_2(tmp_path) -> None:
+    def downgrade(tensors, meta, structure):
+        meta["sharetree.format_version"] = "1"
+
+    bad = tampered(tmp_path, {"k": jax.random.key(0)}, downgrade)
+    with pytest.raises(st.TieError, match=r"'k'.*field 'key'.*format version 2.*\(version 1\)"):
+        st.load(bad)
+
+
+def test_prng_key_of_unknown_impl_is_refused_before_writing(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "k.safetensors"
+    st.save(path, TIED)
+    before = path.read_bytes()
+    monkeypatch.setattr(_io, "KEY_IMPLS", ("rbg",))
+    with pytest.raises(
+        st.TieError,
+        match=r"PRNG key array at 'k' uses the implementation "
+        r"'threefry2x32'",
+    ):
+        st.save(path, {"k": jax.random.key(0)})
+    assert path.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- user metadata
+
+
+def test_user_metadata_round_trip(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    st.save(path, TIED, metadata={"format": "pt", "note": "é"})
+    assert _io.read_metadata(path) == {"format": "pt", "note": "é"}
+    _, raw = read_raw(path)
+    assert raw["format"] == "pt" and raw["sharetree.format_version"] == "1"
+    assert_same_tree(st.load(path), TIED)
+
+
+@pytest.mark.parametrize(
+    "metadata, match",
+    [
+        ({"sharetree.tree": "{}"}, r"'sharetree.tree' starts with 'sharetree.'"),
+        ({"format": 1}, r"'format': 1 is str -> int"),
+        ({2: "x"}, r"int -> str"),
+        ({"a": "\udc00"}, r"not valid UTF-8"),
+        ([("format", "pt")], r"must be a dict of str -> str, found list"),
+    ],
+)
+def test_bad_user_metadata_is_refused_before_writing(tmp_path, metadata, match) -> None:
+    path = tmp_path / "m.safetensors"
+    st.save(path, TIED)
+    before = path.read_bytes()
+    with pytest.raises(st.TieError, match=match):
+        st.save(path, {"a": np.ones(1)}, metadata=metadata)
+    assert path.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- many processes
+
+
+def test_not_fully_addressable_buffer_needs_gather(tmp_path, monkeypatch) -> None:
+    tree = {"w": jnp.arange(4.0), "b": jnp.ones(2), "t": st.Tied("w")}
+    monkeypatch.setattr(_io, "_addressable", lambda x: x.shape != (4,))
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(st.TieError, match=r"buffer at 'w' is sharded.*gather=True"):
+        st.save(path, tree)
+    assert not path.exists()
+    gathered: list[Any] = []
+    from jax.experimental import multihost_utils
+
+    real = multihost_utils.process_allgather
+
+    def allgather(x, tiled=False):
+        gathered.append((x.shape, tiled))
+        return real(x, tiled=tiled)
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    st.save(path, tree, gather=True)
+    assert gathered == [((4,), True)]
+    assert_same_tree(st.load(path), tree)
+    # every process calls save; only process 0 writes
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    st.save(tmp_path / "other.safetensors", tree, gather=True)
+    assert not (tmp_path / "other.safetensors").exists()
+    assert len(gathered) == 2
+
+
+def test_load_with_shardings_places_each_buffer(tmp_path) -> None:
+    dev = jax.devices()[0]
+    s = jax.sharding.SingleDeviceSharding(dev)
+    path = tmp_path / "m.safetensors"
+    st.save(path, TIED)
+    shardings = jax.tree.map(lambda x: s, TIED)  # Tied positions keep their Tied
+    back = st.load(path, shardings=shardings)
+    assert isinstance(back["embed"], jax.Array) and back["embed"].sharding == s
+    assert back["head"] == TIED["head"]
+    assert_same_tree(jax.device_get(back), TIED)
+    partial = {**shardings, "enc": {"w": s, "b": None}}  # None: stays on the host
+    assert isinstance(st.load(path, shardings=partial)["enc"]["b"], np.ndarray)
+    with pytest.raises(st.TieError, match=r"buffers without a sharding: \['enc/b'\]"):
+        st.load(path, shardings={**shardings, "enc": {"w": s}})
+    with pytest.raises(st.TieError, match=r"at 'embed' is str 'cpu', not a jax.sharding"):
+        st.load(path, shardings={**shardings, "embed": "cpu"})
+
+
+_SHARDED_SCRIPT = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import sharetree as st
+
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+specs = {"embed": P("model", None), "mlp": {"w": P(None, "model"), "b": P()}, "head": None}
+tree = {
+    "embed": jnp.arange(64.0).reshape(16, 4),
+    "mlp": {"w": jnp.ones((4, 8)), "b": jnp.zeros(8)},
+    "head": st.Tied("embed", st.T),
+}
+shardings = {
+    "embed": NamedSharding(mesh, specs["embed"]),
+    "mlp": {"w": NamedSharding(mesh, specs["mlp"]["w"]), "b": NamedSharding(mesh, P())},
+    "head": st.Tied("embed", st.T),
+}
+placed = jax.device_put(tree, shardings)
+path = os.path.join(sys.argv[1], "sharded.safetensors")
+st.save(path, placed, gather=True)  # one process: process_allgather is a local gather
+back = st.load(path, shardings=shardings)
+out = {
+    "devices": len(jax.devices()),
+    "head": repr(back["head"]),
+    "same_sharding": [
+        back["embed"].sharding == shardings["embed"],
+        back["mlp"]["w"].sharding == shardings["mlp"]["w"],
+        back["mlp"]["b"].sharding == shardings["mlp"]["b"],
+    ],
+    "shards_of_embed": len(back["embed"].addressable_shards),
+    "equal": bool(np.array_equal(np.asarray(back["embed"]), np.arange(64.0).reshape(16, 4))),
+    "head_value": bool(np.array_equal(np.asarray(st.materialize(back)["head"]),
+                                      np.arange(64.0).reshape(16, 4).T)),
+}
+print(json.dumps(out))
+"""
+
+
+def test_sharded_save_and_load_on_8_simulated_devices(tmp_path) -> None:
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {
+        "devices": 8,
+        "head": "Tied('embed', T)",
+        "same_sharding": [True, True, True],
+        "shards_of_embed": 8,
+        "equal": True,
+        "head_value": True,
+    }

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sharetree as st
-from sharetree._tied import keypath_to_path
+from sharetree._paths import keypath_to_path
 
 
 def _tree():

@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import sharetree as st
@@ -40,11 +41,18 @@ def _number(pattern, text):
 
 def _param_counts(cfg, vocab_size):
     """Parameter counts of the demo model derived from its architecture, by hand."""
-    d, f, c, v = cfg.d_model, cfg.d_ff, cfg.context, vocab_size
-    block = 2 * d + d * 3 * d + d * d + 2 * d + d * f + f + f * d + d  # ln1, attn, ln2, mlp
-    unique = v * d + c * d + block + 2 * d + v  # embed, one block, ln_f, head bias
-    expanded = unique + (cfg.n_blocks - 1) * block + d * v  # + tied blocks + head kernel
+    d, c, v = cfg.d_model, cfg.context, vocab_size
+    attn = 4 * (d * d + d)  # query, key, value and out: kernels and biases
+    block = 2 * d + attn + 2 * d + (d * 4 * d + 4 * d) + (4 * d * d + d)  # ln, attn, ln, up, down
+    unique = v * d + c * d + block + 2 * d  # embed, pos, one block, ln_f (the head has no bias)
+    expanded = unique + (cfg.layers - 1) * block + d * v  # + tied blocks + head kernel
     return unique, expanded
+
+
+def _leaf_counts(cfg):
+    """(buffers, views) of the demo model, by hand: 16 arrays per block."""
+    per_block = 2 + 8 + 2 + 2 + 2  # ln_attn, attn (4 kernels, 4 biases), ln_mlp, up, down
+    return 2 + per_block + 2, (cfg.layers - 1) * per_block + 1  # embed, pos, ln_f; head
 
 
 # --------------------------------------------------------------------------- demo
@@ -71,8 +79,8 @@ def test_demo_sharing_summary_matches_the_architecture(demo_run):
     saved = expanded - unique
     assert f"sharing saves {saved:,} parameters ({100 * saved / expanded:.1f}%)" in out
     assert f"Adam holds {2 * unique:,} floats (2 per unique parameter), not {2 * expanded:,}" in out
-    assert re.search(r"^  head/kernel\s+embed/tokens\s+T\s+\(64, 59\)\s+float32$", out, re.M)
-    assert re.search(r"^  blocks/1/mlp/w1\s+blocks/0/mlp/w1\s+identity", out, re.M)
+    assert re.search(r"^  head/kernel\s+embed/embedding\s+T\s+\(64, 59\)\s+float32$", out, re.M)
+    assert re.search(r"^  block_1/up/kernel\s+block_0/up/kernel\s+identity", out, re.M)
 
 
 def test_demo_prints_a_sample(demo_run):
@@ -89,49 +97,66 @@ def test_demo_checkpoint_keeps_the_ties_and_inspect_shows_them(demo_run):
     assert code == 0 and os.path.exists(path)
     assert f"checkpoint: {path}" in out
     tree = st.load(path)
-    assert tree["head"]["kernel"] == st.Tied("embed/tokens", st.T)
-    assert tree["blocks"][1] == st.Tied("blocks/0")
+    assert tree["head"]["kernel"] == st.Tied("embed/embedding", st.T)
+    assert tree["block_1"] == st.Tied("block_0")
     vocab_size = len(set(_demo.load_corpus()))
     unique, _ = _param_counts(_demo.Config(), vocab_size)
     assert sum(x.size for x in jax.tree.leaves(tree)) == unique  # each buffer stored once
 
     code, text, err = run(["inspect", path])
     assert code == 0, err
-    assert text.splitlines()[0] == f"{path}: {os.path.getsize(path):,} bytes"
+    written = f"sharetree format 1 (written by sharetree {st.__version__})"
+    assert text.splitlines()[0] == f"{path}: {os.path.getsize(path):,} bytes, {written}"
     assert text.rstrip("\n").split("\n", 1)[1] == st.summary(tree, max_rows=50)
     code, short, _ = run(["inspect", path, "--max-rows", "3"])
-    assert code == 0 and "... and 12 more buffers" in short and "... and 8 more views" in short
+    buffers, views = _leaf_counts(_demo.Config())
+    assert code == 0
+    assert f"... and {buffers - 3} more buffers" in short
+    assert f"... and {views - 3} more views" in short
 
 
 def test_demo_gradient_sums_over_every_use():
-    """The demo's tied model against the same model untied by hand, gradients summed back."""
-    cfg = _demo.Config(context=8, d_model=8, n_heads=2, d_ff=16, n_blocks=2)
-    params = jax.device_put(_demo.init_params(1, 5, cfg))
+    """The demo's tied model against the same linen module untied, gradients summed back."""
+    cfg = _demo.Config(context=8, d_model=8, heads=2, layers=3)
+    model = _demo.make_model(5, cfg)
+    params = _demo.init_params(1, 5, cfg)
+    assert params["head"]["kernel"] == st.Tied("embed/embedding", st.T)
+    assert params["block_1"] == params["block_2"] == st.Tied("block_0")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 5, (3, 9)), jnp.int32)
 
-    def untied_loss(m):  # the same loss on separate arrays at every position, no ties
-        logp = jax.nn.log_softmax(_demo.forward(m, tokens[:, :-1], cfg.n_heads))
+    def untied_loss(m):  # the bare module on separate arrays at every position, no ties
+        logits = model.module.apply({"params": m}, tokens[:, :-1])
+        logp = jax.nn.log_softmax(logits)
         return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
     # one jit for both (XLA shares the work, so this costs one compilation)
-    grad, g = jax.jit(
+    (value, grad), (ref_value, g) = jax.jit(
         lambda p: (
-            jax.grad(_demo.loss_fn)(p, tokens, cfg.n_heads),
-            jax.grad(untied_loss)(st.materialize(p)),
+            jax.value_and_grad(_demo.loss_fn, argnums=1)(model, p, tokens),
+            jax.value_and_grad(untied_loss)(st.materialize(p)),
         )
     )(params)
-    assert grad["head"]["kernel"] == st.Tied("embed/tokens", st.T)
-    assert grad["blocks"][1] == st.Tied("blocks/0")
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    assert grad["head"]["kernel"] == st.Tied("embed/embedding", st.T)
+    assert grad["block_1"] == grad["block_2"] == st.Tied("block_0")
+    assert set(g) == {"embed", "pos", "block_0", "block_1", "block_2", "ln_f", "head"}
     np.testing.assert_allclose(
-        grad["embed"]["tokens"], g["embed"]["tokens"] + g["head"]["kernel"].T, rtol=1e-5, atol=1e-7
+        grad["embed"]["embedding"],
+        g["embed"]["embedding"] + g["head"]["kernel"].T,
+        rtol=1e-5,
+        atol=1e-7,
     )
-    for a, b0, b1 in zip(
-        jax.tree.leaves(grad["blocks"][0]),
-        jax.tree.leaves(g["blocks"][0]),
-        jax.tree.leaves(g["blocks"][1]),
+    # every use of the block contributes (else the sum below would prove little)
+    assert min(float(optax.tree.norm(g[f"block_{i}"])) for i in range(3)) > 1e-3
+    for a, b0, b1, b2 in zip(
+        jax.tree.leaves(grad["block_0"]),
+        jax.tree.leaves(g["block_0"]),
+        jax.tree.leaves(g["block_1"]),
+        jax.tree.leaves(g["block_2"]),
         strict=True,
     ):
-        np.testing.assert_allclose(a, b0 + b1, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b0 + b1 + b2, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad["pos"], g["pos"], rtol=1e-5, atol=1e-7)
 
 
 def test_vocab():
@@ -194,10 +219,24 @@ def test_demo_rejects_a_bad_out_before_training(tmp_path):
     _one_line_error(err, "is a directory")
 
 
+def test_demo_without_its_extra_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a)
+    )
+    code, out, err = run(["demo", "--steps", "1"])
+    assert code == 2 and out == ""
+    _one_line_error(
+        err, "sharetree demo: error: the demo needs tqdm", "pip install 'sharetree[demo]'"
+    )
+
+
 def test_inspect_missing_and_directory(tmp_path):
     code, out, err = run(["inspect", str(tmp_path / "nope.safetensors")])
     assert code == 2 and out == ""
-    _one_line_error(err, "no such file", "nope.safetensors")
+    _one_line_error(err, "python -m sharetree inspect: error: no such file", "nope.safetensors")
     code, out, err = run(["inspect", str(tmp_path)])
     assert code == 2
     _one_line_error(err, "is a directory")
@@ -264,24 +303,37 @@ def test_inspect_into_a_reader_that_closes_early(tmp_path):
     err = proc.stderr.read().decode()
     proc.stderr.close()
     code = proc.wait(timeout=60)
-    assert first == f"{path}: {os.path.getsize(path):,} bytes\n"
+    assert first.startswith(f"{path}: {os.path.getsize(path):,} bytes, sharetree format 1")
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert "Exception ignored" not in err, err
     assert code == 141, (code, err)
 
 
-def test_closed_stdout_stops_quietly():
-    out, err = io.StringIO(), io.StringIO()
-    out.close()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["--help"])
-    assert code == 141 and err.getvalue() == ""
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "FILE"]])
+def test_a_process_started_with_stdout_closed_has_no_traceback(tmp_path, argv):
+    """``python -m sharetree ... >&-``: Python sets ``sys.stdout`` to None; nothing breaks."""
+    path = tmp_path / "m.safetensors"
+    st.save(path, {"emb": np.ones((3, 2), np.float32), "head": st.Tied("emb", st.T)})
+    argv = [str(path) if a == "FILE" else a for a in argv]
+    proc = subprocess.run(
+        ["sh", "-c", 'exec "$0" -m sharetree "$@" >&-', sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    if argv == ["--help"]:  # argparse writes help to stderr when there is no stdout
+        assert proc.stderr.startswith("usage: python -m sharetree")
+    else:
+        assert proc.stderr == ""
 
 
 def test_other_errors_are_not_taken_for_a_closed_stdout(monkeypatch):
     import sharetree.__main__ as cli
 
-    def broken(args):
+    def broken(parser, args):
         raise ValueError("a bug, not a closed stdout")
 
     monkeypatch.setattr(cli, "_inspect", broken)

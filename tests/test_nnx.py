@@ -32,7 +32,7 @@ def _data(n=16, d=6, seed=0):
 
 def _leaf_paths(tree):
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return ["/".join(st._tied.keypath_to_path(kp)) for kp, _ in flat]
+    return ["/".join(st._paths.keypath_to_path(kp)) for kp, _ in flat]
 
 
 def test_split_gives_a_canonical_state_without_a_leaf_for_the_tied_variable():
@@ -254,3 +254,40 @@ def test_optax_labels_and_masks_by_path_on_an_nnx_state():
     assert updates["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
     mask = st.mask_by_path(state, "*/kernel")
     assert jax.tree.leaves(mask) == [False, False, True]  # dec/bias, enc/bias, enc/kernel
+
+
+def test_check_false_lets_a_view_of_another_shape_through_like_st_tie():
+    model = AE(rngs=nnx.Rngs(10))
+    with pytest.raises(st.TieError) as e:
+        stnnx.split(model, {"dec/kernel": "enc/kernel"})
+    msg = str(e.value)
+    assert msg.startswith("sharetree.nnx.split: tie 'dec/kernel/value' <- Tied('enc/kernel')")
+    assert "or pass check=False" in msg  # split takes check=, so the advice holds
+    graphdef, state = stnnx.split(model, {"dec/kernel": "enc/kernel"}, check=False)
+    assert state["dec"]["kernel"] == st.Tied("enc/kernel")
+    new = stnnx.merge(graphdef, state)
+    assert new.dec.kernel.shape == (6, 3) and type(new.dec.kernel) is nnx.Param
+    np.testing.assert_array_equal(new.dec.kernel[...], model.enc.kernel[...])
+
+
+def test_a_module_held_in_an_nnx_data_list_and_an_attribute_gives_identity_ties():
+    """``nnx.iter_children`` does not look inside ``nnx.data`` lists; split must."""
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.first = nnx.Linear(3, 3, rngs=rngs)
+            self.layers = nnx.data([nnx.Linear(3, 3, rngs=rngs), self.first])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jnp.tanh(layer(x))
+            return self.first(x)
+
+    model = Stack(nnx.Rngs(11))
+    graphdef, state = stnnx.split(model)
+    assert state["layers"][1] == {"bias": st.Tied("first/bias"), "kernel": st.Tied("first/kernel")}
+    assert len(jax.tree.leaves(state)) == 4  # first and layers/0: a kernel and a bias each
+    new = stnnx.merge(graphdef, state)
+    assert new.layers[1] is new.first
+    x = jnp.ones((2, 3))
+    np.testing.assert_allclose(new(x), model(x), rtol=1e-6)

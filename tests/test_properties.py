@@ -132,7 +132,14 @@ def _assert_trees_equal(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.shape == y.shape and x.dtype == y.dtype
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-6)
+        # XLA may fuse a chain of views of a float16 buffer and round once instead of per step:
+        # allow a few units in the last place of the leaf's own dtype (1e-6 for float32)
+        rtol = (
+            max(1e-6, 4 * float(jnp.finfo(x.dtype).eps))
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+            else 0
+        )
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol)
 
 
 def _loss(m):
@@ -172,9 +179,15 @@ def test_gradients_equal_untied_gradient_summed_through_each_view(case):
     flat, re = st.destructure(canonical)
     g_flat = re.canonical(jax.grad(lambda v: _loss(re(v)))(flat))
     g_arg = re.canonical(jax.jit(jax.grad(lambda v, r: _loss(r(v))))(flat, re))
+    # a float16 view rounds its value; jit may fuse the chain and round once, so the
+    # gradient through it agrees to float16 precision only
+    half = any(
+        str(getattr(t, "dtype", "")) in ("float16", "bfloat16") for *_, c in views for t in c
+    )
+    tol = 1e-2 if half else 2e-3
     for g in (g_tree, g_flat, g_arg):
         for kp, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
-            np.testing.assert_allclose(leaf, reference[_names(kp)], rtol=2e-3, atol=2e-3)
+            np.testing.assert_allclose(leaf, reference[_names(kp)], rtol=tol, atol=tol)
 
 
 @given(tied_trees())

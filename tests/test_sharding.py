@@ -1,5 +1,8 @@
 """Ties through device_put, jit with in/out shardings and optax on a 4x2 (data, model) mesh.
 
+The ``st.shardings_by_path`` tests at the end run in this process, on an
+abstract mesh (its checks need only axis names and sizes).
+
 The checks run in a subprocess (``tests/_sharding_script.py``) because
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before jax
 starts; the script writes one JSON entry per check and the tests below assert
@@ -14,7 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st_h
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sharetree as st
 
 SCRIPT = Path(__file__).with_name("_sharding_script.py")
 
@@ -28,6 +39,9 @@ def script_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         env = dict(
             os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
         )
+        # the script imports this checkout's sharetree (not whichever one is installed)
+        root = str(SCRIPT.parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "all", str(work / "out.json"), str(work)],
             env=env,
@@ -53,6 +67,7 @@ def test_sharding_tree_has_one_sharding_per_buffer(result: dict) -> None:
     # built with tree_map over the canonical tree: the Tied head gets no sharding of its own
     assert result["sharding_tree_keeps_tie"] is True
     assert result["num_shardings"] == 4
+    assert result["shardings_by_path_equal"] is True  # st.shardings_by_path gives the same tree
 
 
 def test_device_put_keeps_the_tie_and_one_buffer_per_table(result: dict) -> None:
@@ -95,3 +110,148 @@ def test_adam_step_equals_one_device_and_keeps_ties_and_shardings(result: dict) 
     assert result["new_params_keep_tie"] is True
     assert result["new_num_buffers"] == 4
     assert result["new_embed_spec"] == "P(None, 'model')"
+
+
+# --- st.shardings_by_path: checked in this process, on an abstract (2, 4) mesh -----------------
+
+MESH = AbstractMesh((2, 4), ("data", "model"))
+RULES = {"embed/*": P("model", None), "*/kernel": P(None, "model"), "*": P()}
+
+
+def flax_like() -> dict:
+    """Paths as Flax writes them: the embedding table under ``embed/embedding``."""
+    return {
+        "embed": {"embedding": np.zeros((64, 16), np.float32)},
+        "mlp": {"kernel": np.zeros((16, 32), np.float32), "bias": np.zeros(32, np.float32)},
+        "head": {"kernel": st.Tied("embed/embedding", st.T)},
+        "blocks": [{"kernel": np.zeros((16, 16), np.float32)}, st.Tied("blocks/0")],
+    }
+
+
+def test_shardings_by_path_has_the_canonical_structure_one_sharding_per_buffer() -> None:
+    params = flax_like()
+    shardings = st.shardings_by_path(params, MESH, RULES)
+    assert jax.tree.structure(shardings) == jax.tree.structure(params)  # Tied nodes included
+    assert shardings["head"]["kernel"] == st.Tied("embed/embedding", st.T)
+    assert shardings["blocks"][1] == st.Tied("blocks/0")
+    assert len(jax.tree.leaves(shardings)) == 4  # embed, mlp kernel + bias, block 0
+    # the reference: the specs written out by hand for each buffer
+    expected = {
+        "embed": {"embedding": P("model", None)},
+        "mlp": {"kernel": P(None, "model"), "bias": P()},
+        "head": {"kernel": st.Tied("embed/embedding", st.T)},
+        "blocks": [{"kernel": P(None, "model")}, st.Tied("blocks/0")],
+    }
+    assert shardings == jax.tree.map(lambda s: NamedSharding(MESH, s), expected)
+
+
+def test_shardings_by_path_first_match_wins_and_takes_shape_dtype_structs() -> None:
+    abstract = jax.eval_shape(lambda: {"a": {"kernel": np.zeros((8, 8))}, "b": np.zeros(4)})
+    s = st.shardings_by_path(abstract, MESH, [("a/kernel", P("data")), ("*", P("model"))])
+    assert s["a"]["kernel"].spec == P("data") and s["b"].spec == P("model")
+
+
+def test_shardings_by_path_for_optax_state_via_tree_map_params() -> None:
+    import optax
+
+    params = flax_like()
+    shardings = st.shardings_by_path(params, MESH, RULES)
+    opt = optax.adamw(1e-3)
+    replicated = NamedSharding(MESH, P())
+    state = optax.tree_map_params(
+        opt,
+        lambda _, s: s,
+        jax.eval_shape(opt.init, params),
+        shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    assert state[0].mu == shardings and state[0].nu == shardings  # ties kept, one per buffer
+    assert state[0].count == replicated
+
+
+def test_shardings_by_path_unmatched_leaf_names_it_unless_a_default() -> None:
+    params = flax_like()
+    with pytest.raises(st.TieError, match=r"leaf 'mlp/bias' \(shape \(32,\)\) matches none"):
+        st.shardings_by_path(params, MESH, {"embed/*": P("model"), "*/kernel": P()})
+    s = st.shardings_by_path(params, MESH, {"embed/*": P("model"), "*/kernel": P()}, default=P())
+    assert s["mlp"]["bias"].spec == P()
+
+
+def test_shardings_by_path_unused_pattern_is_an_error_unless_not_strict() -> None:
+    rules = {"embed/*": P(), "head/*": P(), "*": P()}  # head/kernel is a view: no array
+    with pytest.raises(st.TieError, match=r"'head/\*' matches no leaf.*'head/kernel'"):
+        st.shardings_by_path(flax_like(), MESH, rules)
+    st.shardings_by_path(flax_like(), MESH, rules, strict=False)
+
+
+def test_shardings_by_path_unknown_mesh_axis_names_path_and_axes() -> None:
+    with pytest.raises(
+        st.TieError,
+        match=r"'embed/embedding' \(shape \(64, 16\).*mesh axis 'tensor' does not exist.*"
+        r"\('data', 'model'\)",
+    ):
+        st.shardings_by_path(flax_like(), MESH, {"embed/*": P("tensor"), "*": P()})
+
+
+def test_shardings_by_path_non_divisible_dimension_names_path_shape_axis_size() -> None:
+    tree = {"w": np.zeros((6, 3), np.float32)}
+    with pytest.raises(
+        st.TieError,
+        match=r"'w' \(shape \(6, 3\).*dimension 0 has size 6, which mesh axis 'model' of size 4",
+    ):
+        st.shardings_by_path(tree, MESH, {"w": P("model")})
+    with pytest.raises(st.TieError, match=r"mesh axis \('data', 'model'\) of size 8"):
+        st.shardings_by_path({"w": np.zeros((12,))}, MESH, {"w": P(("data", "model"))})
+    st.shardings_by_path({"w": np.zeros((16,))}, MESH, {"w": P(("data", "model"))})
+
+
+def test_shardings_by_path_spec_longer_than_the_array_names_path() -> None:
+    with pytest.raises(st.TieError, match=r"'mlp/bias' \(shape \(32,\).*2 entries.*1 dimension"):
+        st.shardings_by_path(flax_like(), MESH, {"mlp/bias": P(None, "model"), "*": P()})
+
+
+def test_shardings_by_path_bad_rules_and_leaves() -> None:
+    with pytest.raises(st.TieError, match=r"expected a jax.sharding.PartitionSpec"):
+        st.shardings_by_path(flax_like(), MESH, {"*": "model"})
+    with pytest.raises(st.TieError, match=r"str patterns"):
+        st.shardings_by_path(flax_like(), MESH, [(0, P())])
+    with pytest.raises(st.TieError, match=r"leaf 'name' is str 'x', not an array"):
+        st.shardings_by_path({"name": "x"}, MESH, {"*": P()})
+
+
+def test_shardings_by_path_rejects_what_is_not_a_mesh() -> None:
+    with pytest.raises(st.TieError, match=r"expected a jax.sharding.Mesh, got list"):
+        st.shardings_by_path(flax_like(), jax.devices(), RULES)
+
+
+AXES = {"data": 2, "model": 4}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st_h.lists(st_h.integers(1, 12), min_size=0, max_size=3),
+    entries=st_h.lists(
+        st_h.sampled_from([None, "data", "model", ("data", "model"), ("model", "data")]),
+        max_size=4,
+    ),
+)
+def test_shardings_by_path_accepts_exactly_the_specs_that_fit(shape, entries) -> None:
+    # the reference: a spec fits when it is no longer than the shape and each sharded
+    # dimension is divisible by the product of its axes' sizes, and no axis is used twice
+    spec = P(*entries)
+    used = [a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    fits = len(entries) <= len(shape) and all(
+        shape[d] % np.prod([AXES[a] for a in (e if isinstance(e, tuple) else (e,))]) == 0
+        for d, e in enumerate(entries)
+        if e is not None
+    )
+    fits = fits and len(used) == len(set(used))  # a mesh axis splits one dimension only
+    tree = {"w": np.zeros(shape, np.float32), "head": st.Tied("w")}
+    try:
+        out = st.shardings_by_path(tree, MESH, {"w": spec})
+    except st.TieError as e:
+        assert not fits, e
+        assert "'w' (shape" in str(e)
+    else:
+        assert fits is True
+        assert out["w"] == NamedSharding(MESH, spec) and out["head"] == st.Tied("w")

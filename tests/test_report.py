@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharetree as st
-from sharetree._graph import structure_of
+from sharetree._resolve import structure_of
 
 
 def _tree():

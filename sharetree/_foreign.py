@@ -1,0 +1,384 @@
+"""Loading safetensors files that sharetree did not write (PyTorch / Hugging Face checkpoints).
+
+Such a file is a flat state dict ``{tensor name: array}``; its tree is that
+flat dict and a path is one tensor name (a name may contain dots and ``/``).
+Ties come from two places: the file's own safetensors metadata
+(``safetensors.torch.save_model`` records each tensor it dropped as
+``{dropped: kept}``), honoured without being asked, and the caller's
+``ties={target: ref}`` (Hugging Face's ``model.all_tied_weights_keys`` as is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from sharetree._errors import TieError
+from sharetree._materialize import abstract_expanded
+from sharetree._paths import closest
+from sharetree._safetensors import Reader
+from sharetree._tie import tie
+from sharetree._tied import Tied
+from sharetree._transforms import T, Transform, _Transpose, identity
+
+__all__ = ["load_foreign", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
+
+KEY_VERSION = "sharetree.format_version"
+"""The metadata key that marks a file written by :func:`sharetree.save`."""
+
+SINGLE_FILE = "model.safetensors"
+"""The weights file of a ``save_pretrained`` directory."""
+
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a sharded ``save_pretrained`` directory (``weight_map``: tensor -> shard)."""
+
+_MAX_INDEX_BYTES = 64 << 20  # an index names tensors and files; anything larger is not one
+
+
+class _Tie(NamedTuple):
+    """One requested tie of a flat state dict: ``target = transform(ref)``."""
+
+    target: str
+    ref: str
+    transform: Transform
+
+
+def _tied(ref: str, transform: Transform = identity) -> Tied:
+    return Tied((ref,), transform)
+
+
+def _name(x: Any, what: str) -> str:
+    """A tensor name from a tie's target or ref (a string, or a path of one key)."""
+    if isinstance(x, str) and x:
+        return x
+    if isinstance(x, tuple) and len(x) == 1 and isinstance(x[0], str) and x[0]:
+        return x[0]
+    raise TieError(
+        f"load: the tie {what} {x!r} is not a tensor name. A file not written by sharetree "
+        "is a flat state dict, so each path is one tensor name, e.g. 'lm_head.weight'. "
+        "Fix: pass ties={'lm_head.weight': 'model.embed_tokens.weight'} "
+        "(transformers 5: ties=model.all_tied_weights_keys)."
+    )
+
+
+def _parse_ties(ties: Any) -> list[_Tie]:
+    if not isinstance(ties, Mapping):
+        raise TieError(
+            f"load: ties must be a mapping {{target: ref}}, got {type(ties).__name__} "
+            f"{ties!r:.200}. Fix: pass ties={{'lm_head.weight': 'model.embed_tokens.weight'}} "
+            "(transformers 5: ties=model.all_tied_weights_keys; 4.x: the names of "
+            "model.named_parameters(remove_duplicate=False) that share storage)."
+        )
+    out: dict[str, _Tie] = {}
+    for target, ref in ties.items():
+        t = _name(target, "target")
+        if isinstance(ref, Tied):
+            # Tied("a/b") splits at '/'; a flat state dict has the one key 'a/b'
+            r, transform = "/".join(map(str, ref.ref)), ref.transform
+        else:
+            r, transform = _name(ref, "ref"), identity
+        if t in out:
+            raise TieError(f"load: the tie target {t!r} is given twice. Fix: keep one entry.")
+        out[t] = _Tie(t, r, transform)
+    return list(out.values())
+
+
+# ----------------------------------------------------------------------------- files
+
+
+class _Checkpoint(NamedTuple):
+    """The safetensors files of a checkpoint and, if sharded, its index."""
+
+    files: list[str]
+    index_file: str | None = None
+    weight_map: dict[str, str] | None = None  # tensor name -> shard file name
+
+
+def _files(path: str) -> _Checkpoint:
+    """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory)."""
+    if not os.path.isdir(path):
+        return _Checkpoint([path])
+    single = os.path.join(path, SINGLE_FILE)
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(single) and os.path.isfile(index):
+        raise TieError(
+            f"load: the directory {path!r} holds both {SINGLE_FILE!r} and {INDEX_FILE!r}, so "
+            "it is not clear which checkpoint is meant. Fix: remove the stale one, or load "
+            "the file itself."
+        )
+    if os.path.isfile(single):
+        return _Checkpoint([single])
+    if os.path.isfile(index):
+        return _shards(path, index)
+    raise TieError(
+        f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
+        "(a Hugging Face save_pretrained directory in safetensors format). If it is an Orbax "
+        "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
+        "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
+        "loaded (convert it to safetensors first)."
+    )
+
+
+def _no_duplicate_keys(index: str) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in seen:
+                raise TieError(
+                    f"load: {index!r} lists {k!r} twice ({seen[k]!r} and {v!r}), so one entry "
+                    "would be lost. Fix: write the index again (save_pretrained)."
+                )
+            seen[k] = v
+        return seen
+
+    return hook
+
+
+def _read_index(index: str) -> dict[str, str]:
+    if os.path.getsize(index) > _MAX_INDEX_BYTES:
+        raise TieError(
+            f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
+            "names tensors and files. Fix: check that the path names the right file."
+        )
+    with open(index, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw, object_pairs_hook=_no_duplicate_keys(index))
+    except TieError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise TieError(
+            f"load: {index!r} is not valid JSON ({type(e).__name__}: {str(e)[:200]}). "
+            "Fix: write the index again (save_pretrained)."
+        ) from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise TieError(
+            f"load: {index!r} has no 'weight_map' object of tensor name -> shard file name. "
+            "Fix: write the index again (save_pretrained)."
+        )
+    for name, shard in weight_map.items():
+        if shard in ("", ".", "..") or os.path.basename(shard) != shard or "/" in shard:
+            raise TieError(
+                f"load: {index!r} puts {name!r} in {shard!r}, which is not a file name in the "
+                "index's directory (shards never lie elsewhere). Fix: write the index again."
+            )
+    return weight_map
+
+
+def _shards(directory: str, index: str) -> _Checkpoint:
+    weight_map = _read_index(index)
+    files = list(dict.fromkeys(weight_map.values()))
+    for shard in files:
+        if not os.path.isfile(os.path.join(directory, shard)):
+            name = next(k for k, v in weight_map.items() if v == shard)
+            raise TieError(
+                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
+                f"does not exist in {directory!r}. Fix: copy the missing shard, or save the "
+                "checkpoint again."
+            )
+    return _Checkpoint([os.path.join(directory, s) for s in files], index, weight_map)
+
+
+def _check_shards(index: str, weight_map: dict[str, str], readers: list[Reader]) -> None:
+    """Every tensor of the index in its shard, once; no tensor the index does not list."""
+    where: dict[str, str] = {}
+    for reader in readers:
+        shard = os.path.basename(reader.path)
+        for name in reader.names:
+            if name in where:
+                raise TieError(
+                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
+                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
+                    "Fix: save the checkpoint again."
+                )
+            where[name] = shard
+    for name, shard in where.items():
+        if weight_map.get(name) != shard:
+            listed = weight_map.get(name)
+            said = "does not list it" if listed is None else f"puts it in {listed!r}"
+            raise TieError(
+                f"load: the shard {shard!r} holds {name!r}, but {index!r} {said}. "
+                "Fix: write the index again (save_pretrained), or remove the stray shard."
+            )
+    for name, shard in weight_map.items():
+        if name not in where:
+            raise TieError(
+                f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
+                "it (it is in no shard). Fix: save the checkpoint again."
+            )
+
+
+# ----------------------------------------------------------------------------- ties
+
+
+def _file_ties(readers: list[Reader], names: set[str]) -> dict[str, str]:
+    """``{dropped: kept}`` entries of safetensors metadata (as ``save_model`` writes them)."""
+    out: dict[str, str] = {}
+    for reader in readers:
+        for k, v in reader.metadata.items():
+            if k not in names and v in names:
+                out[k] = v
+    return out
+
+
+def _inverse(t: Transform) -> Transform | None:
+    """The inverse of an axis permutation (``identity``, ``T``, ``transpose``), else ``None``."""
+    if t is identity or t == T:
+        return t
+    if isinstance(t, _Transpose) and t.axes is not None:
+        return _Transpose(tuple(int(i) for i in np.argsort(t.axes)))
+    return None
+
+
+def _apply_ties(
+    label: str,
+    tensors: dict[str, Any],
+    file_ties: dict[str, str],
+    asked: list[_Tie],
+    atol: float | None,
+) -> dict[str, Any]:
+    tree: dict[str, Any] = dict(tensors)
+    for dropped, kept in file_ties.items():
+        tree[dropped] = tensors[kept]  # the file says: the same values
+    by_target = {t.target: t for t in asked}
+    for t in asked:  # first the moves, so that any tie may refer to a moved buffer
+        if t.target in tree and t.ref not in tree and t.ref not in by_target:
+            back = _inverse(t.transform)  # the file stores only the target: move its buffer
+            if back is None:
+                raise TieError(
+                    f"load {label}: the tie {t.target!r} <- {t.ref!r} ({t.transform!r}): the "
+                    f"file holds {t.target!r} but not {t.ref!r}, and {t.transform!r} has no "
+                    "inverse to compute the ref from it. Fix: tie the other way round, "
+                    f"ties={{{t.ref!r}: st.Tied({t.target!r}, <inverse>)}}."
+                )
+            a = tree[t.target]
+            axes = back.axes if isinstance(back, _Transpose) else None
+            tree[t.ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
+    compare: dict[tuple[str, ...], Tied] = {}
+    for t in asked:
+        if t.target in tree:
+            compare[(t.target,)] = _tied(t.ref, t.transform)
+        elif t.ref in tree or t.ref in by_target:
+            tree[t.target] = _tied(t.ref, t.transform)  # absent on purpose: nothing to compare
+        else:
+            raise TieError(
+                f"load {label}: the tie {t.target!r} <- {t.ref!r}: neither is in the file; "
+                f"{closest(t.ref, set(tree))}. Fix: use the tensor names the file holds, as "
+                "model.state_dict() names them."
+            )
+    for dropped, kept in file_ties.items():
+        reversed_ = kept in by_target and by_target[kept].ref == dropped
+        if dropped not in by_target and not reversed_:
+            tree[dropped] = _tied(kept)  # the file's own tie, unless ties= says otherwise
+    try:
+        out = tie(tree, compare, check=True, atol=0.0 if atol is None else atol)
+        abstract_expanded(out)  # every view computes (shapes of absent targets included)
+    except TieError as e:
+        raise TieError(f"load {label} with ties: {e}") from None
+    return dict(sorted(out.items()))
+
+
+def _describe(ties: Mapping[str, str]) -> str:
+    return ", ".join(f"{k!r} <- {v!r}" for k, v in ties.items())
+
+
+def load_foreign(
+    path: str, *, like: Any = None, ties: Any = None, atol: float | None = None
+) -> dict[str, Any]:
+    """Load a safetensors file or directory that sharetree did not write.
+
+    The result is the flat state dict ``{tensor name: array}`` with ties as
+    ``Tied`` nodes (a canonical tree), always with a ``UserWarning`` saying the
+    file was foreign and which ties were restored.
+
+    ``path`` is a safetensors file or a ``save_pretrained`` directory
+    (``model.safetensors``, or ``model.safetensors.index.json`` and its
+    shards); every tensor is read once.
+
+    Ties recorded in the file's own metadata (``safetensors.torch.save_model``
+    writes ``{dropped: kept}`` for each tensor it did not store) are restored
+    without being asked. ``ties={target: ref}`` (``Tied(ref, transform)``
+    values allowed; Hugging Face's ``model.all_tied_weights_keys`` as is) adds
+    the caller's ties:
+
+    - a target absent from the file becomes ``Tied(ref)``;
+    - a target present in the file is compared with its ref (bit-exact, or
+      within ``atol``) and becomes ``Tied(ref)``; copies that differ are an
+      error naming both, never a silent pick;
+    - a file that holds only the target (``save_model`` kept the head) gets
+      its buffer moved to the ref side, so the ref is the buffer.
+
+    Args:
+        path: the file or directory.
+        like: must be ``None``: a flat state dict has no tree to check against.
+        ties: ``{target: ref}`` of tensor names (or ``None``).
+        atol: ``None`` or ``0.0``: tied copies must be bit-identical (up to
+            NaNs in the same places); a number: their largest absolute
+            difference.
+
+    Returns:
+        The canonical flat dict, sorted by tensor name.
+
+    Raises:
+        TieError: an unreadable file, a directory without a checkpoint, a bad
+            shard index (a missing shard, a tensor listed twice or in no
+            shard, a shard outside the directory), ``like`` given, ties that
+            are not tensor names, copies that differ, a tie whose ref and
+            target are both absent.
+
+    Example:
+        >>> import os, tempfile, warnings, numpy as np
+        >>> from safetensors.numpy import save_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> save_file({"embed": np.ones((3, 2), np.float32)}, path, metadata={"format": "pt"})
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     sd = load_foreign(path, ties={"head": "embed"})
+        >>> sd["head"], sd["embed"].shape
+        (Tied('embed'), (3, 2))
+    """
+    checkpoint = _files(path)
+    files = checkpoint.files
+    readers = [Reader(f) for f in files]  # headers only: every tensor is read once, below
+    label = repr(path)
+    if checkpoint.index_file is not None and checkpoint.weight_map is not None:
+        _check_shards(checkpoint.index_file, checkpoint.weight_map, readers)
+    if like is not None:
+        raise TieError(
+            f"load: {label} was not written by sharetree (no {KEY_VERSION!r} in its "
+            "metadata), so it has no tree structure to check against like=. Fix: load it "
+            "without like (a flat dict {tensor name: array}, ties= for its tied weights)."
+        )
+    asked = [] if ties is None else _parse_ties(ties)
+    tensors: dict[str, Any] = {}
+    for reader in readers:
+        tensors.update(reader.tensors())
+    file_ties = _file_ties(readers, set(tensors))
+    tree = _apply_ties(label, tensors, file_ties, asked, atol)
+    n = f"{len(files)} files" if len(files) > 1 else "one file"
+    said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
+    if file_ties:
+        said += f"; restored the ties its safetensors metadata records: {_describe(file_ties)}"
+    if asked:
+        said += f"; tied as asked (ties=): {_describe({t.target: t.ref for t in asked})}"
+    else:
+        said += (
+            ". If the model ties weights that the file omits or stores once (Hugging Face "
+            "tie_word_embeddings), pass them: st.load(path, ties={'lm_head.weight': "
+            "'model.embed_tokens.weight'}) (transformers 5: ties=model.all_tied_weights_keys); "
+            "for ties stored twice, st.find_ties(tree) finds them"
+        )
+    warnings.warn(
+        f"{label} was not written by sharetree (no {KEY_VERSION!r} in its metadata): {said}.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return tree

@@ -1,0 +1,130 @@
+"""``grad_by_use``: the gradient of a shared buffer, split by the position that uses it.
+
+``jax.grad(lambda t: f(st.materialize(t)))`` gives each buffer the gradient
+accumulated over all of its uses. :func:`grad_by_use` gives the parts of that
+sum: for each buffer, one contribution per use (its own position and each
+view), each pulled back into the buffer's shape and dtype. It costs one
+gradient of the materialized tree, never one gradient per use.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from sharetree._errors import TieError
+from sharetree._materialize import expand_leaves, leaves_and_structure
+from sharetree._paths import path_str
+from sharetree._transforms import identity
+
+__all__ = ["grad_by_use", "ByUse"]
+
+ByUse = dict[str, dict[str, Any]]
+"""``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns."""
+
+
+def _check_argnums(argnums: Any) -> int:
+    if isinstance(argnums, bool) or not isinstance(argnums, int) or argnums < 0:
+        raise TieError(
+            f"grad_by_use: argnums must be one non-negative int, the position of the tied "
+            f"tree among the positional arguments, found {type(argnums).__name__} {argnums!r}. "
+            "The uses of a buffer live in one tree, so gradients by use are taken with respect "
+            "to one argument. Fix: pass argnums=0 (or the tree's index), and put several trees "
+            "into one dict if they share buffers."
+        )
+    return argnums
+
+
+def grad_by_use(
+    fun: Callable[..., Any], argnums: int = 0, *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """Like ``jax.grad``, but each buffer's gradient comes back split by the use it comes from.
+
+    ``st.grad_by_use(fun)(tree, *args)`` calls ``fun`` with the *materialized*
+    tree (every view an ordinary array; a ``fun`` that calls
+    ``st.materialize`` itself works too, since a materialized tree has no
+    ties) and returns ``{buffer path: {use path: contribution}}``. The uses
+    of a buffer are its own position (keyed by the buffer's path) and every
+    view of it, in flatten order; paths are ``/``-joined strings. Each
+    contribution is the gradient at that position pulled back through the
+    view's transform into the buffer's shape and dtype (the VJP of ``T`` is
+    ``T``, of ``astype`` a cast back, of ``scale(c)`` a multiply by ``c``, of
+    ``fn(f)`` the VJP of ``f``). The contributions of a buffer sum to its
+    entry in ``jax.grad(lambda t: fun(st.materialize(t), *args))(tree)``, up
+    to float rounding. A buffer that has no view has one use, its own
+    position.
+
+    Memory: one gradient of the materialized tree (as if the tree were
+    untied), then one VJP of each view's transform; ``fun`` is differentiated
+    once, not once per use. Works under ``jit`` (the result is a dict of
+    arrays).
+
+    Args:
+        fun: a function whose argument ``argnums`` is the tree; it must return
+            a real scalar (``jax.grad`` raises its own ``TypeError`` otherwise).
+        argnums: the position of the tied tree among the positional
+            arguments; one non-negative ``int`` (the uses of a buffer are all
+            in one tree, so gradients by use are taken with respect to one
+            argument; the other arguments are not differentiated).
+        has_aux: ``fun`` returns ``(loss, aux)``; the wrapped function then
+            returns ``(by_use, aux)``.
+
+    Returns:
+        A function with ``fun``'s arguments returning the ``{buffer: {use:
+        contribution}}`` dict (and ``aux`` with ``has_aux``). Pass it to
+        :func:`sharetree.grad_report` for norms, shares and cosines.
+
+    Raises:
+        TieError: ``argnums`` that is not one non-negative int, or fewer
+            positional arguments than ``argnums + 1``; a bad graph (as for
+            :func:`materialize`).
+
+    Example:
+        >>> import jax.numpy as jnp, sharetree as st
+        >>> tree = {"enc": jnp.array([[1.0, 2.0]]), "dec": st.Tied("enc", st.T)}
+        >>> x = jnp.array([3.0, 4.0])
+        >>> loss = lambda m, x: (m["enc"] @ x).sum() + (m["dec"] * x[:, None]).sum()
+        >>> by_use = st.grad_by_use(loss)(tree, x)
+        >>> {use: g.tolist() for use, g in by_use["enc"].items()}
+        {'dec': [[3.0, 4.0]], 'enc': [[3.0, 4.0]]}
+    """
+    argnums = _check_argnums(argnums)
+    if not callable(fun):
+        raise TieError(
+            f"grad_by_use: fun must be callable, found {type(fun).__name__} {fun!r}. "
+            "Fix: pass the loss function, e.g. st.grad_by_use(loss)(tree, batch)."
+        )
+
+    @functools.wraps(fun)
+    def by_use_fun(*args: Any, **kwargs: Any) -> Any:
+        if len(args) <= argnums:
+            raise TieError(
+                f"grad_by_use(argnums={argnums}): the tree is positional argument {argnums}, "
+                f"but only {len(args)} positional argument(s) were passed. Fix: pass the "
+                "tied tree positionally, e.g. grad_by_use(loss)(tree, batch)."
+            )
+        tree = args[argnums]
+        leaves, structure = leaves_and_structure(tree)
+        values = expand_leaves(structure, leaves)
+
+        def on_materialized(flat: list[Any]) -> Any:
+            m = jax.tree_util.tree_unflatten(structure.expanded_treedef, flat)
+            return fun(*args[:argnums], m, *args[argnums + 1 :], **kwargs)
+
+        # one gradient w.r.t. every position of the materialized tree (the untied gradient)
+        out = jax.grad(on_materialized, has_aux=has_aux)(values)
+        grads, aux = out if has_aux else (out, None)
+        by_use: ByUse = {path_str(p): {} for p in structure.buffer_paths}
+        for leaf, g in zip(structure.expanded, grads, strict=True):
+            buffer = leaves[leaf.buffer]
+            t = leaf.transform
+            if t is not None and t != identity:
+                _, vjp = jax.vjp(t, buffer)
+                (g,) = vjp(g)
+            by_use[path_str(structure.buffer_paths[leaf.buffer])][path_str(leaf.path)] = g
+        return (by_use, aux) if has_aux else by_use
+
+    return by_use_fun

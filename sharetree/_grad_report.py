@@ -1,0 +1,305 @@
+"""``grad_report``: norms, shares and cosines of the uses of each shared buffer.
+
+Reads what :func:`~sharetree.grad_by_use` returns and answers "which use moves
+a tied weight?": per buffer, the norm of each use's contribution, its share of
+the sum of those norms, and the cosine between uses (near 1 they agree, below
+0 they fight). Text for terminals, HTML with a small SVG bar chart for Jupyter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sharetree._display import _CELL, _MONO, MAX_ROWS, _html_table, _table
+from sharetree._errors import TieError
+from sharetree._paths import plural
+
+__all__ = ["GradReport", "BufferUses", "Use", "grad_report"]
+
+_BAR = 20  # characters (text) for a share of 100%
+_BAR_PX = 220  # pixels (SVG) for a share of 100%
+_AGREE = "#2563eb"
+_FIGHT = "#dc2626"
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One use of a buffer: its path, the norm of its contribution, its share, its agreement.
+
+    Attributes:
+        path: the position (the buffer's own path, or a view's).
+        norm: the 2-norm of its contribution (pulled back into the buffer's shape).
+        share: ``norm`` over the sum of the norms of all uses of the buffer
+            (``nan`` when every use is zero).
+        cos_rest: cosine between its contribution and the sum of the other
+            uses' (``None`` for a buffer's only use, ``nan`` when either is zero).
+    """
+
+    path: str
+    norm: float
+    share: float
+    cos_rest: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferUses:
+    """The uses of one buffer.
+
+    Attributes:
+        path: the buffer's path.
+        uses: one :class:`Use` per use, in flatten order.
+        norm: the 2-norm of the accumulated gradient (the sum of the uses).
+        cosines: pairwise cosines between the uses' contributions
+            (``cosines[i][j]``; ``nan`` where one of them is zero).
+    """
+
+    path: str
+    uses: tuple[Use, ...]
+    norm: float
+    cosines: tuple[tuple[float, ...], ...]
+
+
+def _host(x: Any, where: str) -> np.ndarray:
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # tracers have no value
+        raise TieError(
+            f"grad_report: the contribution of {where} is not a concrete array "
+            f"({type(e).__name__}); a report needs values. Fix: call st.grad_report outside "
+            "jit (the dict that st.grad_by_use returns under jit can be passed out of it)."
+        ) from None
+    wide = np.complex128 if np.iscomplexobj(a) else np.float64
+    return a.astype(wide).ravel()
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0.0 or nb == 0.0:
+        return math.nan
+    return float(np.real(np.vdot(a, b))) / (na * nb)
+
+
+def _buffer_uses(path: str, uses: Any) -> BufferUses:
+    if not isinstance(uses, Mapping) or not uses:
+        raise TieError(
+            f"grad_report: the entry of buffer {path!r} should be a non-empty dict "
+            f"{{use path: contribution}}, found {type(uses).__name__} {uses!r:.80}. "
+            "Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
+        )
+    vecs = {u: _host(g, f"{u!r} (buffer {path!r})") for u, g in uses.items()}
+    sizes = {v.size for v in vecs.values()}
+    if len(sizes) != 1:
+        raise TieError(
+            f"grad_report: the uses of buffer {path!r} have different sizes "
+            f"({', '.join(f'{u!r}: {v.size}' for u, v in vecs.items())}); every contribution "
+            "is in the buffer's shape. Fix: pass what st.grad_by_use returns, unchanged."
+        )
+    total = sum(vecs.values())
+    norms = {u: float(np.linalg.norm(v)) for u, v in vecs.items()}
+    denominator = sum(norms.values())
+    names = list(vecs)
+    rows = []
+    for u in names:
+        rest = None if len(names) == 1 else _cos(vecs[u], total - vecs[u])
+        share = norms[u] / denominator if denominator > 0 else math.nan
+        rows.append(Use(u, norms[u], share, rest))
+    cosines = tuple(tuple(_cos(vecs[a], vecs[b]) for b in names) for a in names)
+    return BufferUses(path, tuple(rows), float(np.linalg.norm(total)), cosines)
+
+
+def _num(x: float | None) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    return f"{x:.4g}"
+
+
+def _cos_text(x: float | None) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    return f"{x:+.3f}"
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.1f}%"
+
+
+@dataclasses.dataclass(frozen=True)
+class GradReport:
+    """Which use moves each tied weight: made by :func:`grad_report`.
+
+    ``print`` it in a terminal; Jupyter shows a table and a bar chart per
+    shared buffer (bars in blue where a use agrees with the others, red where
+    it fights them, i.e. ``cos_rest < 0``).
+
+    Attributes:
+        buffers: one :class:`BufferUses` per buffer, in flatten order.
+        max_rows: the most buffers (and uses per buffer) shown.
+    """
+
+    buffers: tuple[BufferUses, ...]
+    max_rows: int = MAX_ROWS
+
+    @property
+    def shared(self) -> tuple[BufferUses, ...]:
+        """The buffers with two or more uses."""
+        return tuple(b for b in self.buffers if len(b.uses) > 1)
+
+    def __getitem__(self, path: str) -> BufferUses:
+        """The uses of the buffer at ``path``."""
+        for b in self.buffers:
+            if b.path == path:
+                return b
+        raise KeyError(path)
+
+    def _headline(self) -> str:
+        n, k = len(self.buffers), len(self.shared)
+        if not k:
+            return (
+                f"gradient by use: no buffer has more than one use (nothing is tied), so each "
+                f"of the {plural(n, 'buffer')} gets its gradient from its own position only"
+            )
+        return f"gradient by use: {k:,} of {plural(n, 'buffer')} used in several places"
+
+    def _rows(self, b: BufferUses) -> list[tuple[str, ...]]:
+        return [
+            (
+                u.path,
+                _num(u.norm),
+                _pct(u.share),
+                _cos_text(u.cos_rest),
+                "" if math.isnan(u.share) else "\u2588" * round(_BAR * u.share),
+            )
+            for u in b.uses[: self.max_rows]
+        ]
+
+    def _single(self) -> str:
+        single = [b.path for b in self.buffers if len(b.uses) == 1]
+        if not single or not self.shared:
+            return ""
+        shown = ", ".join(single[:5]) + (
+            f", ... ({len(single) - 5} more)" if len(single) > 5 else ""
+        )
+        return f"{plural(len(single), 'buffer')} with one use each: {shown}"
+
+    def __str__(self) -> str:
+        lines = [self._headline()]
+        for b in self.shared[: self.max_rows]:
+            lines.append(f"{b.path}: {len(b.uses)} uses, norm of their sum {_num(b.norm)}")
+            lines += _table(("use", "norm", "share", "cos(rest)", ""), self._rows(b))
+            if len(b.uses) > self.max_rows:
+                lines.append(f"  ... and {len(b.uses) - self.max_rows:,} more uses")
+        more = len(self.shared) - self.max_rows
+        if more > 0:
+            lines.append(f"... and {more:,} more buffers used in several places")
+        if self._single():
+            lines.append(self._single())
+        return "\n".join(line.rstrip() for line in lines)
+
+    __repr__ = __str__
+
+    def _svg(self, b: BufferUses) -> str:
+        e = html.escape
+        uses = b.uses[: self.max_rows]
+        label_w = 7 * max(len(u.path) for u in uses) + 12
+        row_h, top = 18, 4
+        width = label_w + _BAR_PX + 150
+        height = top + row_h * len(uses) + 4
+        out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" style="{_MONO}font-size:11px;">'
+        ]
+        for k, u in enumerate(uses):
+            y = top + k * row_h
+            share = 0.0 if math.isnan(u.share) else u.share
+            fight = u.cos_rest is not None and not math.isnan(u.cos_rest) and u.cos_rest < 0
+            fill = _FIGHT if fight else _AGREE
+            out.append(
+                f"<g><title>{e(u.path)}: norm {_num(u.norm)}, share {_pct(u.share)}, "
+                f"cos(rest) {_cos_text(u.cos_rest)}</title>"
+                f'<text x="0" y="{y + 12}">{e(u.path)}</text>'
+                f'<rect x="{label_w}" y="{y + 2}" width="{share * _BAR_PX:.1f}" height="12" '
+                f'fill="{fill}"/>'
+                f'<text x="{label_w + share * _BAR_PX + 6:.1f}" y="{y + 12}" fill="#374151">'
+                f"{e(_pct(u.share))} cos {e(_cos_text(u.cos_rest))}</text></g>"
+            )
+        out.append("</svg>")
+        return "".join(out)
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        parts = [
+            f'<div class="sharetree-grad-report" style="{_MONO}font-size:12px;line-height:1.35;">',
+            f"<div><b>{e(self._headline())}</b></div>",
+        ]
+        for b in self.shared[: self.max_rows]:
+            more = len(b.uses) - self.max_rows
+            parts += [
+                f"<div><b>{e(b.path)}</b>: {len(b.uses)} uses, norm of their sum "
+                f"{e(_num(b.norm))}</div>",
+                _html_table(
+                    ("use", "norm", "share", "cos(rest)"),
+                    [r[:4] for r in self._rows(b)],
+                    numeric={1, 2, 3},
+                    more=f"... and {more:,} more uses" if more > 0 else "",
+                ),
+                self._svg(b),
+            ]
+        more = len(self.shared) - self.max_rows
+        if more > 0:
+            parts.append(f'<div style="{_CELL}">... and {more:,} more buffers</div>')
+        if self._single():
+            parts.append(f"<div>{e(self._single())}</div>")
+        parts.append("</div>")
+        return "".join(parts)
+
+
+def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_ROWS) -> GradReport:
+    """Summarize :func:`~sharetree.grad_by_use` output: norm, share and cosine of each use.
+
+    For each buffer: the 2-norm of each use's contribution, its share of the
+    sum of those norms, the cosine between it and the sum of the other uses
+    (``cos(rest)``: for two uses, the cosine between them), all pairwise
+    cosines, and the norm of the accumulated gradient. Computed on the host
+    in float64. A tree without ties gives a report that says each buffer has
+    one use.
+
+    Args:
+        by_use: ``{buffer path: {use path: contribution}}`` as returned by
+            ``st.grad_by_use(fun)(tree, ...)`` (concrete arrays, not traced).
+        max_rows: the most buffers, and uses per buffer, shown.
+
+    Returns:
+        A :class:`GradReport` (text when printed, HTML in Jupyter).
+
+    Raises:
+        TieError: an input that is not such a dict, contributions of one
+            buffer with different sizes, or traced values.
+
+    Example:
+        >>> import jax.numpy as jnp, sharetree as st
+        >>> tree = {"embed": jnp.array([[1.0, 2.0]]), "head": st.Tied("embed", st.T)}
+        >>> loss = lambda m: m["embed"].sum() - 3 * m["head"].sum()
+        >>> print(st.grad_report(st.grad_by_use(loss)(tree)))
+        gradient by use: 1 of 1 buffer used in several places
+        embed: 2 uses, norm of their sum 2.828
+          use    norm   share  cos(rest)
+          embed  1.414  25.0%  -1.000     █████
+          head   4.243  75.0%  -1.000     ███████████████
+    """
+    if not isinstance(by_use, Mapping):
+        raise TieError(
+            f"grad_report: expected a dict {{buffer path: {{use path: contribution}}}}, found "
+            f"{type(by_use).__name__}. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
+        )
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise TieError(
+            f"grad_report: max_rows must be a positive int, got {max_rows!r}. "
+            "Fix: pass e.g. max_rows=50."
+        )
+    return GradReport(tuple(_buffer_uses(p, u) for p, u in by_use.items()), max_rows)

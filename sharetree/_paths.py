@@ -1,0 +1,194 @@
+"""Paths and leaves: the one home of the helpers every module shares.
+
+A sharetree *path* is a tuple of key names (``("encoder", "kernel")``), shown
+``/``-joined (``encoder/kernel``). Key names come from ``jax.tree_util`` key
+paths: dict keys, sequence indices and attribute names, all as ``str``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from sharetree._errors import TieError
+
+__all__ = [
+    "Path",
+    "PathLike",
+    "TieMap",
+    "to_path",
+    "path_str",
+    "key_name",
+    "keypath_to_path",
+    "prefixes",
+    "node_paths",
+    "is_array_leaf",
+    "aval_of",
+    "format_aval",
+    "aval_nbytes",
+    "closest",
+    "plural",
+]
+
+Path = tuple[str, ...]
+"""A normalised path: a tuple of key names (dict keys, indices and attribute names as str)."""
+
+PathLike = Union[str, Sequence[Any]]  # noqa: UP007 - a runtime alias
+"""A ``/``-joined string (``"encoder/kernel"``) or a tuple of keys (``("encoder", "kernel")``)."""
+
+
+TieMap = Union[  # noqa: UP007 - a runtime alias
+    Mapping[str, Any], Mapping[tuple[str, ...], Any], Mapping[PathLike, Any]
+]
+"""``{target: ref or Tied}`` keyed by path strings or key tuples (``Mapping`` is invariant in
+its keys, so each spelling is listed)."""
+
+
+def to_path(ref: Any, what: str = "path") -> Path:
+    """Normalise ``"a/b/0"`` or ``("a", "b", 0)`` to ``("a", "b", "0")``.
+
+    Raises:
+        TieError: for anything that is not a non-empty path (``what`` names it).
+
+    Example:
+        >>> from sharetree._paths import to_path
+        >>> to_path("layers/0/w"), to_path(("a/b", 1))
+        (('layers', '0', 'w'), ('a/b', '1'))
+    """
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        ref = (ref,)
+    if isinstance(ref, str):
+        parts = tuple(ref.split("/")) if ref else ()
+    elif isinstance(ref, (tuple, list)):
+        for k in ref:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TieError(
+                    f"{what} {tuple(ref)!r}: keys must be str or int, "
+                    f"found {type(k).__name__} {k!r}. Fix: use the key's name or index."
+                )
+        parts = tuple(k if isinstance(k, str) else str(k) for k in ref)
+    else:
+        raise TieError(
+            f"{what}: expected a '/'-joined string or a tuple of keys, found "
+            f"{type(ref).__name__} {ref!r}. "
+            "Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
+        )
+    if not parts or any(p == "" for p in parts):
+        raise TieError(
+            f"{what} {ref!r} has an empty key. Fix: name a path below the root, such as "
+            "'encoder/kernel' (a tie at or to the root is not allowed)."
+        )
+    return parts
+
+
+def path_str(path: Path) -> str:
+    """The display form of a path: ``a/b/0``, or a tuple when a key contains ``/``.
+
+    Example:
+        >>> from sharetree._paths import path_str
+        >>> path_str(("a", "b", "0")), path_str(("a/b", "c")), path_str(())
+        ('a/b/0', "('a/b', 'c')", '<root>')
+    """
+    if not path:
+        return "<root>"
+    if any("/" in k for k in path):
+        return repr(path)
+    return "/".join(path)
+
+
+def key_name(key: Any) -> str:
+    """The name of one ``jax.tree_util`` key entry: ``jtu.keystr((key,), simple=True)``.
+
+    Example:
+        >>> import jax.tree_util as jtu
+        >>> from sharetree._paths import key_name
+        >>> key_name(jtu.DictKey("w")), key_name(jtu.SequenceKey(3)), key_name(jtu.GetAttrKey("b"))
+        ('w', '3', 'b')
+    """
+    return jtu.keystr((key,), simple=True, separator="/")
+
+
+def keypath_to_path(keypath: Sequence[Any]) -> Path:
+    """Convert a ``jax.tree_util`` key path to a sharetree path."""
+    return tuple(key_name(k) for k in keypath)
+
+
+def prefixes(path: Path) -> list[Path]:
+    """Every node above and at ``path``: ``("a", "b")`` -> ``[("a",), ("a", "b")]``."""
+    return [path[:k] for k in range(1, len(path) + 1)]
+
+
+def node_paths(positions: Iterable[Path]) -> set[Path]:
+    """The paths of every node at or above the given positions (the root excluded)."""
+    return {p for position in positions for p in prefixes(position)}
+
+
+def is_array_leaf(x: Any) -> bool:
+    """Whether a transform applies to ``x``: arrays, tracers and numbers; not bools or strings.
+
+    Example:
+        >>> import numpy as np
+        >>> from sharetree._paths import is_array_leaf
+        >>> [is_array_leaf(x) for x in (np.ones(2), np.float32(1), 2.0, True, "s", None)]
+        [True, True, True, False, False, False]
+    """
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, int, complex))
+
+
+def aval_of(x: Any) -> jax.ShapeDtypeStruct | None:
+    """Shape and dtype of an array leaf (or of a ``ShapeDtypeStruct``); ``None`` otherwise."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    if is_array_leaf(x):
+        return jax.ShapeDtypeStruct((), np.asarray(x).dtype)
+    return None
+
+
+def format_aval(aval: Any) -> str:
+    """``float32[2, 3]`` for a shape/dtype (or an array), ``static`` for anything else.
+
+    Example:
+        >>> import numpy as np
+        >>> from sharetree._paths import format_aval
+        >>> format_aval(np.zeros((2, 3), np.float32)), format_aval(None)
+        ('float32[2, 3]', 'static')
+    """
+    if not isinstance(aval, jax.ShapeDtypeStruct):
+        aval = aval_of(aval)
+    if aval is None:
+        return "static"
+    return f"{aval.dtype.name}[{', '.join(map(str, aval.shape))}]"
+
+
+def aval_nbytes(aval: jax.ShapeDtypeStruct | None) -> int:
+    """Bytes of an array of shape and dtype ``aval`` (0 for ``None``)."""
+    return 0 if aval is None else math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def closest(name: str, candidates: Iterable[str], n: int = 3) -> str:
+    """A ``closest existing path(s): ...`` hint listing the candidates closest to ``name``.
+
+    Example:
+        >>> from sharetree._paths import closest
+        >>> closest("encoder/kernal", ["encoder/kernel", "decoder/bias"], n=1)
+        "closest existing path(s): 'encoder/kernel'"
+    """
+    matches = difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.0)
+    if not matches:
+        return "the tree has no paths at all"
+    return "closest existing path(s): " + ", ".join(repr(m) for m in matches)
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "view")`` -> ``'1 view'``, ``plural(2, "view")`` -> ``'2 views'``."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"

@@ -1,0 +1,235 @@
+"""The report model of a sharing graph: :class:`SharingGraph`, :class:`Buffer`, :class:`View`.
+
+Built by :func:`canonicalize` from a resolved :class:`~sharetree._resolve.Structure`
+and the tree's leaves; rendering (text, HTML, SVG, DOT) lives in ``_display``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from sharetree._materialize import transform_error
+from sharetree._paths import aval_nbytes, aval_of, format_aval, is_array_leaf, path_str, plural
+from sharetree._resolve import Structure, structure_of
+from sharetree._tied import Tied
+from sharetree._transforms import Transform
+
+__all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A leaf stored once: its path, shape, dtype, bytes and how many views use it."""
+
+    path: str
+    shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+    nbytes: int
+    num_views: int
+
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct | None:
+        """Shape and dtype (``None`` for a leaf that is not an array)."""
+        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.path!r}, {format_aval(self.aval)}, views={self.num_views})"
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A position whose value is ``transform(buffer)``; ``tie`` is the ``Tied`` that made it."""
+
+    path: str
+    buffer: str
+    transform: Transform
+    shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+    nbytes: int
+    tie: str
+
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct | None:
+        """Shape and dtype of the view (``None`` for a leaf that is not an array)."""
+        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"View({self.path!r} <- {self.buffer!r}, {self.transform!r}, {format_aval(self.aval)})"
+        )
+
+
+class SharingGraph:
+    """The resolved sharing DAG of a canonical tree: unique buffers plus views.
+
+    Built by :func:`canonicalize`. Counts are over leaves (``num_*``), array
+    elements (``size_*``, i.e. parameters) and bytes (``nbytes_*``); "unique"
+    counts each buffer once, "expanded" counts every position of the
+    materialized tree. Per-buffer details are computed lazily on first access.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> g = st.canonicalize({"a": np.zeros((2, 3), np.float32), "b": st.Tied("a", st.T)})
+        >>> g.num_unique, g.num_expanded, g.nbytes_unique, g.nbytes_expanded
+        (1, 2, 24, 48)
+        >>> g.views["b"]
+        View('b' <- 'a', T, float32[3, 2])
+    """
+
+    def __init__(self, structure: Structure, leaves: list[Any]) -> None:
+        self.structure = structure
+        self._leaves = leaves
+
+    @property
+    def num_unique(self) -> int:
+        """Number of buffers (leaves of the canonical tree)."""
+        return len(self.structure.buffer_paths)
+
+    @property
+    def num_expanded(self) -> int:
+        """Number of leaves of the materialized tree (buffers plus views)."""
+        return len(self.structure.expanded)
+
+    @property
+    def num_views(self) -> int:
+        """Number of materialized leaves that are views."""
+        return len(self.structure.views)
+
+    @functools.cached_property
+    def _avals(self) -> list[jax.ShapeDtypeStruct | None]:
+        return [_leaf_aval(x) for x in self._leaves]
+
+    @functools.cached_property
+    def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
+        out: list[jax.ShapeDtypeStruct | None] = []
+        for view in self.structure.views:
+            aval = self._avals[view.buffer]
+            if aval is None:
+                out.append(aval)
+                continue
+            try:
+                out.append(view.transform.abstract(aval))
+            except Exception as e:
+                raise transform_error(self.structure, view, aval, e) from e
+        return out
+
+    @functools.cached_property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """Every buffer in flatten order."""
+        uses = [0] * self.num_unique
+        for view in self.structure.views:
+            uses[view.buffer] += 1
+        return tuple(
+            Buffer(
+                path_str(p),
+                None if a is None else tuple(a.shape),
+                None if a is None else a.dtype,
+                aval_nbytes(a),
+                uses[i],
+            )
+            for i, (p, a) in enumerate(zip(self.structure.buffer_paths, self._avals))
+        )
+
+    @functools.cached_property
+    def views(self) -> dict[str, View]:
+        """Every view: materialized path -> :class:`View` (buffer path, composed transform)."""
+        paths = self.structure.buffer_paths
+        out = {}
+        for view, a in zip(self.structure.views, self._view_avals):
+            out[path_str(view.path)] = View(
+                path_str(view.path),
+                path_str(paths[view.buffer]),
+                view.transform,
+                None if a is None else tuple(a.shape),
+                None if a is None else a.dtype,
+                aval_nbytes(a),
+                path_str(view.tie),
+            )
+        return out
+
+    @property
+    def ties(self) -> dict[str, Tied]:
+        """The ``Tied`` nodes as written in the canonical tree, by path."""
+        return {path_str(p): t for p, t in self.structure.ties.items()}
+
+    @property
+    def size_unique(self) -> int:
+        """Number of array elements (parameters) over the buffers."""
+        return sum(math.prod(a.shape) for a in self._avals if a is not None)
+
+    @property
+    def size_expanded(self) -> int:
+        """Number of array elements over the materialized tree."""
+        return self.size_unique + sum(math.prod(a.shape) for a in self._view_avals if a is not None)
+
+    @property
+    def nbytes_unique(self) -> int:
+        """Bytes of the buffers: what training, optimizer state and checkpoints hold."""
+        return sum(aval_nbytes(a) for a in self._avals)
+
+    @property
+    def nbytes_expanded(self) -> int:
+        """Bytes the materialized tree would take if every view were a copy."""
+        return self.nbytes_unique + sum(aval_nbytes(a) for a in self._view_avals)
+
+    def _repr_html_(self) -> str:
+        """HTML for Jupyter: totals, buffer and view tables, and an SVG drawing."""
+        from sharetree._display import graph_html  # the display layer depends on this one
+
+        return graph_html(self)
+
+    def to_dot(self, *, include_unshared: bool = False) -> str:
+        """Graphviz DOT text of the graph (``dot -Tsvg``); see ``sharetree._display.graph_dot``."""
+        from sharetree._display import graph_dot
+
+        return graph_dot(self, include_unshared=include_unshared)
+
+    def __repr__(self) -> str:
+        return (
+            f"SharingGraph({plural(self.num_unique, 'buffer')}, "
+            f"{plural(self.num_views, 'view')}; "
+            f"params {self.size_unique:,} unique / {self.size_expanded:,} expanded; "
+            f"bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
+        )
+
+
+def _leaf_aval(x: Any) -> jax.ShapeDtypeStruct | None:
+    """The shape/dtype of an array leaf, tracer or ``ShapeDtypeStruct``; ``None`` otherwise."""
+    aval = aval_of(x)
+    if aval is None and not is_array_leaf(x) and hasattr(x, "shape") and hasattr(x, "dtype"):
+        aval = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return aval
+
+
+def canonicalize(tree: Any) -> SharingGraph:
+    """Resolve every tie of ``tree`` into a :class:`SharingGraph`.
+
+    The structural part is cached per treedef; a second call on a tree of the
+    same structure costs one flatten.
+
+    Args:
+        tree: a canonical tree (may contain ``Tied`` nodes).
+
+    Returns:
+        The sharing graph: ``buffers``, ``views``, counts and bytes.
+
+    Raises:
+        TieError: for a dangling ref (naming the closest path), a cycle (the
+            whole cycle), a self-reference or a ``Tied`` at the root.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> tree = {"x": np.array([7.0, 7.0]), "y": np.array([3.0, 4.0]), "z": st.Tied("x")}
+        >>> g = st.canonicalize(tree)
+        >>> [b.path for b in g.buffers], list(g.views)
+        (['x', 'y'], ['z'])
+    """
+    leaves, treedef = jtu.tree_flatten(tree)
+    return SharingGraph(structure_of(treedef), leaves)

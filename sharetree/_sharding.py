@@ -1,0 +1,189 @@
+"""Sharding trees built from path patterns: one ``NamedSharding`` per buffer.
+
+``jax.jit(in_shardings=...)``, ``jax.device_put`` and Orbax's restore targets
+want a tree of shardings with the structure of the parameters. On a canonical
+tree every buffer is one leaf and every ``Tied`` is a leafless node, so a
+sharding tree built leaf by leaf gets exactly one sharding per buffer, and the
+views (which are no arrays) get none: the ``Tied`` nodes stay where they are.
+Patterns follow :func:`sharetree.label_by_path`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sharetree._errors import TieError
+from sharetree._labels import _matches, _unused_error
+from sharetree._labels import _rules as _label_rules
+from sharetree._paths import Path, aval_of, keypath_to_path, path_str
+
+__all__ = ["shardings_by_path"]
+
+_WHERE = "shardings_by_path"
+
+
+def _spec_of(value: Any, pattern: str) -> PartitionSpec:
+    if isinstance(value, PartitionSpec):
+        return value
+    if value is None or isinstance(value, (tuple, list)):
+        return PartitionSpec(*(value or ()))
+    raise TieError(
+        f"{_WHERE}: the rule {pattern!r} gives {type(value).__name__} {value!r}; expected a "
+        "jax.sharding.PartitionSpec. Fix: write {'embed/*': P('model', None), '*': P()}."
+    )
+
+
+def _rules(rules: Any) -> list[tuple[str, PartitionSpec]]:
+    example = "{'embed/*': P('model', None), '*': P()}"
+    pairs = _label_rules(rules, _WHERE, "PartitionSpec", example)
+    return [(pattern, _spec_of(value, pattern)) for pattern, value in pairs]
+
+
+def _axes(entry: Any) -> tuple[Any, ...]:
+    """The mesh axis names of one PartitionSpec entry (``None``, a name or a tuple of names)."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _check(path: Path, shape: tuple[int, ...], spec: PartitionSpec, rule: str, mesh: Any) -> None:
+    where = f"{_WHERE}: {path_str(path)!r} (shape {tuple(shape)}, rule {rule!r} -> {spec})"
+    if len(spec) > len(shape):
+        raise TieError(
+            f"{where}: the spec has {len(spec)} entries but the array has {len(shape)} "
+            f"dimension(s). Fix: give at most {len(shape)} entries (P() replicates), or write "
+            "a more specific pattern before this one."
+        )
+    sizes = dict(mesh.shape)
+    named = [a for entry in spec for a in _axes(entry)]
+    twice = sorted({repr(a) for a in named if named.count(a) > 1})
+    if twice:
+        raise TieError(
+            f"{where}: mesh axis {', '.join(twice)} is used for more than one dimension; each "
+            "mesh axis can split one dimension only. Fix: name it once (P('data', None), "
+            "P(('data', 'model'), None))."
+        )
+    for dim, entry in enumerate(spec):
+        axes = _axes(entry)
+        for axis in axes:
+            if axis not in sizes:
+                raise TieError(
+                    f"{where}: mesh axis {axis!r} does not exist; the mesh has axes "
+                    f"{tuple(sizes)} (sizes {tuple(sizes.values())}). Fix: name one of "
+                    f"{tuple(sizes)}, or build the mesh with an axis {axis!r}."
+                )
+        size = math.prod(sizes[a] for a in axes)
+        if size > 1 and shape[dim] % size:
+            names = axes[0] if len(axes) == 1 else axes
+            raise TieError(
+                f"{where}: dimension {dim} has size {shape[dim]}, which mesh axis {names!r} of "
+                f"size {size} does not divide. Fix: pad the dimension to a multiple of {size}, "
+                "shard another dimension, or replicate it (None in the spec)."
+            )
+
+
+def shardings_by_path(
+    tree: Any,
+    mesh: jax.sharding.Mesh,
+    rules: Mapping[str, Any] | Sequence[tuple[str, Any]],
+    *,
+    default: PartitionSpec | None = None,
+    strict: bool = True,
+) -> Any:
+    """A tree of ``NamedSharding``, one per buffer, chosen by the first pattern that matches.
+
+    The result has the canonical tree's structure: each buffer gets one
+    ``NamedSharding(mesh, spec)`` and each ``Tied`` stays a ``Tied`` (a view
+    is no array and gets no sharding of its own). Use it for ``jax.jit``'s
+    ``in_shardings`` / ``out_shardings``, ``jax.device_put`` and Orbax restore
+    targets; for optax state map it over the parameters' positions with
+    ``optax.tree_map_params(opt, lambda _, s: s, state, shardings,
+    transform_non_params=lambda _: replicated)``.
+
+    Patterns are those of :func:`sharetree.label_by_path`: ``fnmatch``-style
+    on ``/``-joined paths, and a pattern that matches a node covers every
+    leaf below it. Every spec is checked against its array: the mesh axes it
+    names exist, it has no more entries than the array has dimensions, and
+    every sharded dimension is divisible by its mesh axes' size.
+
+    Args:
+        tree: a canonical tree of arrays or ``jax.ShapeDtypeStruct`` (e.g.
+            ``jax.eval_shape(init, key)``).
+        mesh: the ``jax.sharding.Mesh`` the shardings live on.
+        rules: ``{pattern: PartitionSpec}`` (or ``(pattern, spec)`` pairs);
+            the first matching pattern wins.
+        default: the spec of a leaf that no pattern matches. Without it such a
+            leaf is an error.
+        strict: also require every pattern to match at least one leaf (catches
+            typos, and patterns that name only tied positions); a catch-all
+            ``"*"`` after more specific patterns is fine.
+
+    Returns:
+        The tree with each buffer replaced by its ``NamedSharding``.
+
+    Raises:
+        TieError: a ``mesh`` that is no mesh, a leaf that no pattern matches
+            (and no ``default``), a pattern that matches nothing (with
+            ``strict``), a leaf that is no array, a spec naming a
+            mesh axis that does not exist, a spec with more entries than its
+            array has dimensions, or a dimension its mesh axes do not divide;
+            each names the path.
+
+    Example:
+        >>> import jax, numpy as np, sharetree as st
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("model",))
+        >>> params = {"embed": np.ones((16, 4)), "head": st.Tied("embed", st.T), "b": np.zeros(4)}
+        >>> s = st.shardings_by_path(params, mesh, {"embed": P("model", None), "*": P()})
+        >>> s["embed"].spec == P("model", None), s["b"].spec == P(), s["head"]
+        (True, True, Tied('embed', T))
+    """
+    if not (hasattr(mesh, "shape") and hasattr(mesh, "axis_names")):
+        raise TieError(
+            f"{_WHERE}: expected a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}. "
+            "Fix: build one with jax.make_mesh((2, 4), ('data', 'model'))."
+        )
+    pairs = _rules(rules)
+    fallback = None if default is None else _spec_of(default, "default")
+    used = [False] * len(pairs)
+    leaf_paths: list[Path] = []
+
+    def shard(kp: Any, x: Any) -> NamedSharding:
+        path = keypath_to_path(kp)
+        leaf_paths.append(path)
+        aval = aval_of(x)
+        if aval is None:
+            raise TieError(
+                f"{_WHERE}: leaf {path_str(path)!r} is {type(x).__name__} {x!r}, not an array; "
+                "only arrays take a sharding. Fix: pass a tree of arrays or "
+                "jax.ShapeDtypeStruct (jax.eval_shape(init, key))."
+            )
+        matching = [i for i, (pattern, _) in enumerate(pairs) if _matches(pattern, path)]
+        for i in matching:
+            used[i] = True
+        if matching:
+            pattern, spec = pairs[matching[0]]
+            _check(path, aval.shape, spec, pattern, mesh)
+            return NamedSharding(mesh, spec)
+        if fallback is None:
+            raise TieError(
+                f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))}) matches none "
+                f"of the patterns {[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
+                f"{path_str(path)!r} or '*'), or pass default=P()."
+            )
+        _check(path, aval.shape, fallback, "default", mesh)
+        return NamedSharding(mesh, fallback)
+
+    out = jtu.tree_map_with_path(shard, tree)
+    if strict:
+        for (pattern, _), ok in zip(pairs, used, strict=True):
+            if not ok:
+                raise _unused_error(pattern, tree, leaf_paths, _WHERE)
+    return out

@@ -1,0 +1,301 @@
+"""``untie`` and ``untie_state``: break ties on purpose, losing nothing.
+
+:func:`untie` replaces ``Tied`` nodes by independent copies of their values,
+so that training continues with the uses separated (``st.tie`` with the same
+``Tied`` nodes is its inverse). :func:`untie_state` carries an optimizer state
+over: each parameter-shaped part (Adam's ``mu`` and ``nu``) is untied the same
+way, so every new buffer starts from a copy of the shared moments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from sharetree._errors import TieError
+from sharetree._materialize import leaves_and_structure, materialize
+from sharetree._paths import (
+    Path,
+    PathLike,
+    closest,
+    format_aval,
+    keypath_to_path,
+    path_str,
+    to_path,
+)
+from sharetree._resolve import Structure
+from sharetree._tied import is_tied
+from sharetree._transforms import Transform
+
+__all__ = ["untie", "untie_state"]
+
+PyTree = Any
+
+
+def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None) -> list[Path]:
+    """The ``Tied`` positions at or under ``paths`` (all of them for ``None``), flatten order."""
+    ties = list(structure.ties)
+    if paths is None:
+        return ties
+    if isinstance(paths, (str, tuple)):
+        paths = [paths]
+    chosen: set[Path] = set()
+    for given in paths:
+        p = to_path(given, "untie path")
+        under = [q for q in ties if q[: len(p)] == p]
+        if not under:
+            inside = next((q for q in ties if p[: len(q)] == q), None)
+            if inside is not None:
+                raise TieError(
+                    f"untie: {path_str(p)!r} lies inside the view {path_str(inside)!r} "
+                    f"({structure.ties[inside]!r}), which is tied as a whole. "
+                    f"Fix: untie {path_str(inside)!r}, then tie the parts you want shared again."
+                )
+            hint = (
+                closest(path_str(p), [path_str(q) for q in ties])
+                if ties
+                else "the tree has no ties at all"
+            )
+            raise TieError(
+                f"untie: {path_str(p)!r} is not a view and has no view under it; {hint}. "
+                "Fix: pass the path of a Tied (or of a subtree holding some); buffers "
+                "are untied already."
+            )
+        chosen.update(under)
+    return [q for q in ties if q in chosen]
+
+
+def _copy(x: Any) -> Any:
+    """An independent copy of a concrete array (tracers and non-arrays are returned as they are)."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return jnp.array(x, copy=True)
+    return x
+
+
+def _untie_positions(tree: PyTree, structure: Structure, chosen: list[Path]) -> PyTree:
+    at = set(chosen)
+    materialized = materialize(tree)
+    buffers = {id(x) for x in jtu.tree_leaves(tree) if isinstance(x, (np.ndarray, jax.Array))}
+
+    def stop(kp: Any, _x: Any) -> bool:
+        return keypath_to_path(kp) in at
+
+    found: dict[Path, Any] = {}
+    flat, _ = jtu.tree_flatten_with_path(materialized, is_leaf=stop, is_leaf_takes_path=True)
+    for kp, node in flat:
+        path = keypath_to_path(kp)
+        if path in at:
+            # an identity view is the buffer object itself: copy it, so that no two
+            # positions hold one array (donation, in-place NumPy updates)
+            found[path] = jtu.tree_map(lambda x: _copy(x) if id(x) in buffers else x, node)
+
+    def replace(kp: Any, x: Any) -> Any:
+        path = keypath_to_path(kp)
+        return found[path] if path in at else x
+
+    return jtu.tree_map_with_path(replace, tree, is_leaf=is_tied)
+
+
+def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
+    """Replace ``Tied`` nodes by independent copies of their values.
+
+    Every ``Tied`` (or, with ``paths``, every ``Tied`` at or under one of the
+    given paths) becomes its materialized value: a leaf for a leaf view, a
+    subtree for a subtree view; the new leaves are new buffers, so
+    ``st.canonicalize`` and ``st.summary`` show them and training moves each
+    use on its own. Nothing else changes: the other ``Tied`` nodes keep
+    their refs (one whose ref passes through an untied position now follows
+    the new buffer there, with the same value). ``st.tie`` with the same
+    ``Tied`` nodes is the inverse:
+    ``st.tie(st.untie(tree, ["dec"]), {"dec": tree["dec"]})`` equals ``tree``.
+    Carry an optimizer state over with :func:`untie_state`.
+
+    Args:
+        tree: a canonical tree.
+        paths: ``None`` (every tie), one path, or a list of paths; a path
+            is ``"dec/kernel"`` or a tuple of keys (so a tuple is one path,
+            a list is several), the position of a ``Tied`` or of a subtree
+            holding some.
+
+    Returns:
+        The canonical tree with the chosen ties replaced by arrays.
+
+    Raises:
+        TieError: a path that is neither a ``Tied`` nor above one (naming
+            the closest tie positions), a path inside a subtree view, or a
+            bad graph (as for :func:`materialize`).
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> tree = {"enc": np.arange(6.0).reshape(2, 3), "dec": st.Tied("enc", st.T)}
+        >>> untied = st.untie(tree, "dec")
+        >>> untied["dec"].shape, st.canonicalize(untied).num_views
+        ((3, 2), 0)
+        >>> st.tie(untied, {"dec": tree["dec"]})["dec"]
+        Tied('enc', T)
+    """
+    _, structure = leaves_and_structure(tree)
+    chosen = _selected(structure, paths)
+    if not chosen:
+        return tree
+    return _untie_positions(tree, structure, chosen)
+
+
+def _moves_elements(t: Transform) -> bool:
+    """Whether ``t`` only moves elements (a transpose or reshape, or a chain of them)."""
+    parts = getattr(t, "parts", (t,))
+    return all(type(p).__name__ in ("_Transpose", "_Reshape", "_Identity") for p in parts)
+
+
+def _top(x: Any) -> Any:
+    """The structure of ``x`` one level deep when its children are named, else ``None``.
+
+    Only containers with named children (dicts, named tuples, dataclasses) count:
+    a plain tuple of two states looks like any tuple of two parameters.
+    """
+    if is_tied(x):
+        return None
+    children, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if jtu.treedef_is_leaf(treedef):
+        return None
+    if all(isinstance(kp[0], jtu.SequenceKey) for kp, _ in children):
+        return None
+    return treedef
+
+
+def _first_difference(part: Any, tree: PyTree) -> str:
+    """Describe the first position (flatten order) where ``part`` and ``tree`` differ."""
+
+    def entries(t: Any) -> list[tuple[Path, str]]:
+        return [
+            (keypath_to_path(kp), repr(x) if is_tied(x) else f"a leaf ({format_aval(x)})")
+            for kp, x in jtu.tree_leaves_with_path(t, is_leaf=is_tied)
+        ]
+
+    a, b = entries(part), entries(tree)
+    for k in range(max(len(a), len(b))):
+        pa, sa = a[k] if k < len(a) else (None, "nothing")
+        pb, sb = b[k] if k < len(b) else (None, "nothing")
+        if pa != pb or sa.startswith("Tied") or sb.startswith("Tied"):
+            if (pa, sa) == (pb, sb):
+                continue
+            first: Path | None
+            if pa is not None and pb is not None and pa != pb:
+                first = min(pa, pb)
+                sa, sb = (sa if first == pa else "nothing"), (sb if first == pb else "nothing")
+            else:
+                first = pa if pa is not None else pb
+            assert first is not None
+            return f"at {path_str(first)!r} the tree has {sb}, the state has {sa}"
+    return "the node types differ below the top level"
+
+
+def untie_state(
+    opt_state: PyTree, tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None
+) -> PyTree:
+    """Untie an optimizer state the way :func:`untie` unties ``tree``.
+
+    Every part of ``opt_state`` with the structure of ``tree`` (same
+    containers, same ``Tied`` nodes in the same places: Adam's ``mu`` and
+    ``nu``, a momentum trace) is untied like the tree, so each new buffer
+    starts with a copy of its shared buffer's moments, moved through the
+    view's transform: copied as they are for an identity view, transposed
+    for a ``T`` view, reshaped for a ``reshape`` view. The other parts
+    (``count``, empty states) are kept as they are, and a state with no
+    parameter-shaped part (plain SGD) comes back unchanged. Call it with the
+    tree *before* untying::
+
+        new_params = st.untie(params, paths)
+        new_state = st.untie_state(opt_state, params, paths)
+
+    Only views that move elements (``transpose``, ``reshape`` and chains of
+    them) are accepted: a state does not say which of its parts is a first
+    moment and which a second, and through ``scale(c)`` they would need
+    different factors (``1/c`` and ``1/c**2``), through ``astype`` a rounding
+    and through ``fn`` something unknown. For such views untie the tree and
+    initialize a fresh state for it.
+
+    Args:
+        opt_state: an optimizer state made by ``optimizer.init(tree)`` (any
+            pytree: optax's tuples and named tuples of states).
+        tree: the canonical tree the state belongs to.
+        paths: as for :func:`untie`.
+
+    Returns:
+        The optimizer state for ``st.untie(tree, paths)``.
+
+    Raises:
+        TieError: a chosen view whose transform does not only move elements
+            (naming it); a part of the state shaped like ``tree`` at the top
+            but different below (naming the state's path and the first
+            position that differs), or whose leaves differ in shape from the
+            tree's buffers; bad paths (as for :func:`untie`).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, sharetree as st
+        >>> params = {"enc": jnp.ones((2, 3)), "dec": st.Tied("enc", st.T)}
+        >>> state = optax.adam(1e-3).init(params)
+        >>> new_state = st.untie_state(state, params)
+        >>> new_state[0].mu["dec"].shape, new_state[0].count
+        ((3, 2), Array(0, dtype=int32))
+    """
+    leaves, structure = leaves_and_structure(tree)
+    chosen = _selected(structure, paths)
+    if not chosen:
+        return opt_state
+    at = set(chosen)
+    for leaf in structure.views:
+        under = next((q for q in at if leaf.path[: len(q)] == q), None)
+        t = leaf.transform
+        if under is not None and t is not None and not _moves_elements(t):
+            raise TieError(
+                f"untie_state: the view {path_str(leaf.path)!r} is {t!r} of "
+                f"{path_str(structure.buffer_paths[leaf.buffer])!r}; optimizer moments are "
+                "carried over only through transforms that move elements (transpose, "
+                "reshape): the state does not say which part is a first moment and which a "
+                "second, and through scale(c) they would change by 1/c and 1/c**2, through "
+                "astype by a rounding, through fn unknowably. Fix: untie the tree with "
+                "st.untie and initialize a fresh optimizer state for it, or untie only views "
+                "that are transposes or reshapes."
+            )
+    treedef = structure.treedef
+    top = _top(tree)
+    shapes = [np.shape(x) for x in leaves]
+
+    def params_like(x: Any) -> bool:
+        if jtu.tree_structure(x) == treedef:
+            return True
+        x_top = _top(x)
+        return top is not None and x_top is not None and x_top == top
+
+    def visit(kp: Any, x: Any) -> Any:
+        if not params_like(x):
+            return x
+        where = jtu.keystr(tuple(kp), simple=True, separator="/") or "<root>"
+        if jtu.tree_structure(x) != treedef:
+            raise TieError(
+                f"untie_state: the part {where!r} of the optimizer state has the tree's "
+                f"top-level keys but not its structure: {_first_difference(x, tree)}. "
+                "Fix: pass the canonical tree the state was made for (optimizer.init(tree)), "
+                "before untying it; for a state that holds optax.MaskedNode (optax.masked, "
+                "multi_transform), initialize a fresh state for the untied tree."
+            )
+        part_leaves = jtu.tree_leaves(x)
+        for path, s, y in zip(structure.buffer_paths, shapes, part_leaves, strict=True):
+            if np.shape(y) != s:
+                raise TieError(
+                    f"untie_state: the part {where!r} of the optimizer state has shape "
+                    f"{np.shape(y)} at {path_str(path)!r}, where the tree's buffer has shape "
+                    f"{s}; only elementwise states (such as Adam's mu and nu) can be untied. "
+                    "Fix: initialize a fresh optimizer state for the untied tree."
+                )
+        return _untie_positions(x, structure, chosen)
+
+    return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)

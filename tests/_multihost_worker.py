@@ -1,0 +1,401 @@
+"""One process of a multi-controller JAX job: a tied-embedding LM trained on a global mesh.
+
+The recipe of docs/saving_and_scaling.md ("Many hosts"); ``tests/test_multihost.py``
+runs it as written. Start one process per host (here: per simulated host, on
+127.0.0.1)::
+
+    python tests/_multihost_worker.py train OUTDIR --process-id 0 --num-processes 2 \
+        --coordinator 127.0.0.1:PORT --local-devices 4
+
+Modes:
+
+* ``train``: build the sharded model, train ``STEPS`` steps with AdamW and
+  clipping, save the train state with Orbax after ``SAVE_AT`` steps, write
+  the results (``OUTDIR/train_<i>.json`` and ``.npz``, for process ``i``).
+* ``resume``: a fresh job restores the Orbax checkpoint into abstract targets
+  carrying the global shardings and trains the remaining steps; then it
+  starts another save and process 1 is killed during it (``--kill-during-save``).
+* ``single``: the references, on one process with 8 devices: the same model,
+  and the same model tied by hand (``W`` and ``W.T``, a block used twice).
+  It also restores the latest Orbax checkpoint (after the interrupted save).
+
+On a real cluster: drop ``--local-devices`` and the gloo line (GPUs use NCCL,
+TPUs ICI), call ``jax.distributed.initialize()`` without arguments where the
+cluster environment provides them, and put the checkpoint directory on a
+filesystem or object store that every host sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("mode", choices=["train", "resume", "single"])
+    p.add_argument("outdir")
+    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--coordinator", default=None, help="host:port of process 0 (127.0.0.1 here)")
+    p.add_argument("--local-devices", type=int, default=8, help="simulated CPU devices")
+    p.add_argument("--init-timeout", type=int, default=30, help="seconds to reach the coordinator")
+    p.add_argument("--kill-during-save", action="store_true")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args(sys.argv[1:]) if __name__ == "__main__" else None
+if ARGS is not None:  # before JAX starts: simulated CPU devices
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.local_devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import sharetree as st  # noqa: E402
+
+VOCAB, DIM, HIDDEN, BATCH, SEQ = 64, 16, 32, 8, 9
+STEPS, SAVE_AT = 6, 3
+# st.save(..., gather=True) / st.load(..., shardings=) exist (sharetree >= the io release)
+ST_SAVE_GATHERS = "gather" in inspect.signature(st.save).parameters
+
+
+# docs: begin start
+def wait_for_coordinator(address: str, timeout: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; raise naming it after ``timeout`` s.
+
+    ``jax.distributed.initialize`` aborts the whole process (a C++ check
+    failure, no Python exception) when the coordinator stays unreachable, so
+    the processes other than 0 (which hosts the coordinator) probe it first.
+    """
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"could not reach the JAX coordinator at {address} within {timeout:g} s "
+                    f"({e}). Fix: start process 0 with --coordinator {address}, or pass the "
+                    "address and port process 0 listens on."
+                ) from None
+            time.sleep(0.2)
+
+
+def initialize(coordinator: str | None, num_processes: int, process_id: int, timeout: int) -> None:
+    """``jax.distributed.initialize`` with gloo collectives and a bounded coordinator wait."""
+    if num_processes == 1:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only: gloo collectives
+    if process_id != 0:
+        wait_for_coordinator(coordinator, timeout)
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, initialization_timeout=timeout
+    )
+
+
+# docs: end start
+
+
+# docs: begin model
+RULES = {  # one PartitionSpec per buffer, by path (the head is a view: it needs none)
+    "embed": P("model", None),  # (vocab, dim): the vocabulary split over "model"
+    "blocks/*/w1": P(None, "model"),
+    "blocks/*/w2": P("model", None),
+    "*": P(),  # everything else replicated
+}
+
+
+def init(key: jax.Array) -> dict:
+    """A tied LM: the head is the embedding transposed, block 2 is block 0 used again."""
+    ke, *kb = jax.random.split(key, 5)
+
+    def block(k1, k2):
+        return {
+            "w1": jax.random.normal(k1, (DIM, HIDDEN)) / DIM**0.5,
+            "w2": jax.random.normal(k2, (HIDDEN, DIM)) / HIDDEN**0.5,
+            "scale": jnp.ones(DIM),
+        }
+
+    return {
+        "embed": jax.random.normal(ke, (VOCAB, DIM)),
+        "blocks": [block(kb[0], kb[1]), block(kb[2], kb[3]), st.Tied("blocks/0")],
+        "head": st.Tied("embed", st.T),
+    }
+
+
+def forward(m: dict, tokens: jax.Array) -> jax.Array:
+    """Logits of a materialized (plain) tree: causal mean mixing and an MLP per block."""
+    x = m["embed"][tokens]
+    steps = jnp.arange(1, tokens.shape[1] + 1, dtype=x.dtype)[None, :, None]
+    for b in m["blocks"]:
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * b["scale"]
+        h = jnp.cumsum(h, axis=1) / steps  # each position sees itself and the past
+        x = x + jax.nn.gelu(h @ b["w1"]) @ b["w2"]
+    return x @ m["head"]
+
+
+def loss_of_materialized(m: dict, batch: jax.Array) -> jax.Array:
+    logits = forward(m, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def loss(params: dict, batch: jax.Array) -> jax.Array:
+    return loss_of_materialized(st.materialize(params), batch)
+
+
+def global_batch(step: int) -> np.ndarray:
+    """The global batch of a step (each process below keeps only its rows)."""
+    return np.random.default_rng(step).integers(0, VOCAB, (BATCH, SEQ), dtype=np.int32)
+
+
+OPT = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-2, weight_decay=0.1))
+
+
+def make_mesh() -> Mesh:
+    """A (data, model) = (processes, 4) mesh; process i holds row i, so "model" is inside a host."""
+    devices = np.array(jax.devices()).reshape(-1, 4)
+    return Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+class Setup:
+    """The mesh, the sharding trees and the jitted step (the same on every process)."""
+
+    def __init__(self, loss_fn=loss, init_fn=init) -> None:
+        self.mesh = make_mesh()
+        abstract = jax.eval_shape(init_fn, jax.random.key(0))
+        self.shardings = st.shardings_by_path(abstract, self.mesh, RULES)
+        replicated = NamedSharding(self.mesh, P())
+        self.opt_shardings = optax.tree_map_params(
+            OPT,
+            lambda _, s: s,
+            jax.eval_shape(OPT.init, abstract),
+            self.shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.init = jax.jit(init_fn, out_shardings=self.shardings)
+        self.opt_init = jax.jit(OPT.init, out_shardings=self.opt_shardings)
+
+        def step(params, opt_state, batch):
+            value, grads = jax.value_and_grad(loss_fn)(params, batch)  # grads keep the ties
+            updates, opt_state = OPT.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value, grads
+
+        self.step = jax.jit(
+            step,
+            in_shardings=(self.shardings, self.opt_shardings, self.batch_sharding),
+            out_shardings=(self.shardings, self.opt_shardings, replicated, self.shardings),
+        )
+
+    def batch(self, step: int) -> jax.Array:
+        """This process's rows of the global batch, assembled into one global array."""
+        rows = BATCH // jax.process_count()
+        start = jax.process_index() * rows
+        local = global_batch(step)[start : start + rows]
+        return jax.make_array_from_process_local_data(self.batch_sharding, local)
+
+    def abstract_state(self) -> dict:
+        """Restore target: the fresh program's train state, abstract, with global shardings."""
+        shapes = jax.eval_shape(lambda: {"params": init(jax.random.key(0))})
+        shapes["opt_state"] = jax.eval_shape(OPT.init, shapes["params"])
+        shardings = {"params": self.shardings, "opt_state": self.opt_shardings}
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+
+
+# docs: end model
+
+
+# docs: begin train
+def gathered(tree: object) -> dict[str, np.ndarray]:
+    """Every leaf of a global tree as a full NumPy array on this process, keyed by path."""
+    full = multihost_utils.process_allgather(tree, tiled=True)
+    flat = jax.tree_util.tree_flatten_with_path(full)[0]
+    return {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(x) for k, x in flat}
+
+
+def train(args: argparse.Namespace) -> None:
+    setup = Setup()
+    params = setup.init(jax.random.key(0))
+    opt_state = setup.opt_init(params)
+    out = describe(setup, params, opt_state)
+    record: dict[str, np.ndarray] = {}
+    losses = []
+    ckpt = ocp.CheckpointManager(os.path.join(args.outdir, "ckpt"))
+    for i in range(STEPS):
+        if i == SAVE_AT:  # every process saves; Orbax writes each shard once
+            ckpt.save(i, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            ckpt.wait_until_finished()
+            record.update({f"saved/{k}": v for k, v in gathered(params).items()})
+        params, opt_state, value, grads = setup.step(params, opt_state, setup.batch(i))
+        losses.append(float(value))
+        record.update({f"grads/{i}/{k}": v for k, v in gathered(grads).items()})
+    ckpt.close()
+    out["losses"] = losses
+    out["final_ties"] = ties_of(params)
+    out["final_treedef"] = str(jax.tree.structure(params))
+    record.update({f"params/{k}": v for k, v in gathered(params).items()})
+    if ST_SAVE_GATHERS:  # a .safetensors export: every process gathers, process 0 writes
+        st.save(os.path.join(args.outdir, "model.safetensors"), params, gather=True)
+    write(args, out, record)
+
+
+# docs: end train
+
+
+def ties_of(tree: object) -> list[list[str]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, st.Tied))[0]
+    return [
+        [jax.tree_util.keystr(k, simple=True, separator="/"), repr(x)]
+        for k, x in flat
+        if isinstance(x, st.Tied)
+    ]
+
+
+def describe(setup: Setup, params: dict, opt_state: object) -> dict:
+    """Facts about the global train state, as this process sees them."""
+    batch = setup.batch(0)
+    compiled = setup.step.lower(params, opt_state, batch).compile()
+    mem = compiled.memory_analysis()
+    leaves = jax.tree.leaves((params, opt_state, batch))
+    embed = params["embed"]
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+        "treedef": str(jax.tree.structure(params)),
+        "opt_treedef": str(jax.tree.structure(opt_state)),
+        "ties": ties_of(params),
+        "opt_ties": ties_of(opt_state),
+        "num_param_leaves": len(jax.tree.leaves(params)),
+        "num_tables": sum(x.shape == (VOCAB, DIM) for x in jax.tree.leaves(params)),
+        "num_tables_in_state": sum(x.shape == (VOCAB, DIM) for x in jax.tree.leaves(opt_state)),
+        "embed_shape": list(embed.shape),
+        "embed_spec": str(embed.sharding.spec).replace("PartitionSpec(", "P("),
+        "embed_fully_addressable": embed.is_fully_addressable,
+        "embed_local_shards": sorted(list(s.data.shape) for s in embed.addressable_shards),
+        "argument_bytes": None if mem is None else int(mem.argument_size_in_bytes),
+        "unique_shard_bytes": sum(x.addressable_shards[0].data.nbytes for x in leaves),
+    }
+
+
+# docs: begin resume
+def resume(args: argparse.Namespace) -> None:
+    setup = Setup()
+    ckpt = ocp.CheckpointManager(os.path.join(args.outdir, "ckpt"))
+    step = ckpt.latest_step()
+    state = ckpt.restore(step, args=ocp.args.StandardRestore(setup.abstract_state()))
+    params, opt_state = state["params"], state["opt_state"]
+    out = {
+        "restored_step": step,
+        "restored_ties": ties_of(params),
+        "restored_opt_ties": ties_of(opt_state),
+        "restored_treedef": str(jax.tree.structure(params)),
+        "restored_shardings_equal": all(
+            x.sharding == s
+            for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(setup.shardings))
+        )
+        and all(
+            x.sharding == s
+            for x, s in zip(jax.tree.leaves(opt_state), jax.tree.leaves(setup.opt_shardings))
+        ),
+    }
+    record = {f"restored/{k}": v for k, v in gathered(params).items()}
+    if ST_SAVE_GATHERS:  # the export, read back by every process onto the global shardings
+        loaded = st.load(os.path.join(args.outdir, "model.safetensors"), shardings=setup.shardings)
+        out["st_load_ties"] = ties_of(loaded)
+        out["st_load_shardings_equal"] = jax.tree.structure(loaded) == jax.tree.structure(
+            setup.shardings
+        ) and all(
+            x.sharding == s
+            for x, s in zip(jax.tree.leaves(loaded), jax.tree.leaves(setup.shardings))
+        )
+        record.update({f"st_load/{k}": v for k, v in gathered(loaded).items()})
+    losses = []
+    for i in range(step, STEPS):
+        params, opt_state, value, _ = setup.step(params, opt_state, setup.batch(i))
+        losses.append(float(value))
+    out["losses"] = losses
+    record.update({f"params/{k}": v for k, v in gathered(params).items()})
+    write(args, out, record)  # written before the interrupted save below
+    ckpt.save(STEPS, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    if args.kill_during_save and jax.process_index() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # the write is under way in the background
+    ckpt.wait_until_finished()
+    ckpt.close()
+
+
+# docs: end resume
+
+
+def by_hand_init(key: jax.Array) -> dict:
+    """The same weights without sharetree: one embedding and two blocks."""
+    p = init(key)
+    return {"embed": p["embed"], "blocks": p["blocks"][:2]}
+
+
+def by_hand_loss(p: dict, batch: jax.Array) -> jax.Array:
+    """Tied by hand: the head is ``W.T`` and block 0 is called twice."""
+    m = {"embed": p["embed"], "blocks": [*p["blocks"], p["blocks"][0]], "head": p["embed"].T}
+    return loss_of_materialized(m, batch)
+
+
+def single(args: argparse.Namespace) -> None:
+    record: dict[str, np.ndarray] = {}
+    out: dict = {"device_count": jax.device_count()}
+    for name, setup in (("tied", Setup()), ("hand", Setup(by_hand_loss, by_hand_init))):
+        params = setup.init(jax.random.key(0))
+        opt_state = setup.opt_init(params)
+        losses = []
+        for i in range(STEPS):
+            params, opt_state, value, grads = setup.step(params, opt_state, setup.batch(i))
+            losses.append(float(value))
+            record.update(
+                {f"{name}/grads/{i}/{k}": np.asarray(v) for k, v in gathered(grads).items()}
+            )
+        out[f"{name}_losses"] = losses
+        record.update({f"{name}/params/{k}": v for k, v in gathered(params).items()})
+    # the checkpoint directory after the interrupted save: the previous step restores intact
+    path = os.path.join(args.outdir, "ckpt")
+    if os.path.isdir(path):
+        ckpt = ocp.CheckpointManager(path)
+        out["ckpt_steps"] = list(ckpt.all_steps())
+        setup = Setup()
+        state = ckpt.restore(
+            ckpt.latest_step(), args=ocp.args.StandardRestore(setup.abstract_state())
+        )
+        out["ckpt_ties"] = ties_of(state["params"])
+        record.update({f"ckpt/{k}": v for k, v in gathered(state["params"]).items()})
+        ckpt.close()
+    write(args, out, record)
+
+
+def write(args: argparse.Namespace, out: dict, record: dict[str, np.ndarray]) -> None:
+    name = os.path.join(args.outdir, f"{args.mode}_{jax.process_index()}")
+    np.savez(name + ".npz", **record)
+    with open(name + ".json", "w") as fh:
+        json.dump(out, fh)
+
+
+if __name__ == "__main__":
+    initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id, ARGS.init_timeout)
+    {"train": train, "resume": resume, "single": single}[ARGS.mode](ARGS)
+    if ARGS.num_processes > 1:
+        jax.distributed.shutdown()

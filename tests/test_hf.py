@@ -1,0 +1,151 @@
+"""Hugging Face checkpoints with the real libraries: tiny GPT-2 and Llama, random init, no hub.
+
+``save_pretrained`` (single file and sharded), ``safetensors.torch.save_model`` and a state
+dict holding both copies load with ``ties=`` into the canonical tree, whose materialized
+tree equals ``model.state_dict()`` bit for bit; exported back (buffers only, the embedding
+is the buffer) the file loads in ``from_pretrained`` with the tie intact and equal logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file, save_model  # noqa: E402
+from test_import_checkpoints import load_ties, save_pt  # noqa: E402
+
+import sharetree as st  # noqa: E402
+
+VOCAB = 100
+
+
+def tied_weights(model) -> dict[str, str]:
+    """``{target: ref}`` of a model: ``all_tied_weights_keys`` (5.x), else shared storage (4.x)."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if keys is not None:
+        return dict(keys)
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.data_ptr() in first:
+            out[name] = first[p.data_ptr()]
+        else:
+            first[p.data_ptr()] = name
+    return out
+
+
+def make(arch: str, tied: bool):
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "tie_word_embeddings": tied}
+    common |= {"bos_token_id": 0, "eos_token_id": 0}
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=32, **common)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            **common,
+        )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def state_dict(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def assert_canonical(tree, model) -> None:
+    """Independent reference: the materialized tree is the model's own state dict, bit-exactly."""
+    m = st.materialize(tree)
+    sd = state_dict(model)
+    assert set(m) == set(sd)
+    for k, v in sd.items():
+        a = np.asarray(m[k])
+        assert a.dtype == v.dtype and a.tobytes() == v.tobytes(), k
+
+
+def export_and_reload(tmp_path, tree, model):
+    """st.save with {"format": "pt"} + the config -> from_pretrained; tie and logits checked."""
+    out = tmp_path / "export"
+    out.mkdir()
+    save_pt(out / "model.safetensors", tree)
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        written = set(f.keys())
+    views = {k for k, v in tree.items() if isinstance(v, st.Tied)}
+    assert written == set(tree) - views  # views are never written
+    model.config.save_pretrained(out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    head, emb = back.get_output_embeddings().weight, back.get_input_embeddings().weight
+    assert (head.data_ptr() == emb.data_ptr()) == bool(tied_weights(model))
+    assert not any(p.is_meta for p in back.parameters())
+    tokens = torch.arange(12).reshape(2, 6) * 7 % VOCAB
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, back(tokens).logits)
+    return back
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_pretrained_load_export(tmp_path, arch, tied) -> None:
+    model = make(arch, tied)
+    ties = tied_weights(model)
+    assert bool(ties) == tied
+    model.save_pretrained(tmp_path / "src")
+    with safe_open(str(tmp_path / "src" / "model.safetensors"), "np") as f:
+        stored = set(f.keys())
+    with pytest.warns(UserWarning, match="not written by sharetree"):
+        tree = load_ties(tmp_path / "src", ties=ties)
+    for target, ref in ties.items():
+        assert target not in stored  # save_pretrained omits the head of a tied model
+        assert tree[target] == st.Tied(ref) and isinstance(tree[ref], np.ndarray)
+    assert_canonical(tree, model)
+    export_and_reload(tmp_path, tree, model)
+
+
+def test_sharded_save_pretrained(tmp_path) -> None:
+    model = make("llama", True)
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    shards = sorted(p.name for p in (tmp_path / "src").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "src" / "model.safetensors.index.json").exists()
+    with pytest.warns(UserWarning, match=f"from {len(shards)} files"):
+        tree = load_ties(tmp_path / "src", ties=tied_weights(model))
+    assert_canonical(tree, model)
+    export_and_reload(tmp_path, tree, model)
+
+
+def test_save_model_file_restores_its_tie_and_exports_the_embedding(tmp_path) -> None:
+    model = make("llama", True)
+    save_model(model, str(tmp_path / "m.safetensors"))
+    with safe_open(str(tmp_path / "m.safetensors"), "np") as f:
+        meta, stored = f.metadata(), set(f.keys())
+    (dropped, kept), *_ = [(k, v) for k, v in meta.items() if k not in stored]
+    with pytest.warns(UserWarning, match=f"metadata records: {dropped!r} <- {kept!r}"):
+        tree = load_ties(tmp_path / "m.safetensors")
+    assert tree[dropped] == st.Tied(kept)
+    assert_canonical(tree, model)
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m.safetensors", ties=tied_weights(model))
+    assert tree["lm_head.weight"] == st.Tied("model.embed_tokens.weight")  # moved to the ref
+    assert_canonical(tree, model)
+    export_and_reload(tmp_path, tree, model)
+
+
+def test_both_copies_are_compared_and_tied_in_transformers_direction(tmp_path) -> None:
+    model = make("gpt2", True)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}  # two copies
+    save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning):
+        tree = load_ties(tmp_path / "m.safetensors", ties=tied_weights(model))
+    assert tree["lm_head.weight"] == st.Tied("transformer.wte.weight")
+    assert_canonical(tree, model)
+    export_and_reload(tmp_path, tree, model)
+    sd["lm_head.weight"][3, 4] += 1.0  # a head trained apart: not one tied weight
+    save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(st.TieError, match=r"'lm_head.weight'.*'transformer.wte.weight'.*differ"):
+        load_ties(tmp_path / "m.safetensors", ties=tied_weights(model))

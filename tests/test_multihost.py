@@ -1,0 +1,213 @@
+"""Ties on JAX's multi-controller runtime: 2 processes x 4 CPU devices, gloo over 127.0.0.1.
+
+``tests/_multihost_launcher.py`` starts the worker ``tests/_multihost_worker.py``
+(the "Many hosts" recipe of docs/saving_and_scaling.md) as two processes of one
+job on a free loopback port, with one deadline, and kills every process it
+started when one fails. The module runs three jobs, once:
+
+1. ``train``: the tied LM trained on the global (2, 4) mesh, an Orbax save
+   after 3 steps;
+2. ``resume``: a fresh pair restores that checkpoint and trains on; then it
+   starts another save and process 1 is killed during the write;
+3. ``single``: one process with 8 devices: the same model, the same model
+   tied by hand (``W`` and ``W.T``; a block called twice), and a restore of
+   the latest checkpoint left by the interrupted save.
+
+The tests compare what each job wrote (JSON facts and NumPy arrays).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("optax")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _multihost_launcher as launcher
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Run:
+    """The outputs of the three jobs."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.seconds: dict[str, float] = {}
+        self.train = launcher.launch(["train", str(work)], timeout=120)
+        assert self.train.ok, self.train.report()
+        self.seconds["train"] = self.train.seconds
+        self.resume = launcher.launch(["resume", str(work), "--kill-during-save"], timeout=120)
+        self.seconds["resume"] = self.resume.seconds
+        start = time.monotonic()
+        single = launcher.run_single(["single", str(work)], timeout=120)
+        assert single.returncode == 0, single.stderr[-4000:]
+        self.seconds["single"] = time.monotonic() - start
+
+    def json(self, name: str) -> dict:
+        return json.loads((self.work / f"{name}.json").read_text())
+
+    def arrays(self, name: str, prefix: str) -> dict[str, np.ndarray]:
+        with np.load(self.work / f"{name}.npz") as f:
+            return {k[len(prefix) :]: f[k] for k in f.files if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    r = Run(tmp_path_factory.mktemp("multihost"))
+    print(f"multi-process jobs, wall seconds: {r.seconds}")
+    return r
+
+
+def assert_close(a: dict, b: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def test_two_processes_see_one_global_mesh(run: Run) -> None:
+    for i in range(2):
+        facts = run.json(f"train_{i}")
+        assert facts["process_index"] == i
+        assert facts["process_count"] == 2
+        assert facts["device_count"] == 8
+        assert facts["local_device_count"] == 4
+    assert run.json("single_0")["device_count"] == 8
+
+
+def test_every_process_has_the_same_ties_and_treedef(run: Run) -> None:
+    p0, p1 = run.json("train_0"), run.json("train_1")
+    ties = [["blocks/2", "Tied('blocks/0')"], ["head", "Tied('embed', T)"]]
+    for facts in (p0, p1):
+        assert facts["ties"] == ties
+        assert facts["final_ties"] == ties  # after 6 AdamW steps
+        assert facts["final_treedef"] == facts["treedef"]
+        assert [p for p, _ in facts["opt_ties"]] == [
+            "1/0/mu/blocks/2",
+            "1/0/mu/head",
+            "1/0/nu/blocks/2",
+            "1/0/nu/head",
+        ]
+    for key in ("treedef", "opt_treedef", "ties", "opt_ties", "final_treedef"):
+        assert p0[key] == p1[key], key
+
+
+def test_losses_grads_params_equal_one_process_with_8_devices(run: Run) -> None:
+    single = run.json("single_0")
+    for i in range(2):
+        np.testing.assert_allclose(
+            run.json(f"train_{i}")["losses"], single["tied_losses"], rtol=RTOL
+        )
+        assert_close(run.arrays(f"train_{i}", "grads/"), run.arrays("single_0", "tied/grads/"))
+        assert_close(run.arrays(f"train_{i}", "params/"), run.arrays("single_0", "tied/params/"))
+    losses = single["tied_losses"]
+    assert len(losses) >= 5 and losses[-1] < losses[0]  # it trains
+
+
+def test_equal_to_the_model_tied_by_hand(run: Run) -> None:
+    # the reference has no sharetree: one embedding used as W and W.T, block 0 called twice
+    single = run.json("single_0")
+    np.testing.assert_allclose(run.json("train_0")["losses"], single["hand_losses"], rtol=RTOL)
+    assert_close(run.arrays("train_0", "grads/"), run.arrays("single_0", "hand/grads/"))
+    assert_close(run.arrays("train_0", "params/"), run.arrays("single_0", "hand/params/"))
+
+
+def test_the_table_is_one_global_array(run: Run) -> None:
+    for i in range(2):
+        facts = run.json(f"train_{i}")
+        assert facts["num_param_leaves"] == 7  # embed + 2 blocks x 3: no head, no third block
+        assert facts["num_tables"] == 1
+        assert facts["num_tables_in_state"] == 2  # Adam's mu and nu, one each
+        assert facts["embed_shape"] == [64, 16]
+        assert facts["embed_spec"] == "P('model', None)"
+        assert facts["embed_fully_addressable"] is False
+        assert facts["embed_local_shards"] == [[16, 16]] * 4  # vocab split over model=4
+
+
+def test_per_device_argument_bytes_are_the_unique_shards(run: Run) -> None:
+    facts = run.json("train_0")
+    if facts["argument_bytes"] is None:
+        pytest.skip("this XLA backend gives no memory analysis")
+    assert facts["argument_bytes"] == facts["unique_shard_bytes"]
+
+
+def test_orbax_restore_on_a_fresh_pair_then_training_continues(run: Run) -> None:
+    train = [run.json(f"train_{i}") for i in range(2)]
+    for i in range(2):
+        facts = run.json(f"resume_{i}")
+        assert facts["restored_step"] == 3
+        assert facts["restored_ties"] == train[i]["ties"]
+        assert facts["restored_opt_ties"] == train[i]["opt_ties"]
+        assert facts["restored_treedef"] == train[i]["treedef"]
+        assert facts["restored_shardings_equal"] is True
+        assert_close(run.arrays(f"resume_{i}", "restored/"), run.arrays("train_0", "saved/"), 0, 0)
+        np.testing.assert_allclose(facts["losses"], train[i]["losses"][3:], rtol=RTOL)
+        assert_close(run.arrays(f"resume_{i}", "params/"), run.arrays("train_0", "params/"))
+
+
+def test_a_save_interrupted_by_a_killed_process_leaves_the_previous_checkpoint(run: Run) -> None:
+    codes = [w.returncode for w in run.resume.workers]
+    assert codes[1] == -9, run.resume.report()  # killed during the write
+    assert codes[0] != 0  # the job lost a process: the launcher ended it
+    ckpt = run.work / "ckpt"
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith("6.")], "the save never started"
+    single = run.json("single_0")
+    assert single["ckpt_steps"] == [3]  # the interrupted step 6 is not a checkpoint
+    assert single["ckpt_ties"] == run.json("train_0")["ties"]
+    assert_close(run.arrays("single_0", "ckpt/"), run.arrays("train_0", "saved/"), 0, 0)
+
+
+def test_a_worker_that_cannot_reach_the_coordinator_fails_in_bounded_time(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{launcher.free_port()}"  # nothing listens there
+    cmd = [sys.executable, str(launcher.WORKER), "train", str(tmp_path), "--coordinator", address]
+    cmd += ["--process-id", "1", "--num-processes", "2", "--local-devices", "4"]
+    proc = subprocess.run(
+        [*cmd, "--init-timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # no hang: the worker gives up after its 3 s
+        env=launcher._env(),
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"could not reach the JAX coordinator at {address} within 3 s" in proc.stderr
+
+
+def test_the_docs_recipe_is_the_worker_that_runs_here() -> None:
+    import re
+
+    doc = (Path(__file__).parent.parent / "docs" / "saving_and_scaling.md").read_text()
+    worker = launcher.WORKER.read_text()
+    blocks = re.findall(r"<!-- tests/_multihost_worker.py: (\w+) -->\n```py\n(.*?)```", doc, re.S)
+    assert [name for name, _ in blocks] == ["start", "model", "train", "resume"]
+    for name, code in blocks:
+        region = re.search(
+            rf"^# docs: begin {name}\n(.*?)^# docs: end {name}\n", worker, re.S | re.M
+        )
+        assert region, name
+        assert code.strip() == region.group(1).strip(), (
+            f"docs block {name!r} differs from the worker"
+        )
+
+
+def test_st_save_gathers_and_st_load_places_on_the_global_shardings(run: Run) -> None:
+    import inspect
+
+    import sharetree as st
+
+    if "gather" not in inspect.signature(st.save).parameters:
+        pytest.skip("st.save(..., gather=True) is not in this sharetree")
+    assert (run.work / "model.safetensors").exists()  # written once, by process 0
+    final = run.arrays("train_0", "params/")
+    for i in range(2):
+        facts = run.json(f"resume_{i}")
+        assert facts["st_load_ties"] == run.json("train_0")["ties"]
+        assert facts["st_load_shardings_equal"] is True
+        assert_close(run.arrays(f"resume_{i}", "st_load/"), final, 0, 0)

@@ -1,0 +1,49 @@
+"""The path and leaf helpers every module shares."""
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import sharetree as st
+from sharetree import _paths
+
+
+def test_key_names_match_jax_simple_keystr_for_every_container():
+    tree = {"d": {"k": 1.0}, "i": {3: 2.0}, "l": [1.0, (2.0,)]}
+    flat, _ = jtu.tree_flatten_with_path(tree)
+    got = ["/".join(_paths.keypath_to_path(kp)) for kp, _ in flat]
+    assert got == [jtu.keystr(kp, simple=True, separator="/") for kp, _ in flat]
+    assert got == ["d/k", "i/3", "l/0", "l/1/0"]
+
+
+def test_is_array_leaf_is_one_rule():
+    yes = [np.ones(2), np.float32(1.0), np.int8(3), jnp.ones(2), 1, 2.0, 1j]
+    no = [True, np.bool_(True), "s", None, jax.ShapeDtypeStruct((2,), jnp.float32), st.Tied("a")]
+    assert all(_paths.is_array_leaf(x) for x in yes)
+    assert not any(_paths.is_array_leaf(x) for x in no)
+
+
+def test_format_aval_and_nbytes():
+    assert _paths.format_aval(np.zeros((2, 3), np.float16)) == "float16[2, 3]"
+    assert _paths.format_aval(jax.ShapeDtypeStruct((), jnp.int32)) == "int32[]"
+    assert _paths.format_aval("text") == "static"
+    assert _paths.aval_nbytes(_paths.aval_of(np.zeros((2, 3), np.float16))) == 12
+
+
+def test_prefixes_and_nodes():
+    assert _paths.prefixes(("a", "b", "c")) == [("a",), ("a", "b"), ("a", "b", "c")]
+    assert _paths.node_paths([("a", "b"), ("a", "c")]) == {("a",), ("a", "b"), ("a", "c")}
+
+
+@pytest.mark.parametrize("bad", [1.5, "", "a//b", ("a", True), None])
+def test_to_path_rejects_what_is_not_a_path(bad):
+    with pytest.raises(st.TieError, match="Fix:"):
+        _paths.to_path(bad)
+
+
+def test_closest_and_plural():
+    assert "'enc/w'" in _paths.closest("enc/v", ["enc/w", "zzz"], n=1)
+    assert _paths.closest("x", []) == "the tree has no paths at all"
+    assert (_paths.plural(1, "view"), _paths.plural(2_000, "view")) == ("1 view", "2,000 views")

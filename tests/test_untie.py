@@ -1,0 +1,226 @@
+"""untie and untie_state: ties broken on purpose, nothing lost; optimizer moments carried over.
+
+References are built by hand: the untied model is written out with its own
+copies, and its Adam state is assembled from the shared moments with NumPy.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from test_properties import _assert_trees_equal, _names, _reference, tied_trees
+
+import sharetree as st
+
+
+def _ties(tree):
+    return {
+        _names(kp): x
+        for kp, x in jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda x: isinstance(x, st.Tied)
+        )
+        if isinstance(x, st.Tied)
+    }
+
+
+@settings(max_examples=120, deadline=None)
+@given(tied_trees(), hs.data())
+def test_untie_then_tie_is_the_identity(case, data):
+    tree, canonical, table = case
+    ties = _ties(canonical)
+    assert set(ties) == set(table)
+    chosen = data.draw(hs.lists(hs.sampled_from(sorted(ties)), unique=True)) if ties else []
+    untied = st.untie(canonical, ["/".join(p) for p in chosen] if chosen else None)
+    if not chosen:  # None: every tie
+        chosen = list(ties)
+    left = _ties(untied)
+    assert set(left) == set(ties) - set(chosen) and all(left[p] == ties[p] for p in left)
+    # the values never change, and the untied positions are new buffers
+    _assert_trees_equal(st.materialize(untied), st.materialize(canonical))
+    _, views = _reference(tree, table)
+    new_buffers = [t for t, _, _ in views if any(t[: len(p)] == p for p in chosen)]
+    g = st.canonicalize(untied)
+    assert g.num_unique == len(jax.tree.leaves(canonical)) + len(new_buffers)
+    assert g.num_expanded == st.canonicalize(canonical).num_expanded
+    back = st.tie(untied, {p: ties[p] for p in chosen})
+    assert jax.tree.structure(back) == jax.tree.structure(canonical)
+    _assert_trees_equal(back, canonical)
+
+
+def test_untie_every_tie_gives_the_materialized_tree_with_copies():
+    w = jnp.arange(6.0).reshape(2, 3)
+    layer = {"w": w, "b": np.zeros(3, np.float32)}
+    tree = {"a": layer, "b": st.Tied("a"), "t": st.Tied("a/w", st.T)}
+    untied = st.untie(tree)
+    assert jax.tree.structure(untied) == jax.tree.structure(st.materialize(tree))
+    assert st.canonicalize(untied).num_views == 0 and st.canonicalize(untied).num_unique == 5
+    np.testing.assert_array_equal(untied["t"], w.T)
+    np.testing.assert_array_equal(untied["b"]["w"], w)
+    # independent copies, never the buffer object itself (donation, in-place NumPy updates)
+    assert untied["b"]["w"] is not w and untied["b"]["b"] is not layer["b"]
+    untied["b"]["b"][0] = 7.0
+    assert layer["b"][0] == 0.0
+    assert "views:\n  (none: nothing is shared)" in st.summary(untied)
+
+
+def test_untie_some_paths_keeps_the_others_and_chains_follow_the_new_buffer():
+    w = jnp.arange(6.0).reshape(2, 3)
+    tree = {"a": w, "b": st.Tied("a", st.T), "c": st.Tied("b", st.scale(2.0)), "d": st.Tied("a")}
+    untied = st.untie(tree, ["b"])
+    assert untied["c"] == st.Tied("b", st.scale(2.0)) and untied["d"] == st.Tied("a")
+    g = st.canonicalize(untied)
+    assert [b.path for b in g.buffers] == ["a", "b"]
+    assert g.views["c"].buffer == "b" and g.views["d"].buffer == "a"
+    _assert_trees_equal(st.materialize(untied), st.materialize(tree))
+    # a subtree path unties every Tied under it
+    nested = {"enc": {"w": w}, "dec": {"w": st.Tied("enc/w", st.T), "v": st.Tied("enc/w")}}
+    assert st.canonicalize(st.untie(nested, "dec")).num_views == 0
+    plain = {"a": w}
+    assert st.untie(plain) is plain  # no ties: nothing to do
+
+
+def test_untie_works_under_jit():
+    w = jnp.arange(6.0).reshape(2, 3)
+    tree = {"a": w, "b": st.Tied("a", st.T)}
+    out = jax.jit(lambda t: st.untie(t, "b"))(tree)
+    np.testing.assert_array_equal(out["b"], w.T)
+
+
+def test_untie_errors_name_the_path_and_close_matches():
+    w = jnp.ones((2, 3))
+    tree = {"enc": {"w": w}, "dec": {"w": st.Tied("enc/w", st.T)}, "sub": st.Tied("enc")}
+    with pytest.raises(st.TieError, match=r"'enc/w' is not a view.*closest.*'dec/w'"):
+        st.untie(tree, "enc/w")
+    with pytest.raises(st.TieError, match=r"'dec/ww' is not a view.*closest.*'dec/w'"):
+        st.untie(tree, ["dec/ww"])
+    with pytest.raises(st.TieError, match=r"'sub/w' lies inside the view 'sub'.*Fix: untie 'sub'"):
+        st.untie(tree, "sub/w")
+    with pytest.raises(st.TieError, match="the tree has no ties at all"):
+        st.untie({"a": w}, "a")
+
+
+# ---------------------------------------------------------------------------
+# untie_state
+
+
+def _lm(key):
+    k1, k2 = jax.random.split(key)
+    params = {
+        "embed": jax.random.normal(k1, (7, 4)),
+        "mid": jax.random.normal(k2, (4, 4)),
+        "head": st.Tied("embed", st.T),
+        "bias": jnp.zeros(7),
+    }
+
+    def loss(m, tokens):
+        h = jnp.tanh(m["embed"][tokens] @ m["mid"])
+        logits = h @ m["head"] + m["bias"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, (tokens + 1) % 7).mean()
+
+    return params, loss
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.adam(1e-2),
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+    ],
+    ids=["adam", "clip+adamw"],
+)
+def test_first_step_after_untie_equals_an_untied_model_with_moments_copied_by_hand(make):
+    opt = make()
+    params, loss = _lm(jax.random.key(0))
+    tokens = jnp.arange(12) % 7
+    state = opt.init(params)
+    for _ in range(3):  # some training while tied: moments that are not zero
+        g = jax.grad(lambda p: loss(st.materialize(p), tokens))(params)
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+
+    new_params = st.untie(params, "head")
+    new_state = st.untie_state(state, params, "head")
+
+    # by hand: the untied model, and its Adam moments assembled from the shared ones
+    hand = {k: params[k] for k in ("embed", "mid", "bias")}
+    hand["head"] = params["embed"].T
+
+    def hand_moments(m):
+        return {**{k: m[k] for k in ("embed", "mid", "bias")}, "head": np.asarray(m["embed"]).T}
+
+    adam = [
+        s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu")
+    ]
+    assert len(adam) == 1
+    hand_adam = adam[0]._replace(mu=hand_moments(adam[0].mu), nu=hand_moments(adam[0].nu))
+    hand_state = jax.tree.map(
+        lambda s: hand_adam if s is adam[0] else s, state, is_leaf=lambda s: s is adam[0]
+    )
+
+    assert jax.tree.structure(new_params) == jax.tree.structure(hand)
+    assert jax.tree.structure(new_state) == jax.tree.structure(hand_state)
+    g_new = jax.grad(loss)(new_params, tokens)
+    up, _ = opt.update(g_new, new_state, new_params)
+    up_hand, _ = opt.update(jax.grad(loss)(hand, tokens), hand_state, hand)
+    for k in hand:
+        np.testing.assert_allclose(up[k], up_hand[k], rtol=1e-6, atol=1e-8)
+    assert float(jnp.abs(up["head"]).max()) > 0
+
+
+def test_untie_state_carries_reshape_views_and_keeps_other_parts():
+    w = jnp.arange(6.0).reshape(2, 3)
+    params = {"w": w, "flat": st.Tied("w", st.T >> st.reshape(6))}
+    state = optax.sgd(0.1, momentum=0.9).init(params)
+    state = jax.tree.map(lambda x: x + jnp.arange(x.size).reshape(x.shape), state)
+    new = st.untie_state(state, params)
+    np.testing.assert_array_equal(new[0].trace["flat"], np.asarray(state[0].trace["w"]).T.ravel())
+    plain = optax.sgd(0.1).init(params)  # no parameter-shaped part: unchanged
+    same = st.untie_state(plain, params)
+    assert jax.tree.structure(same) == jax.tree.structure(plain)
+    assert all(a is b for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(plain), strict=True))
+
+
+def test_untie_state_refuses_views_that_change_values():
+    for t in (st.scale(2.0), st.astype(jnp.float16), st.fn(jnp.tanh), st.T >> st.scale(-1.0)):
+        params = {"w": jnp.ones((2, 2)), "v": st.Tied("w", t)}
+        state = optax.adam(1e-3).init(params)
+        with pytest.raises(st.TieError, match=r"the view 'v' is .* of 'w'.*move elements"):
+            st.untie_state(state, params)
+        assert st.untie(params)["v"].shape == (2, 2)  # the tree itself unties fine
+
+
+def test_untie_state_of_a_state_that_does_not_match_the_tree():
+    params, _ = _lm(jax.random.key(0))
+    wrong = optax.adam(1e-3).init(st.materialize(params))  # made for the untied tree
+    with pytest.raises(
+        st.TieError,
+        match=r"part '0/mu' .* at 'head' the tree has Tied\('embed', T\), the state has a leaf",
+    ):
+        st.untie_state(wrong, params)
+    bad = {"mu": {**jax.tree.map(jnp.zeros_like, params), "mid": jnp.zeros(3)}}
+    with pytest.raises(st.TieError, match=r"'mu' .* shape \(3,\) at 'mid'.*shape \(4, 4\)"):
+        st.untie_state(bad, params)
+
+
+def test_untie_state_of_tuple_params_and_a_chained_state():
+    # a plain tuple of states must not be mistaken for a tuple of parameters
+    params = (jnp.ones((2, 3)), st.Tied("0", st.T))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    state = opt.init(params)
+    state = jax.tree.map(lambda x: x + 1.0 if x.ndim else x, state)
+    new = st.untie_state(state, params)
+    np.testing.assert_array_equal(new[1][0].mu[1], np.asarray(state[1][0].mu[0]).T)
+
+
+def test_many_views_take_the_batched_eager_path():
+    w = jnp.arange(6.0).reshape(2, 3)
+    tree = {"w": w, **{f"v{i:02d}": st.Tied("w", st.T >> st.scale(float(i))) for i in range(20)}}
+    untied = st.untie(tree)
+    for i in range(20):
+        np.testing.assert_allclose(untied[f"v{i:02d}"], i * w.T)
+    uses = st.grad_by_use(lambda m: sum(jnp.sum(x**2) for x in jax.tree.leaves(m)))(tree)["w"]
+    for i in range(20):
+        np.testing.assert_allclose(uses[f"v{i:02d}"], i * 2 * (i * w), rtol=1e-6)
