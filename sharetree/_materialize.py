@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
@@ -117,6 +118,8 @@ class _EagerViews:
             k for k, leaf in views if leaf.transform and not _has_fn(leaf.transform)
         )
         chosen = [structure.expanded[k] for k in self.positions]
+        batched = set(self.positions)
+        self.rest = tuple(k for k in _plan(structure).views if k not in batched)  # st.fn views
         self.inputs = tuple(sorted({leaf.buffer for leaf in chosen}))
         slot = {i: n for n, i in enumerate(self.inputs)}
 
@@ -139,6 +142,31 @@ def _eager_views(structure: Structure) -> _EagerViews:
     return _EagerViews(structure)
 
 
+class _Plan(NamedTuple):
+    """Index lists of a structure for ``expand_leaves`` (built once per structure)."""
+
+    sources: Callable[[Sequence[Any]], Any]  # leaves -> the buffer of every materialized leaf
+    views: tuple[int, ...]  # materialized leaves with a transform other than identity
+
+
+@functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
+def _plan(structure: Structure) -> _Plan:
+    sources = structure.sources
+    getter: Callable[[Sequence[Any]], Any]
+    if len(sources) == 1:
+        getter = lambda leaves: (leaves[sources[0]],)  # noqa: E731
+    elif sources:
+        getter = operator.itemgetter(*sources)
+    else:
+        getter = lambda leaves: ()  # noqa: E731
+    views = tuple(
+        k
+        for k, leaf in enumerate(structure.expanded)
+        if leaf.transform is not None and leaf.transform is not identity
+    )
+    return _Plan(getter, views)
+
+
 def expand_leaves(
     structure: Structure,
     leaves: list[Any],
@@ -152,15 +180,15 @@ def expand_leaves(
     ``EAGER_PROGRAM_CACHE_SIZE`` most recent structures); ``st.fn`` views are
     always called one by one, so results never depend on the number of views.
     """
-    out = [leaves[i] for i in structure.sources]
-    todo: Sequence[int] = range(len(out))
+    plan = _plan(structure)
+    out = list(plan.sources(leaves))
+    todo: Sequence[int] = plan.views
     if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
         batch = _eager_views(structure)
         if batch.positions and all(_concrete_array(leaves[i]) for i in batch.inputs):
             for k, value in zip(batch.positions, batch.fn(tuple(leaves[i] for i in batch.inputs))):
                 out[k] = value
-            done = set(batch.positions)
-            todo = [k for k in todo if k not in done]
+            todo = batch.rest
     for k in todo:
         leaf = structure.expanded[k]
         x = out[k]
