@@ -121,6 +121,7 @@ def test_restructure_is_hashable_and_does_not_retrace():
     assert st.destructure(other)[1] != re1
 
 
+@pytest.mark.filterwarnings("ignore:destructure. the static leaf 'n'")
 def test_static_int_arrays_compare_by_value():
     _, r1 = st.destructure({"a": jnp.ones(2), "n": np.arange(3)})
     _, r2 = st.destructure({"a": jnp.ones(2), "n": np.arange(3)})
