@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -228,7 +229,7 @@ class Restructure:
 
 
 def _static_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
-    return jax.lax.split(flat, sizes) if len(sizes) > 1 else [flat]
+    return list(jax.lax.split(flat, sizes)) if len(sizes) > 1 else [flat]
 
 
 _OPAQUE_MIN = 8
@@ -338,6 +339,11 @@ def _concat(leaves: list[Any], dtype: np.dtype, on_host: bool, size: int) -> Any
     return jax.device_put(out)
 
 
+LAYOUT_CACHE_SIZE = 32
+"""How many structures keep their last layout (and its compiled concatenate); oldest out."""
+
+_LAYOUTS: collections.OrderedDict[Structure, _Layout] = collections.OrderedDict()
+
 _JIT_CONCAT_MAX = 2048
 """Above this many buffers, repeated calls keep the host concatenate (no compile)."""
 
@@ -414,9 +420,9 @@ def _new_layout(
             kind = kinds[t] = _kind(x, cpu)
         dtype = None
         if kind != _OTHER:
-            dtype = canonical.get(x.dtype, False)
-            if dtype is False:
-                dtype = canonical[x.dtype] = canonical_dtype(x.dtype) if _inexact(x.dtype) else None
+            if x.dtype not in canonical:
+                canonical[x.dtype] = canonical_dtype(x.dtype) if _inexact(x.dtype) else None
+            dtype = canonical[x.dtype]
         if dtype is None:
             statics.append((i, _Static(x)))
             continue
@@ -507,8 +513,8 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     # The layout depends only on the leaves' types, shapes, dtypes and static values:
     # the last one is kept per structure and checked against the next tree.
     types = tuple(map(type, leaves))
-    config = (jax.default_backend(), bool(jax.config.jax_enable_x64))
-    layout = structure.__dict__.get("_flat_layout")
+    config = (jax.default_backend(), bool(jax.config.read("jax_enable_x64")))
+    layout = _LAYOUTS.get(structure)
     if layout is not None and layout.types == types and layout.config == config:
         re = layout.restructure
         buffers = [leaves[i] for i in re.slots]
@@ -521,7 +527,10 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
             elif _matches(layout, buffers):
                 return layout.concat(buffers), re
     layout = _new_layout(leaves, structure, types, config)
-    structure.__dict__["_flat_layout"] = layout
+    _LAYOUTS[structure] = layout
+    _LAYOUTS.move_to_end(structure)
+    if len(_LAYOUTS) > LAYOUT_CACHE_SIZE:
+        _LAYOUTS.popitem(last=False)
     if layout.restructure.statics:
         _warn_on_changed_statics(layout.restructure)
     buffers = [leaves[i] for i in layout.restructure.slots]

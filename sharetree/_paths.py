@@ -103,7 +103,10 @@ def path_str(path: Path) -> str:
 
 
 def key_name(key: Any) -> str:
-    """The name of one ``jax.tree_util`` key entry: ``jtu.keystr((key,), simple=True)``.
+    """The name of one ``jax.tree_util`` key entry, as ``jtu.keystr((key,), simple=True)``.
+
+    The three common key classes are read directly (this runs once per leaf
+    when a structure is first resolved); any other key goes through ``keystr``.
 
     Example:
         >>> import jax.tree_util as jtu
@@ -111,6 +114,13 @@ def key_name(key: Any) -> str:
         >>> key_name(jtu.DictKey("w")), key_name(jtu.SequenceKey(3)), key_name(jtu.GetAttrKey("b"))
         ('w', '3', 'b')
     """
+    kind = type(key)
+    if kind is jtu.DictKey:
+        return str(key.key)
+    if kind is jtu.SequenceKey:
+        return str(key.idx)
+    if kind is jtu.GetAttrKey:
+        return str(key.name)
     return jtu.keystr((key,), simple=True, separator="/")
 
 

@@ -497,7 +497,7 @@ def test_repeated_destructure_follows_values_shapes_dtypes_and_statics():
         m = re(flat)
         np.testing.assert_array_equal(m["l3"]["w"], t["l2"]["w"].T)
         assert m["l0"]["w"].dtype == t["l0"]["w"].dtype and m["l0"]["w"].shape == t["l0"]["w"].shape
-    layout = _flat.leaves_and_structure(cases[-1])[1].__dict__["_flat_layout"]
+    layout = _flat._LAYOUTS[_flat.leaves_and_structure(cases[-1])[1]]
     assert layout.jitted is not None  # the last calls went through the jitted concatenate
 
 
@@ -553,3 +553,13 @@ def test_a_changing_static_leaf_warns_once_naming_it():
         warnings.simplefilter("error")
         st.destructure(tree(2))  # once per leaf
         st.destructure(tree(2))  # unchanged
+
+
+def test_kept_layouts_are_bounded_and_live_outside_the_structure():
+    for n in range(_flat.LAYOUT_CACHE_SIZE + 5):
+        tree = {f"w{n}": jnp.ones(3), "v": st.Tied(f"w{n}")}
+        st.destructure(tree)
+        st.destructure(tree)  # the second call compiles the layout's concatenate
+        structure = _flat.leaves_and_structure(tree)[1]
+        assert "_flat_layout" not in structure.__dict__
+    assert len(_flat._LAYOUTS) == _flat.LAYOUT_CACHE_SIZE

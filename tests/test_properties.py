@@ -156,7 +156,7 @@ def test_materialize_and_restructure_equal_reference(case):
     flat, re = st.destructure(canonical)
     _assert_trees_equal(re(flat), expected)
     _assert_trees_equal(re.canonical(flat), canonical)
-    # restructure passed into jit: offsets arrive at run time (dynamic slices)
+    # restructure passed into jit: a static argument, offsets made opaque to XLA (dynamic slices)
     _assert_trees_equal(jax.jit(lambda v, r: r(v))(flat, re), expected)
 
 
