@@ -16,7 +16,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import jax
@@ -30,7 +30,7 @@ from sharetree._foreign import load_foreign
 from sharetree._materialize import abstract_expanded, transform_error
 from sharetree._paths import Path, TieMap, key_name, keypath_to_path, path_str
 from sharetree._report import SharingGraph
-from sharetree._safetensors import Reader, TensorInfo, atomic_write, one_line
+from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
@@ -65,11 +65,12 @@ _RESAVE = (
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
 )
 
-# dtypes that safetensors stores under their own code (and numpy reads back)
-_NATIVE = frozenset(
-    "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 "
-    "float16 float32 float64 complex64 bfloat16".split()
-)
+_NATIVE = frozenset(NATIVE_CODES.values())  # stored under their own code, not as raw bytes
+_CONTAINERS: dict[str, Any] = {
+    "dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple
+}  # fmt: skip
+"""The node kinds of the containers a file rebuilds on its own."""
+_KIND_OF = {kind: t for t, kind in _CONTAINERS.items()}
 PathOrStr = Union[str, "os.PathLike[str]"]
 
 
@@ -92,10 +93,6 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _is_key_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _addressable(x: jax.Array) -> bool:
@@ -136,8 +133,10 @@ class _Writer:
             return {"t": "tied", "ref": list(x.ref), "transform": spec}
         if x is None:
             return {"t": "none"}
-        kind = type(x)
-        if kind in (dict, collections.OrderedDict):
+        kind, t = type(x), _KIND_OF.get(type(x))
+        if t in ("list", "tuple"):
+            return {"t": t, "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)]}
+        if t is not None:
             keys = list(x.keys())
             seen: dict[str, Any] = {}
             for k in keys:
@@ -154,16 +153,8 @@ class _Writer:
                         "Fix: rename one key so that paths are unambiguous."
                     )
                 seen[str(k)] = k
-            return {
-                "t": "dict" if kind is dict else "odict",
-                "keys": keys,
-                "children": [self.node(x[k], (*path, str(k))) for k in keys],
-            }
-        if kind in (list, tuple):
-            return {
-                "t": kind.__name__,
-                "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)],
-            }
+            children = [self.node(x[k], (*path, str(k))) for k in keys]
+            return {"t": t, "keys": keys, "children": children}
         if jtu.all_leaves([x]):
             return self.leaf(x, path)
         flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
@@ -182,11 +173,10 @@ class _Writer:
         }
 
     def leaf(self, x: Any, path: Path) -> dict[str, Any]:
-        if type(x) in (bool, int, float, str):
-            return {"t": "value", "type": type(x).__name__, "value": x}
-        if type(x) is complex:
-            return {"t": "value", "type": "complex", "value": [x.real, x.imag]}
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        if type(x) in (bool, int, float, str, complex):
+            value = [x.real, x.imag] if type(x) is complex else x
+            return {"t": "value", "type": type(x).__name__, "value": value}
+        if _is_array(x):
             return self.array(x, path)
         return {"t": "static", "type": f"{type(x).__module__}.{type(x).__qualname__}"}
 
@@ -197,7 +187,7 @@ class _Writer:
                 "by jit/grad/vmap). Fix: call st.save outside jit/grad, on concrete arrays."
             )
         impl = None
-        if _is_key_array(x):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(x))
             if impl not in KEY_IMPLS:
                 raise TieError(
@@ -233,17 +223,9 @@ class _Writer:
         raw = dtype not in _NATIVE
         name = self.name_for(path)
         self.tensors[name] = np.frombuffer(a.tobytes(), np.uint8) if raw else a
-        node = {
-            "t": "buffer",
-            "tensor": name,
-            "dtype": dtype,
-            "shape": list(a.shape),
-            "raw": raw,
-            "scalar": isinstance(x, np.generic),
-        }
-        if impl is not None:
-            node["key"] = impl
-        return node
+        scalar = isinstance(x, np.generic)
+        node = {"t": "buffer", "tensor": name, "dtype": dtype, "shape": list(a.shape), "raw": raw}
+        return {**node, "scalar": scalar, **({} if impl is None else {"key": impl})}
 
 
 def _check_user_metadata(metadata: Any) -> dict[str, str]:
@@ -446,29 +428,19 @@ def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
         ) from e
 
 
-class _AnyFunction(Mapping[str, Any]):
+class _AnyFunction(dict[str, Any]):
     """``functions=`` for describing: every name maps to a stand-in that is never called."""
-
-    def __getitem__(self, name: str) -> Any:
-        return _Unresolved(name)
 
     def __contains__(self, name: object) -> bool:
         return True
 
-    def __iter__(self) -> Any:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 1
+    def __missing__(self, name: str) -> Any:
+        return _Unresolved(name)
 
 
 def _is_described(t: Transform | None) -> bool:
     parts = getattr(t, "parts", (t,))
     return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts)
-
-
-def _tensors_of(reader: Reader) -> dict[str, Any]:
-    return dict(reader.tensors())
 
 
 def load(
@@ -569,12 +541,8 @@ def load(
             "tree with st.tie."
         )
     structure = _parse_structure(path, meta, "load")
-    tensors = _tensors_of(reader)
-
-    def resolve(spec: Any) -> Transform:
-        return transform_from_spec(spec, functions=functions)
-
-    builder = _Builder(path, "load", tensors, resolve, int(meta[_KEY_VERSION]))
+    resolve = functools.partial(transform_from_spec, functions=functions)
+    builder = _Builder(path, "load", dict(reader.tensors()), resolve, int(meta[_KEY_VERSION]))
     tree = builder.run(structure)
     if like is not None:
         tree = _restore_like(path, tree, like)
@@ -688,13 +656,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
             rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
         return "\n".join([head, *rows])
     structure = _parse_structure(path, meta, "inspect")
-    builder = _Builder(
-        path,
-        "inspect",
-        reader.infos,
-        lambda s: transform_from_spec(s, functions=_AnyFunction()),
-        int(meta[_KEY_VERSION]),
-    )
+    resolve = functools.partial(transform_from_spec, functions=_AnyFunction())
+    builder = _Builder(path, "inspect", reader.infos, resolve, int(meta[_KEY_VERSION]))
     tree = builder.run(structure)
     leaves, treedef = jtu.tree_flatten(tree)
     try:
@@ -765,7 +728,12 @@ class _Builder:
             f"{self.verb}: {self.path!r}: malformed node at {path_str(path)!r}: {what}. {_RESAVE}"
         )
 
-    def field(self, node: dict[str, Any], name: str, path: Path, ok: Any, want: str) -> Any:
+    def field(
+        self, node: dict[str, Any], name: str, path: Path, ok: Any = None, want: str = ""
+    ) -> Any:
+        """``node[name]``, checked by ``ok`` (default: the check of ``_FIELDS[name]``)."""
+        if ok is None:
+            ok, want = _FIELDS[name]
         if name not in node:
             raise self.bad(path, f"the field {name!r} ({want}) is missing")
         v = node[name]
@@ -779,10 +747,10 @@ class _Builder:
     def children(
         self, node: dict[str, Any], path: Path, keyed: bool
     ) -> tuple[list[Any], list[Any]]:
-        children = self.field(node, "children", path, _is_list, "a list of nodes")
+        children = self.field(node, "children", path)
         if not keyed:
             return [str(i) for i in range(len(children))], children
-        keys = self.field(node, "keys", path, _is_key_list, "a list of str or int keys")
+        keys = self.field(node, "keys", path)
         if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
             raise self.bad(
                 path,
@@ -796,50 +764,41 @@ class _Builder:
             raise self.bad(path[:8], f"the tree is nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict):
             raise self.bad(path, f"expected a JSON object, found {type(node).__name__}")
-        t = self.field(node, "t", path, lambda v: isinstance(v, str), "a node kind")
-        if t in ("dict", "odict"):
-            keys, children = self.children(node, path, True)
+        t = self.field(node, "t", path)
+        if t in _CONTAINERS or t == "node":
+            type_name = self.field(node, "type", path) if t == "node" else None
+            keys, children = self.children(node, path, t not in ("list", "tuple"))
             if t == "dict" and len({type(k) for k in keys}) > 1:
                 raise self.bad(
                     path,
                     f"a dict has keys of one type (jax sorts them), found str "
                     f"and int keys {keys[:8]!r}",
                 )
-            kind = dict if t == "dict" else collections.OrderedDict
-            return kind(
+            if type_name is not None:
+                self.generic.append((path, type_name))
+            built = [
                 (k, self.build(c, (*path, str(k)))) for k, c in zip(keys, children, strict=True)
-            )
-        if t in ("list", "tuple"):
-            names, children = self.children(node, path, False)
-            out = [self.build(c, (*path, k)) for k, c in zip(names, children, strict=True)]
-            return out if t == "list" else tuple(out)
+            ]
+            if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
+                return {str(k): v for k, v in built}
+            kind = _CONTAINERS[t]
+            return kind(v for _, v in built) if t in ("list", "tuple") else kind(built)
         if t == "none":
             return None
-        if t == "node":
-            kind_name = self.field(node, "type", path, lambda v: isinstance(v, str), "a type name")
-            keys, children = self.children(node, path, True)
-            self.generic.append((path, kind_name))
-            return {
-                str(k): self.build(c, (*path, str(k))) for k, c in zip(keys, children, strict=True)
-            }
-        if t == "tied":
-            return self.tied(node, path)
-        if t == "value":
-            return self.value(node, path)
         if t == "static":
-            kind_name = self.field(node, "type", path, lambda v: isinstance(v, str), "a type name")
-            self.statics.append((path, kind_name))
-            return _Static(kind_name)
-        if t == "buffer":
-            return self.buffer(node, path)
+            type_name = self.field(node, "type", path)
+            self.statics.append((path, type_name))
+            return _Static(type_name)
+        if t in ("tied", "value", "buffer"):
+            return getattr(self, t)(node, path)
         raise TieError(
             f"{self.verb}: {self.path!r}: unknown node kind {t!r} at {path_str(path)!r}; the "
             "file may come from a newer sharetree. Fix: upgrade sharetree."
         )
 
     def tied(self, node: dict[str, Any], path: Path) -> Tied:
-        ref = self.field(node, "ref", path, _is_key_list, "a non-empty list of keys")
-        spec = self.field(node, "transform", path, lambda v: isinstance(v, dict), "a spec")
+        ref = self.field(node, "ref", path)
+        spec = self.field(node, "transform", path)
         try:
             transform = self.resolve(spec)
         except TieError as e:
@@ -857,23 +816,17 @@ class _Builder:
             ) from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
-        kind = self.field(
-            node,
-            "type",
-            path,
-            lambda v: isinstance(v, str) and v in _VALUE_TYPES,
-            "bool, int, float, complex or str",
-        )
+        ok = lambda v: isinstance(v, str) and v in _VALUE_TYPES  # noqa: E731
+        kind = self.field(node, "type", path, ok, "bool, int, float, complex or str")
         v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
         if kind == "complex":
             return complex(v[0], v[1])
         return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name = self.field(node, "tensor", path, lambda v: isinstance(v, str), "a tensor name")
-        dtype_name = self.field(node, "dtype", path, _is_dtype_name, "a numeric dtype name")
-        shape = tuple(self.field(node, "shape", path, _is_shape, "a list of sizes >= 0"))
-        raw = self.field(node, "raw", path, lambda v: isinstance(v, bool), "true or false")
+        name, dtype_name = self.field(node, "tensor", path), self.field(node, "dtype", path)
+        shape = tuple(self.field(node, "shape", path))
+        raw = self.field(node, "raw", path)
         scalar = node.get("scalar", False)
         if not isinstance(scalar, bool) or (scalar and shape):
             raise self.bad(
@@ -903,10 +856,9 @@ class _Builder:
         self.used.add(name)
         dtype = jnp.dtype(dtype_name)
         found = self.tensors[name]
-        if isinstance(found, TensorInfo):
-            got_dtype, got_shape = _CODE_NAMES.get(found.code, found.code), found.shape
-        else:
-            got_dtype, got_shape = found.dtype.name, found.shape
+        info = isinstance(found, TensorInfo)
+        got_dtype = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
+        got_shape = found.shape
         if raw:
             nbytes = math.prod(shape) * dtype.itemsize
             if got_dtype != "uint8" or got_shape != (nbytes,):
@@ -923,7 +875,7 @@ class _Builder:
             )
         if impl is not None:
             self.keys.append(path)
-        if isinstance(found, TensorInfo):
+        if info:
             return jax.ShapeDtypeStruct(shape, dtype)
         a = np.frombuffer(found.tobytes(), dtype).reshape(shape) if raw else found
         if impl is not None:
@@ -937,20 +889,16 @@ class _Builder:
         return a[()] if scalar else a
 
 
-def _is_list(v: Any) -> bool:
-    return isinstance(v, list)
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _is_key_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
-
-
-def _is_shape(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
 
 
 def _is_dtype_name(v: Any) -> bool:
@@ -963,23 +911,36 @@ def _is_dtype_name(v: Any) -> bool:
     return d.name == v and _is_numeric(d)
 
 
-def _is_real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _of(*types: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, types)
 
 
-_VALUE_TYPES: dict[str, Any] = {
-    "bool": lambda v: isinstance(v, bool),
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "t": (_of(str), "a node kind"),
+    "children": (_of(list), "a list of nodes"),
+    "keys": (_is_key_list, "a list of str or int keys"),
+    "type": (_of(str), "a type name"),
+    "ref": (_is_key_list, "a non-empty list of keys"),
+    "transform": (_of(dict), "a spec"),
+    "tensor": (_of(str), "a tensor name"),
+    "dtype": (_is_dtype_name, "a numeric dtype name"),
+    "shape": (
+        lambda v: (
+            isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
+        ),
+        "a list of sizes >= 0",
+    ),
+    "raw": (_of(bool), "true or false"),
+}
+"""Each field of a node: its check and what it should be (``_Builder.field`` names both)."""
+
+_VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
+    "bool": _of(bool),
     "int": _is_int,
     "float": _is_real,
-    "str": lambda v: isinstance(v, str),
+    "str": _of(str),
     "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
 }
-
-_CODE_NAMES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
-    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
-}  # fmt: skip
 
 
 def _place(path: str, tree: Any, shardings: Any) -> Any:
