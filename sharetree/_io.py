@@ -28,7 +28,7 @@ from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
 from sharetree._materialize import abstract_expanded, transform_error
-from sharetree._paths import Path, TieMap, key_name, keypath_to_path, path_str
+from sharetree._paths import Path, TieMap, format_aval, key_name, keypath_to_path, path_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
@@ -415,9 +415,8 @@ def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
     if depth > _MAX_JSON_DEPTH:
         raise TieError(
             f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is nested {depth} or more levels "
-            f"deep; a "
-            f"file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at most "
-            f"{MAX_DEPTH} levels). {_RESAVE}"
+            f"deep; a file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at "
+            f"most {MAX_DEPTH} levels). {_RESAVE}"
         )
     try:
         return json.loads(text)
@@ -540,10 +539,8 @@ def load(
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    structure = _parse_structure(path, meta, "load")
-    resolve = functools.partial(transform_from_spec, functions=functions)
-    builder = _Builder(path, "load", dict(reader.tensors()), resolve, int(meta[_KEY_VERSION]))
-    tree = builder.run(structure)
+    builder = _Builder(path, "load", meta, dict(reader.tensors()), functions)
+    tree = builder.run()
     if like is not None:
         tree = _restore_like(path, tree, like)
     elif builder.statics:
@@ -557,7 +554,7 @@ def load(
         where, kind = builder.generic[0]
         warnings.warn(
             f"{path!r}: {len(builder.generic)} pytree node(s) of types sharetree cannot rebuild "
-            f"on its own, such as {kind} at {path_str(where) if where else '<root>'!r}, were "
+            f"on its own, such as {kind} at {path_str(where)!r}, were "
             "loaded as dicts keyed by their key names (paths and ties are unchanged). Pass "
             "like=template to get the original types"
             + (
@@ -655,10 +652,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         if len(reader.infos) > max_rows:
             rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
         return "\n".join([head, *rows])
-    structure = _parse_structure(path, meta, "inspect")
-    resolve = functools.partial(transform_from_spec, functions=_AnyFunction())
-    builder = _Builder(path, "inspect", reader.infos, resolve, int(meta[_KEY_VERSION]))
-    tree = builder.run(structure)
+    builder = _Builder(path, "inspect", meta, reader.infos, _AnyFunction())
+    tree = builder.run()
     leaves, treedef = jtu.tree_flatten(tree)
     try:
         from sharetree._resolve import structure_of
@@ -701,19 +696,23 @@ class _Builder:
     """
 
     def __init__(
-        self, path: str, verb: str, tensors: Mapping[str, Any], resolve: Any, version: int
+        self,
+        path: str,
+        verb: str,
+        meta: dict[str, str],
+        tensors: Mapping[str, Any],
+        functions: Mapping[str, Any] | None,
     ) -> None:
-        self.path = path
-        self.version = version
-        self.verb = verb
-        self.tensors = tensors
-        self.resolve = resolve
+        self.path, self.verb, self.meta, self.tensors = path, verb, meta, tensors
+        self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
         self.generic: list[tuple[Path, str]] = []
         self.keys: list[Path] = []
 
-    def run(self, structure: Any) -> Any:
+    def run(self) -> Any:
+        structure = _parse_structure(self.path, self.meta, self.verb)
+        self.version = int(self.meta[_KEY_VERSION])  # (checked by _parse_structure)
         tree = self.build(structure, ())
         unused = sorted(set(self.tensors) - self.used)
         if unused:
@@ -723,10 +722,11 @@ class _Builder:
             )
         return tree
 
+    def fail(self, what: str, fix: str = _RESAVE) -> TieError:
+        return TieError(f"{self.verb}: {self.path!r}: {what} {fix}".rstrip())
+
     def bad(self, path: Path, what: str) -> TieError:
-        return TieError(
-            f"{self.verb}: {self.path!r}: malformed node at {path_str(path)!r}: {what}. {_RESAVE}"
-        )
+        return self.fail(f"malformed node at {path_str(path)!r}: {what}.")
 
     def field(
         self, node: dict[str, Any], name: str, path: Path, ok: Any = None, want: str = ""
@@ -802,18 +802,12 @@ class _Builder:
         try:
             transform = self.resolve(spec)
         except TieError as e:
-            fix = "" if "Fix:" in str(e) else f" {_RESAVE}"
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the tie at {path_str(path)!r} cannot be rebuilt: "
-                f"{e}{fix}"
-            ) from None
+            fix = "" if "Fix:" in str(e) else _RESAVE
+            raise self.fail(f"the tie at {path_str(path)!r} cannot be rebuilt: {e}", fix) from None
         try:
             return Tied(tuple(ref), transform)
         except TieError as e:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the tie at {path_str(path)!r} is malformed: {e} "
-                f"{_RESAVE}"
-            ) from None
+            raise self.fail(f"the tie at {path_str(path)!r} is malformed: {e}") from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
         ok = lambda v: isinstance(v, str) and v in _VALUE_TYPES  # noqa: E731
@@ -844,48 +838,39 @@ class _Builder:
                 f"of format version 2, found {impl!r} on {dtype_name} (version {self.version})",
             )
         if name not in self.tensors:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the buffer at {path_str(path)!r} needs the tensor "
-                f"{name!r}, which the file does not hold. {_RESAVE}"
+            raise self.fail(
+                f"the buffer at {path_str(path)!r} needs the tensor {name!r}, which the file "
+                "does not hold."
             )
         if name in self.used:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the tensor {name!r} is used twice (again at "
-                f"{path_str(path)!r}); each buffer has a tensor of its own. {_RESAVE}"
+            raise self.fail(
+                f"the tensor {name!r} is used twice (again at {path_str(path)!r}); each buffer "
+                "has a tensor of its own."
             )
         self.used.add(name)
-        dtype = jnp.dtype(dtype_name)
+        want = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype_name))
         found = self.tensors[name]
         info = isinstance(found, TensorInfo)
-        got_dtype = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
-        got_shape = found.shape
-        if raw:
-            nbytes = math.prod(shape) * dtype.itemsize
-            if got_dtype != "uint8" or got_shape != (nbytes,):
-                raise TieError(
-                    f"{self.verb}: {self.path!r}: tensor {name!r} at {path_str(path)!r} should "
-                    f"hold the raw bytes of {dtype.name}{list(shape)}, found "
-                    f"{got_dtype}{list(got_shape)}. {_RESAVE}"
-                )
-        elif got_dtype != dtype.name or got_shape != shape:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: tensor {name!r} at {path_str(path)!r} is "
-                f"{got_dtype}{list(got_shape)} but the metadata says {dtype.name}{list(shape)}. "
-                f"{_RESAVE}"
+        got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
+        got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
+        where = f"tensor {name!r} at {path_str(path)!r}"
+        if raw and got != f"uint8[{math.prod(shape) * want.dtype.itemsize}]":
+            raise self.fail(
+                f"{where} should hold the raw bytes of {format_aval(want)}, found {got}."
             )
+        if not raw and got != format_aval(want):
+            raise self.fail(f"{where} is {got} but the metadata says {format_aval(want)}.")
         if impl is not None:
             self.keys.append(path)
         if info:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        a = np.frombuffer(found.tobytes(), dtype).reshape(shape) if raw else found
+            return want
+        a = np.frombuffer(found.tobytes(), want.dtype).reshape(shape) if raw else found
         if impl is not None:
             try:
                 return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
             except (ValueError, TypeError) as e:
-                raise self.bad(
-                    path,
-                    f"key data {dtype.name}{list(shape)} does not fit {impl} keys ({one_line(e)})",
-                ) from e
+                what = f"key data {format_aval(want)} does not fit {impl} keys ({one_line(e)})"
+                raise self.bad(path, what) from e
         return a[()] if scalar else a
 
 
@@ -943,19 +928,19 @@ _VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
 }
 
 
+def _by_path(tree: Any, is_leaf: Callable[[Any], bool] = is_tied) -> dict[Path, Any]:
+    """Every leaf of ``tree`` (``Tied`` nodes included) by its path, in flatten order."""
+    return {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(tree, is_leaf)[0]}
+
+
 def _place(path: str, tree: Any, shardings: Any) -> Any:
     """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
     from jax.sharding import Sharding
 
-    def stop(x: Any) -> bool:
-        return x is None or is_tied(x) or isinstance(x, Sharding)
-
-    want = {keypath_to_path(kp): s for kp, s in jtu.tree_flatten_with_path(shardings, stop)[0]}
-    flat, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    paths = [keypath_to_path(kp) for kp, _ in flat]
-    buffers = {p for p, (_, x) in zip(paths, flat) if _is_array(x)}
-    missing = sorted(map(path_str, buffers - want.keys()))
-    extra = sorted(map(path_str, want.keys() - set(paths)))
+    want = _by_path(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
+    got = _by_path(tree)
+    missing = sorted(path_str(p) for p, x in got.items() if _is_array(x) and p not in want)
+    extra = sorted(map(path_str, want.keys() - got.keys()))
     if missing or extra:
         raise TieError(
             f"load: shardings= does not match {path!r}: buffers without a sharding: "
@@ -964,18 +949,17 @@ def _place(path: str, tree: Any, shardings: Any) -> Any:
             "sharding, abstract_tree) (Tied positions are ignored)."
         )
     leaves = []
-    for p, (_, x) in zip(paths, flat, strict=True):
+    for p, x in got.items():
         s = want.get(p)
-        if not _is_array(x) or s is None or is_tied(s):
-            leaves.append(x)
-            continue
-        if not isinstance(s, Sharding):
-            raise TieError(
-                f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
-                "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
-            )
-        leaves.append(jax.device_put(x, s))
-    return jtu.tree_unflatten(treedef, leaves)
+        if _is_array(x) and s is not None and not is_tied(s):
+            if not isinstance(s, Sharding):
+                raise TieError(
+                    f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
+                    "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
+                )
+            x = jax.device_put(x, s)
+        leaves.append(x)
+    return jtu.tree_unflatten(jtu.tree_structure(tree, is_leaf=is_tied), leaves)
 
 
 def _is_array(x: Any) -> bool:
@@ -1003,10 +987,9 @@ def _describe_leaf(x: Any) -> str:
 
 
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
-    file_flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    got = {keypath_to_path(kp): x for kp, x in file_flat}
-    tmpl_flat, _ = jtu.tree_flatten_with_path(like, is_leaf=is_tied)
-    want = {keypath_to_path(kp): x for kp, x in tmpl_flat}
+    got = _by_path(tree)
+    tmpl = [(keypath_to_path(kp), t) for kp, t in jtu.tree_flatten_with_path(like, is_tied)[0]]
+    want = dict(tmpl)
     if got.keys() != want.keys():
         only_file = sorted(map(path_str, got.keys() - want.keys()))
         only_tmpl = sorted(map(path_str, want.keys() - got.keys()))
@@ -1016,35 +999,27 @@ def _restore_like(path: str, tree: Any, like: Any) -> Any:
             "Fix: pass a template of the same model and configuration, tied the same way."
         )
     leaves: list[Any] = []
-    for kp, t in tmpl_flat:
-        p = keypath_to_path(kp)
-        f = got[p]
-        where = path_str(p)
+    for p, t in tmpl:
+        f, where = got[p], path_str(p)
         if isinstance(t, Tied) or isinstance(f, Tied):
-            if not (isinstance(t, Tied) and isinstance(f, Tied) and t == f):
-                fix = (
-                    f"tie the template the same way: st.tie(template, {{{where!r}: {f!r}}})"
-                    if isinstance(f, Tied) and not isinstance(t, Tied)
-                    else "tie the template as the saved tree was tied"
-                )
-                raise TieError(
-                    f"load: the template (like=) does not match {path!r} at {where!r}: the file "
-                    f"has {_describe_leaf(f)}, the template has {_describe_leaf(t)}. Fix: {fix}."
-                )
-            continue
-        if isinstance(f, _Static):
-            leaves.append(t)
-            continue
-        if hasattr(t, "shape") and hasattr(t, "dtype"):
-            ok = _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
-        else:
-            ok = type(f) is type(t)
-        if not ok:
-            raise TieError(
-                f"load: the template (like=) does not match {path!r} at {where!r}: the file has "
-                f"{_describe_leaf(f)}, the template has {_describe_leaf(t)}. Fix: pass a "
-                "template of the same model and configuration (shapes and dtypes)."
+            if isinstance(t, Tied) and isinstance(f, Tied) and t == f:
+                continue
+            fix = (
+                f"tie the template the same way: st.tie(template, {{{where!r}: {f!r}}})"
+                if isinstance(f, Tied) and not isinstance(t, Tied)
+                else "tie the template as the saved tree was tied"
             )
-        leaves.append(f)
-    treedef = jtu.tree_structure(like)
-    return jtu.tree_unflatten(treedef, leaves)
+        elif isinstance(f, _Static) or (
+            _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
+            if hasattr(t, "shape") and hasattr(t, "dtype")
+            else type(f) is type(t)
+        ):
+            leaves.append(t if isinstance(f, _Static) else f)
+            continue
+        else:
+            fix = "pass a template of the same model and configuration (shapes and dtypes)"
+        raise TieError(
+            f"load: the template (like=) does not match {path!r} at {where!r}: the file "
+            f"has {_describe_leaf(f)}, the template has {_describe_leaf(t)}. Fix: {fix}."
+        )
+    return jtu.tree_unflatten(jtu.tree_structure(like), leaves)
