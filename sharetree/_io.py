@@ -153,24 +153,21 @@ class _Writer:
                         "Fix: rename one key so that paths are unambiguous."
                     )
                 seen[str(k)] = k
-            children = [self.node(x[k], (*path, str(k))) for k in keys]
-            return {"t": t, "keys": keys, "children": children}
-        if jtu.all_leaves([x]):
+            node, values = {"t": t, "keys": keys}, [x[k] for k in keys]
+        elif jtu.all_leaves([x]):
             return self.leaf(x, path)
-        flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-        keys = [key_name(kp[0]) for kp, _ in flat]
-        if len(set(keys)) != len(keys):
-            raise TieError(
-                f"save: the {kind.__name__} node at {path_str(path)!r} has children with equal "
-                f"key names {keys}, so their paths would be ambiguous. Fix: register the node "
-                "type with distinct keys (jax.tree_util.register_pytree_with_keys)."
-            )
-        return {
-            "t": "node",
-            "type": f"{kind.__module__}.{kind.__qualname__}",
-            "keys": keys,
-            "children": [self.node(c, (*path, k)) for k, (_, c) in zip(keys, flat, strict=True)],
-        }
+        else:  # any other pytree node: its children by their key names
+            flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+            keys, values = [key_name(kp[0]) for kp, _ in flat], [c for _, c in flat]
+            if len(set(keys)) != len(keys):
+                raise TieError(
+                    f"save: the {kind.__name__} node at {path_str(path)!r} has children with "
+                    f"equal key names {keys}, so their paths would be ambiguous. Fix: register "
+                    "the node type with distinct keys (jax.tree_util.register_pytree_with_keys)."
+                )
+            node = {"t": "node", "type": f"{kind.__module__}.{kind.__qualname__}", "keys": keys}
+        children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values, strict=True)]
+        return {**node, "children": children}
 
     def leaf(self, x: Any, path: Path) -> dict[str, Any]:
         if type(x) in (bool, int, float, str, complex):
