@@ -27,7 +27,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
-from sharetree._materialize import abstract_expanded, transform_error
+from sharetree._materialize import abstract_expanded, leaves_and_structure, transform_error
 from sharetree._paths import Path, TieMap, format_aval, key_name, keypath_to_path, path_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
@@ -583,14 +583,15 @@ class _FileGraph(SharingGraph):
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
         out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
-            aval = self._avals[view.buffer]
-            if aval is None or view.transform is None or _is_described(view.transform):
-                out.append(None if view.transform is not None else aval)
-                continue
-            try:
-                out.append(view.transform.abstract(aval))
-            except Exception as e:  # a built-in transform that does not fit its buffer
-                raise transform_error(self.structure, view, aval, e) from e
+            aval, t = self._avals[view.buffer], view.transform
+            if t is not None and (aval is None or _is_described(t)):
+                aval = None  # a named st.fn view: its function is never called
+            elif t is not None:
+                try:
+                    aval = t.abstract(aval)
+                except Exception as e:  # a built-in transform that does not fit its buffer
+                    raise transform_error(self.structure, view, aval, e) from e
+            out.append(aval)
         return out
 
 
@@ -651,11 +652,9 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         return "\n".join([head, *rows])
     builder = _Builder(path, "inspect", meta, reader.infos, _AnyFunction())
     tree = builder.run()
-    leaves, treedef = jtu.tree_flatten(tree)
     try:
-        from sharetree._resolve import structure_of
-
-        graph = _FileGraph(structure_of(treedef), leaves)
+        leaves, structure = leaves_and_structure(tree)
+        graph = _FileGraph(structure, leaves)
         text = summary(graph, max_rows=max_rows)
     except TieError as e:
         raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
