@@ -16,7 +16,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import jax
@@ -27,10 +27,10 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
-from sharetree._materialize import abstract_expanded, transform_error
-from sharetree._paths import Path, TieMap, key_name, keypath_to_path, path_str
+from sharetree._materialize import abstract_expanded, leaves_and_structure, transform_error
+from sharetree._paths import Path, TieMap, format_aval, key_name, keypath_to_path, path_str
 from sharetree._report import SharingGraph
-from sharetree._safetensors import Reader, TensorInfo, atomic_write, one_line
+from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
@@ -65,11 +65,12 @@ _RESAVE = (
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
 )
 
-# dtypes that safetensors stores under their own code (and numpy reads back)
-_NATIVE = frozenset(
-    "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 "
-    "float16 float32 float64 complex64 bfloat16".split()
-)
+_NATIVE = frozenset(NATIVE_CODES.values())  # stored under their own code, not as raw bytes
+_CONTAINERS: dict[str, Any] = {
+    "dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple
+}  # fmt: skip
+"""The node kinds of the containers a file rebuilds on its own."""
+_KIND_OF = {kind: t for t, kind in _CONTAINERS.items()}
 PathOrStr = Union[str, "os.PathLike[str]"]
 
 
@@ -92,10 +93,6 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _is_key_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _addressable(x: jax.Array) -> bool:
@@ -136,8 +133,10 @@ class _Writer:
             return {"t": "tied", "ref": list(x.ref), "transform": spec}
         if x is None:
             return {"t": "none"}
-        kind = type(x)
-        if kind in (dict, collections.OrderedDict):
+        kind, t = type(x), _KIND_OF.get(type(x))
+        if t in ("list", "tuple"):
+            return {"t": t, "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)]}
+        if t is not None:
             keys = list(x.keys())
             seen: dict[str, Any] = {}
             for k in keys:
@@ -154,39 +153,27 @@ class _Writer:
                         "Fix: rename one key so that paths are unambiguous."
                     )
                 seen[str(k)] = k
-            return {
-                "t": "dict" if kind is dict else "odict",
-                "keys": keys,
-                "children": [self.node(x[k], (*path, str(k))) for k in keys],
-            }
-        if kind in (list, tuple):
-            return {
-                "t": kind.__name__,
-                "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)],
-            }
-        if jtu.all_leaves([x]):
+            node, values = {"t": t, "keys": keys}, [x[k] for k in keys]
+        elif jtu.all_leaves([x]):
             return self.leaf(x, path)
-        flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-        keys = [key_name(kp[0]) for kp, _ in flat]
-        if len(set(keys)) != len(keys):
-            raise TieError(
-                f"save: the {kind.__name__} node at {path_str(path)!r} has children with equal "
-                f"key names {keys}, so their paths would be ambiguous. Fix: register the node "
-                "type with distinct keys (jax.tree_util.register_pytree_with_keys)."
-            )
-        return {
-            "t": "node",
-            "type": f"{kind.__module__}.{kind.__qualname__}",
-            "keys": keys,
-            "children": [self.node(c, (*path, k)) for k, (_, c) in zip(keys, flat, strict=True)],
-        }
+        else:  # any other pytree node: its children by their key names
+            flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+            keys, values = [key_name(kp[0]) for kp, _ in flat], [c for _, c in flat]
+            if len(set(keys)) != len(keys):
+                raise TieError(
+                    f"save: the {kind.__name__} node at {path_str(path)!r} has children with "
+                    f"equal key names {keys}, so their paths would be ambiguous. Fix: register "
+                    "the node type with distinct keys (jax.tree_util.register_pytree_with_keys)."
+                )
+            node = {"t": "node", "type": f"{kind.__module__}.{kind.__qualname__}", "keys": keys}
+        children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values, strict=True)]
+        return {**node, "children": children}
 
     def leaf(self, x: Any, path: Path) -> dict[str, Any]:
-        if type(x) in (bool, int, float, str):
-            return {"t": "value", "type": type(x).__name__, "value": x}
-        if type(x) is complex:
-            return {"t": "value", "type": "complex", "value": [x.real, x.imag]}
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        if type(x) in (bool, int, float, str, complex):
+            value = [x.real, x.imag] if type(x) is complex else x
+            return {"t": "value", "type": type(x).__name__, "value": value}
+        if _is_array(x):
             return self.array(x, path)
         return {"t": "static", "type": f"{type(x).__module__}.{type(x).__qualname__}"}
 
@@ -197,7 +184,7 @@ class _Writer:
                 "by jit/grad/vmap). Fix: call st.save outside jit/grad, on concrete arrays."
             )
         impl = None
-        if _is_key_array(x):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(x))
             if impl not in KEY_IMPLS:
                 raise TieError(
@@ -233,17 +220,9 @@ class _Writer:
         raw = dtype not in _NATIVE
         name = self.name_for(path)
         self.tensors[name] = np.frombuffer(a.tobytes(), np.uint8) if raw else a
-        node = {
-            "t": "buffer",
-            "tensor": name,
-            "dtype": dtype,
-            "shape": list(a.shape),
-            "raw": raw,
-            "scalar": isinstance(x, np.generic),
-        }
-        if impl is not None:
-            node["key"] = impl
-        return node
+        scalar = isinstance(x, np.generic)
+        node = {"t": "buffer", "tensor": name, "dtype": dtype, "shape": list(a.shape), "raw": raw}
+        return {**node, "scalar": scalar, **({} if impl is None else {"key": impl})}
 
 
 def _check_user_metadata(metadata: Any) -> dict[str, str]:
@@ -433,9 +412,8 @@ def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
     if depth > _MAX_JSON_DEPTH:
         raise TieError(
             f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is nested {depth} or more levels "
-            f"deep; a "
-            f"file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at most "
-            f"{MAX_DEPTH} levels). {_RESAVE}"
+            f"deep; a file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at "
+            f"most {MAX_DEPTH} levels). {_RESAVE}"
         )
     try:
         return json.loads(text)
@@ -446,29 +424,19 @@ def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
         ) from e
 
 
-class _AnyFunction(Mapping[str, Any]):
+class _AnyFunction(dict[str, Any]):
     """``functions=`` for describing: every name maps to a stand-in that is never called."""
-
-    def __getitem__(self, name: str) -> Any:
-        return _Unresolved(name)
 
     def __contains__(self, name: object) -> bool:
         return True
 
-    def __iter__(self) -> Any:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 1
+    def __missing__(self, name: str) -> Any:
+        return _Unresolved(name)
 
 
 def _is_described(t: Transform | None) -> bool:
     parts = getattr(t, "parts", (t,))
     return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts)
-
-
-def _tensors_of(reader: Reader) -> dict[str, Any]:
-    return dict(reader.tensors())
 
 
 def load(
@@ -568,14 +536,8 @@ def load(
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    structure = _parse_structure(path, meta, "load")
-    tensors = _tensors_of(reader)
-
-    def resolve(spec: Any) -> Transform:
-        return transform_from_spec(spec, functions=functions)
-
-    builder = _Builder(path, "load", tensors, resolve, int(meta[_KEY_VERSION]))
-    tree = builder.run(structure)
+    builder = _Builder(path, "load", meta, dict(reader.tensors()), functions)
+    tree = builder.run()
     if like is not None:
         tree = _restore_like(path, tree, like)
     elif builder.statics:
@@ -589,7 +551,7 @@ def load(
         where, kind = builder.generic[0]
         warnings.warn(
             f"{path!r}: {len(builder.generic)} pytree node(s) of types sharetree cannot rebuild "
-            f"on its own, such as {kind} at {path_str(where) if where else '<root>'!r}, were "
+            f"on its own, such as {kind} at {path_str(where)!r}, were "
             "loaded as dicts keyed by their key names (paths and ties are unchanged). Pass "
             "like=template to get the original types"
             + (
@@ -621,14 +583,15 @@ class _FileGraph(SharingGraph):
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
         out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
-            aval = self._avals[view.buffer]
-            if aval is None or view.transform is None or _is_described(view.transform):
-                out.append(None if view.transform is not None else aval)
-                continue
-            try:
-                out.append(view.transform.abstract(aval))
-            except Exception as e:  # a built-in transform that does not fit its buffer
-                raise transform_error(self.structure, view, aval, e) from e
+            aval, t = self._avals[view.buffer], view.transform
+            if t is not None and (aval is None or _is_described(t)):
+                aval = None  # a named st.fn view: its function is never called
+            elif t is not None:
+                try:
+                    aval = t.abstract(aval)
+                except Exception as e:  # a built-in transform that does not fit its buffer
+                    raise transform_error(self.structure, view, aval, e) from e
+            out.append(aval)
         return out
 
 
@@ -687,20 +650,11 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         if len(reader.infos) > max_rows:
             rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
         return "\n".join([head, *rows])
-    structure = _parse_structure(path, meta, "inspect")
-    builder = _Builder(
-        path,
-        "inspect",
-        reader.infos,
-        lambda s: transform_from_spec(s, functions=_AnyFunction()),
-        int(meta[_KEY_VERSION]),
-    )
-    tree = builder.run(structure)
-    leaves, treedef = jtu.tree_flatten(tree)
+    builder = _Builder(path, "inspect", meta, reader.infos, _AnyFunction())
+    tree = builder.run()
     try:
-        from sharetree._resolve import structure_of
-
-        graph = _FileGraph(structure_of(treedef), leaves)
+        leaves, structure = leaves_and_structure(tree)
+        graph = _FileGraph(structure, leaves)
         text = summary(graph, max_rows=max_rows)
     except TieError as e:
         raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
@@ -738,19 +692,23 @@ class _Builder:
     """
 
     def __init__(
-        self, path: str, verb: str, tensors: Mapping[str, Any], resolve: Any, version: int
+        self,
+        path: str,
+        verb: str,
+        meta: dict[str, str],
+        tensors: Mapping[str, Any],
+        functions: Mapping[str, Any] | None,
     ) -> None:
-        self.path = path
-        self.version = version
-        self.verb = verb
-        self.tensors = tensors
-        self.resolve = resolve
+        self.path, self.verb, self.meta, self.tensors = path, verb, meta, tensors
+        self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
         self.generic: list[tuple[Path, str]] = []
         self.keys: list[Path] = []
 
-    def run(self, structure: Any) -> Any:
+    def run(self) -> Any:
+        structure = _parse_structure(self.path, self.meta, self.verb)
+        self.version = int(self.meta[_KEY_VERSION])  # (checked by _parse_structure)
         tree = self.build(structure, ())
         unused = sorted(set(self.tensors) - self.used)
         if unused:
@@ -760,12 +718,18 @@ class _Builder:
             )
         return tree
 
-    def bad(self, path: Path, what: str) -> TieError:
-        return TieError(
-            f"{self.verb}: {self.path!r}: malformed node at {path_str(path)!r}: {what}. {_RESAVE}"
-        )
+    def fail(self, what: str, fix: str = _RESAVE) -> TieError:
+        return TieError(f"{self.verb}: {self.path!r}: {what} {fix}".rstrip())
 
-    def field(self, node: dict[str, Any], name: str, path: Path, ok: Any, want: str) -> Any:
+    def bad(self, path: Path, what: str) -> TieError:
+        return self.fail(f"malformed node at {path_str(path)!r}: {what}.")
+
+    def field(
+        self, node: dict[str, Any], name: str, path: Path, ok: Any = None, want: str = ""
+    ) -> Any:
+        """``node[name]``, checked by ``ok`` (default: the check of ``_FIELDS[name]``)."""
+        if ok is None:
+            ok, want = _FIELDS[name]
         if name not in node:
             raise self.bad(path, f"the field {name!r} ({want}) is missing")
         v = node[name]
@@ -779,10 +743,10 @@ class _Builder:
     def children(
         self, node: dict[str, Any], path: Path, keyed: bool
     ) -> tuple[list[Any], list[Any]]:
-        children = self.field(node, "children", path, _is_list, "a list of nodes")
+        children = self.field(node, "children", path)
         if not keyed:
             return [str(i) for i in range(len(children))], children
-        keys = self.field(node, "keys", path, _is_key_list, "a list of str or int keys")
+        keys = self.field(node, "keys", path)
         if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
             raise self.bad(
                 path,
@@ -796,84 +760,63 @@ class _Builder:
             raise self.bad(path[:8], f"the tree is nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict):
             raise self.bad(path, f"expected a JSON object, found {type(node).__name__}")
-        t = self.field(node, "t", path, lambda v: isinstance(v, str), "a node kind")
-        if t in ("dict", "odict"):
-            keys, children = self.children(node, path, True)
+        t = self.field(node, "t", path)
+        if t in _CONTAINERS or t == "node":
+            type_name = self.field(node, "type", path) if t == "node" else None
+            keys, children = self.children(node, path, t not in ("list", "tuple"))
             if t == "dict" and len({type(k) for k in keys}) > 1:
                 raise self.bad(
                     path,
                     f"a dict has keys of one type (jax sorts them), found str "
                     f"and int keys {keys[:8]!r}",
                 )
-            kind = dict if t == "dict" else collections.OrderedDict
-            return kind(
+            if type_name is not None:
+                self.generic.append((path, type_name))
+            built = [
                 (k, self.build(c, (*path, str(k)))) for k, c in zip(keys, children, strict=True)
-            )
-        if t in ("list", "tuple"):
-            names, children = self.children(node, path, False)
-            out = [self.build(c, (*path, k)) for k, c in zip(names, children, strict=True)]
-            return out if t == "list" else tuple(out)
+            ]
+            if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
+                return {str(k): v for k, v in built}
+            kind = _CONTAINERS[t]
+            return kind(v for _, v in built) if t in ("list", "tuple") else kind(built)
         if t == "none":
             return None
-        if t == "node":
-            kind_name = self.field(node, "type", path, lambda v: isinstance(v, str), "a type name")
-            keys, children = self.children(node, path, True)
-            self.generic.append((path, kind_name))
-            return {
-                str(k): self.build(c, (*path, str(k))) for k, c in zip(keys, children, strict=True)
-            }
-        if t == "tied":
-            return self.tied(node, path)
-        if t == "value":
-            return self.value(node, path)
         if t == "static":
-            kind_name = self.field(node, "type", path, lambda v: isinstance(v, str), "a type name")
-            self.statics.append((path, kind_name))
-            return _Static(kind_name)
-        if t == "buffer":
-            return self.buffer(node, path)
+            type_name = self.field(node, "type", path)
+            self.statics.append((path, type_name))
+            return _Static(type_name)
+        if t in ("tied", "value", "buffer"):
+            return getattr(self, t)(node, path)
         raise TieError(
             f"{self.verb}: {self.path!r}: unknown node kind {t!r} at {path_str(path)!r}; the "
             "file may come from a newer sharetree. Fix: upgrade sharetree."
         )
 
     def tied(self, node: dict[str, Any], path: Path) -> Tied:
-        ref = self.field(node, "ref", path, _is_key_list, "a non-empty list of keys")
-        spec = self.field(node, "transform", path, lambda v: isinstance(v, dict), "a spec")
+        ref = self.field(node, "ref", path)
+        spec = self.field(node, "transform", path)
         try:
             transform = self.resolve(spec)
         except TieError as e:
-            fix = "" if "Fix:" in str(e) else f" {_RESAVE}"
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the tie at {path_str(path)!r} cannot be rebuilt: "
-                f"{e}{fix}"
-            ) from None
+            fix = "" if "Fix:" in str(e) else _RESAVE
+            raise self.fail(f"the tie at {path_str(path)!r} cannot be rebuilt: {e}", fix) from None
         try:
             return Tied(tuple(ref), transform)
         except TieError as e:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the tie at {path_str(path)!r} is malformed: {e} "
-                f"{_RESAVE}"
-            ) from None
+            raise self.fail(f"the tie at {path_str(path)!r} is malformed: {e}") from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
-        kind = self.field(
-            node,
-            "type",
-            path,
-            lambda v: isinstance(v, str) and v in _VALUE_TYPES,
-            "bool, int, float, complex or str",
-        )
+        ok = lambda v: isinstance(v, str) and v in _VALUE_TYPES  # noqa: E731
+        kind = self.field(node, "type", path, ok, "bool, int, float, complex or str")
         v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
         if kind == "complex":
             return complex(v[0], v[1])
         return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name = self.field(node, "tensor", path, lambda v: isinstance(v, str), "a tensor name")
-        dtype_name = self.field(node, "dtype", path, _is_dtype_name, "a numeric dtype name")
-        shape = tuple(self.field(node, "shape", path, _is_shape, "a list of sizes >= 0"))
-        raw = self.field(node, "raw", path, lambda v: isinstance(v, bool), "true or false")
+        name, dtype_name = self.field(node, "tensor", path), self.field(node, "dtype", path)
+        shape = tuple(self.field(node, "shape", path))
+        raw = self.field(node, "raw", path)
         scalar = node.get("scalar", False)
         if not isinstance(scalar, bool) or (scalar and shape):
             raise self.bad(
@@ -891,66 +834,52 @@ class _Builder:
                 f"of format version 2, found {impl!r} on {dtype_name} (version {self.version})",
             )
         if name not in self.tensors:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the buffer at {path_str(path)!r} needs the tensor "
-                f"{name!r}, which the file does not hold. {_RESAVE}"
+            raise self.fail(
+                f"the buffer at {path_str(path)!r} needs the tensor {name!r}, which the file "
+                "does not hold."
             )
         if name in self.used:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: the tensor {name!r} is used twice (again at "
-                f"{path_str(path)!r}); each buffer has a tensor of its own. {_RESAVE}"
+            raise self.fail(
+                f"the tensor {name!r} is used twice (again at {path_str(path)!r}); each buffer "
+                "has a tensor of its own."
             )
         self.used.add(name)
-        dtype = jnp.dtype(dtype_name)
+        want = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype_name))
         found = self.tensors[name]
-        if isinstance(found, TensorInfo):
-            got_dtype, got_shape = _CODE_NAMES.get(found.code, found.code), found.shape
-        else:
-            got_dtype, got_shape = found.dtype.name, found.shape
-        if raw:
-            nbytes = math.prod(shape) * dtype.itemsize
-            if got_dtype != "uint8" or got_shape != (nbytes,):
-                raise TieError(
-                    f"{self.verb}: {self.path!r}: tensor {name!r} at {path_str(path)!r} should "
-                    f"hold the raw bytes of {dtype.name}{list(shape)}, found "
-                    f"{got_dtype}{list(got_shape)}. {_RESAVE}"
-                )
-        elif got_dtype != dtype.name or got_shape != shape:
-            raise TieError(
-                f"{self.verb}: {self.path!r}: tensor {name!r} at {path_str(path)!r} is "
-                f"{got_dtype}{list(got_shape)} but the metadata says {dtype.name}{list(shape)}. "
-                f"{_RESAVE}"
+        info = isinstance(found, TensorInfo)
+        got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
+        got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
+        where = f"tensor {name!r} at {path_str(path)!r}"
+        if raw and got != f"uint8[{math.prod(shape) * want.dtype.itemsize}]":
+            raise self.fail(
+                f"{where} should hold the raw bytes of {format_aval(want)}, found {got}."
             )
+        if not raw and got != format_aval(want):
+            raise self.fail(f"{where} is {got} but the metadata says {format_aval(want)}.")
         if impl is not None:
             self.keys.append(path)
-        if isinstance(found, TensorInfo):
-            return jax.ShapeDtypeStruct(shape, dtype)
-        a = np.frombuffer(found.tobytes(), dtype).reshape(shape) if raw else found
+        if info:
+            return want
+        a = np.frombuffer(found.tobytes(), want.dtype).reshape(shape) if raw else found
         if impl is not None:
             try:
                 return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
             except (ValueError, TypeError) as e:
-                raise self.bad(
-                    path,
-                    f"key data {dtype.name}{list(shape)} does not fit {impl} keys ({one_line(e)})",
-                ) from e
+                what = f"key data {format_aval(want)} does not fit {impl} keys ({one_line(e)})"
+                raise self.bad(path, what) from e
         return a[()] if scalar else a
-
-
-def _is_list(v: Any) -> bool:
-    return isinstance(v, list)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _is_key_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
-
-
-def _is_shape(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
 
 
 def _is_dtype_name(v: Any) -> bool:
@@ -963,38 +892,51 @@ def _is_dtype_name(v: Any) -> bool:
     return d.name == v and _is_numeric(d)
 
 
-def _is_real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _of(*types: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, types)
 
 
-_VALUE_TYPES: dict[str, Any] = {
-    "bool": lambda v: isinstance(v, bool),
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "t": (_of(str), "a node kind"),
+    "children": (_of(list), "a list of nodes"),
+    "keys": (_is_key_list, "a list of str or int keys"),
+    "type": (_of(str), "a type name"),
+    "ref": (_is_key_list, "a non-empty list of keys"),
+    "transform": (_of(dict), "a spec"),
+    "tensor": (_of(str), "a tensor name"),
+    "dtype": (_is_dtype_name, "a numeric dtype name"),
+    "shape": (
+        lambda v: (
+            isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
+        ),
+        "a list of sizes >= 0",
+    ),
+    "raw": (_of(bool), "true or false"),
+}
+"""Each field of a node: its check and what it should be (``_Builder.field`` names both)."""
+
+_VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
+    "bool": _of(bool),
     "int": _is_int,
     "float": _is_real,
-    "str": lambda v: isinstance(v, str),
+    "str": _of(str),
     "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
 }
 
-_CODE_NAMES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
-    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
-}  # fmt: skip
+
+def _by_path(tree: Any, is_leaf: Callable[[Any], bool] = is_tied) -> dict[Path, Any]:
+    """Every leaf of ``tree`` (``Tied`` nodes included) by its path, in flatten order."""
+    return {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(tree, is_leaf)[0]}
 
 
 def _place(path: str, tree: Any, shardings: Any) -> Any:
     """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
     from jax.sharding import Sharding
 
-    def stop(x: Any) -> bool:
-        return x is None or is_tied(x) or isinstance(x, Sharding)
-
-    want = {keypath_to_path(kp): s for kp, s in jtu.tree_flatten_with_path(shardings, stop)[0]}
-    flat, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    paths = [keypath_to_path(kp) for kp, _ in flat]
-    buffers = {p for p, (_, x) in zip(paths, flat) if _is_array(x)}
-    missing = sorted(map(path_str, buffers - want.keys()))
-    extra = sorted(map(path_str, want.keys() - set(paths)))
+    want = _by_path(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
+    got = _by_path(tree)
+    missing = sorted(path_str(p) for p, x in got.items() if _is_array(x) and p not in want)
+    extra = sorted(map(path_str, want.keys() - got.keys()))
     if missing or extra:
         raise TieError(
             f"load: shardings= does not match {path!r}: buffers without a sharding: "
@@ -1003,18 +945,17 @@ def _place(path: str, tree: Any, shardings: Any) -> Any:
             "sharding, abstract_tree) (Tied positions are ignored)."
         )
     leaves = []
-    for p, (_, x) in zip(paths, flat, strict=True):
+    for p, x in got.items():
         s = want.get(p)
-        if not _is_array(x) or s is None or is_tied(s):
-            leaves.append(x)
-            continue
-        if not isinstance(s, Sharding):
-            raise TieError(
-                f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
-                "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
-            )
-        leaves.append(jax.device_put(x, s))
-    return jtu.tree_unflatten(treedef, leaves)
+        if _is_array(x) and s is not None and not is_tied(s):
+            if not isinstance(s, Sharding):
+                raise TieError(
+                    f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
+                    "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
+                )
+            x = jax.device_put(x, s)
+        leaves.append(x)
+    return jtu.tree_unflatten(jtu.tree_structure(tree, is_leaf=is_tied), leaves)
 
 
 def _is_array(x: Any) -> bool:
@@ -1042,10 +983,9 @@ def _describe_leaf(x: Any) -> str:
 
 
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
-    file_flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    got = {keypath_to_path(kp): x for kp, x in file_flat}
-    tmpl_flat, _ = jtu.tree_flatten_with_path(like, is_leaf=is_tied)
-    want = {keypath_to_path(kp): x for kp, x in tmpl_flat}
+    got = _by_path(tree)
+    tmpl = [(keypath_to_path(kp), t) for kp, t in jtu.tree_flatten_with_path(like, is_tied)[0]]
+    want = dict(tmpl)
     if got.keys() != want.keys():
         only_file = sorted(map(path_str, got.keys() - want.keys()))
         only_tmpl = sorted(map(path_str, want.keys() - got.keys()))
@@ -1055,35 +995,27 @@ def _restore_like(path: str, tree: Any, like: Any) -> Any:
             "Fix: pass a template of the same model and configuration, tied the same way."
         )
     leaves: list[Any] = []
-    for kp, t in tmpl_flat:
-        p = keypath_to_path(kp)
-        f = got[p]
-        where = path_str(p)
+    for p, t in tmpl:
+        f, where = got[p], path_str(p)
         if isinstance(t, Tied) or isinstance(f, Tied):
-            if not (isinstance(t, Tied) and isinstance(f, Tied) and t == f):
-                fix = (
-                    f"tie the template the same way: st.tie(template, {{{where!r}: {f!r}}})"
-                    if isinstance(f, Tied) and not isinstance(t, Tied)
-                    else "tie the template as the saved tree was tied"
-                )
-                raise TieError(
-                    f"load: the template (like=) does not match {path!r} at {where!r}: the file "
-                    f"has {_describe_leaf(f)}, the template has {_describe_leaf(t)}. Fix: {fix}."
-                )
-            continue
-        if isinstance(f, _Static):
-            leaves.append(t)
-            continue
-        if hasattr(t, "shape") and hasattr(t, "dtype"):
-            ok = _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
-        else:
-            ok = type(f) is type(t)
-        if not ok:
-            raise TieError(
-                f"load: the template (like=) does not match {path!r} at {where!r}: the file has "
-                f"{_describe_leaf(f)}, the template has {_describe_leaf(t)}. Fix: pass a "
-                "template of the same model and configuration (shapes and dtypes)."
+            if isinstance(t, Tied) and isinstance(f, Tied) and t == f:
+                continue
+            fix = (
+                f"tie the template the same way: st.tie(template, {{{where!r}: {f!r}}})"
+                if isinstance(f, Tied) and not isinstance(t, Tied)
+                else "tie the template as the saved tree was tied"
             )
-        leaves.append(f)
-    treedef = jtu.tree_structure(like)
-    return jtu.tree_unflatten(treedef, leaves)
+        elif isinstance(f, _Static) or (
+            _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
+            if hasattr(t, "shape") and hasattr(t, "dtype")
+            else type(f) is type(t)
+        ):
+            leaves.append(t if isinstance(f, _Static) else f)
+            continue
+        else:
+            fix = "pass a template of the same model and configuration (shapes and dtypes)"
+        raise TieError(
+            f"load: the template (like=) does not match {path!r} at {where!r}: the file "
+            f"has {_describe_leaf(f)}, the template has {_describe_leaf(t)}. Fix: {fix}."
+        )
+    return jtu.tree_unflatten(jtu.tree_structure(like), leaves)

@@ -19,13 +19,18 @@ import numpy as np
 
 from sharetree._errors import TieError
 
-__all__ = ["Reader", "TensorInfo", "atomic_write", "one_line"]
+__all__ = ["NATIVE_CODES", "Reader", "TensorInfo", "atomic_write", "one_line"]
 
-# safetensors header dtype codes -> numpy dtype names (for the raw fallback reader)
-_CODES = {
+NATIVE_CODES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
     "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
     "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
+}  # fmt: skip
+"""safetensors header dtype codes -> the dtype names ``st.save`` stores under their own code."""
+
+# every code the raw fallback reader knows: the native ones and float8 (which numpy lacks)
+_CODES = {
+    **NATIVE_CODES,
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
