@@ -20,8 +20,8 @@ from __future__ import annotations
 import cmath
 import dataclasses
 import functools
-import importlib
 import math
+import pkgutil
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -472,10 +472,6 @@ def astype(dtype: DTypeLike) -> Transform:
         >>> st.astype(jnp.bfloat16), st.astype("float16") == st.astype(jnp.float16)
         (astype(bfloat16), True)
     """
-    accepted = (
-        "a boolean or numeric dtype: a np.dtype, a scalar type (jnp.bfloat16, np.float32) "
-        "or its name ('float16')"
-    )
     problem = f"is {type(dtype).__name__}"
     if isinstance(dtype, (np.dtype, type, str)):
         try:
@@ -486,7 +482,8 @@ def astype(dtype: DTypeLike) -> Transform:
         except TypeError as e:
             problem = f"is not a dtype ({e})"
     raise TieError(
-        f"astype({dtype!r}): the dtype argument {problem}; expected {accepted}. "
+        f"astype({dtype!r}): the dtype argument {problem}; expected a boolean or numeric dtype: "
+        "a np.dtype, a scalar type (jnp.bfloat16, np.float32) or its name ('float16'). "
         "Fix: pass e.g. st.astype(jnp.bfloat16)."
     )
 
@@ -607,17 +604,12 @@ def chain(*parts: Transform) -> Transform:
     for p in parts:
         check_transform(p)
         rest = p.parts if isinstance(p, _Chain) else (p,)
-        if not out and isinstance(p, _Chain):
-            out.extend(rest)  # already normal
-            continue
         for i, q in enumerate(rest):
             if _push(out, q) and i + 1 < len(rest):
                 out.extend(rest[i + 1 :])  # q was kept as is: its neighbours in p do not fold
                 break
-    if not out:
-        return identity
-    if len(out) == 1:
-        return out[0]
+    if len(out) < 2:
+        return out[0] if out else identity
     return _Chain(tuple(out))
 
 
@@ -625,10 +617,7 @@ def _push(stack: list[Transform], t: Transform) -> bool:
     """Append ``t`` to a normal form, folding it into the end; True if kept unchanged."""
     kept = True
     while t != identity:
-        if not stack:
-            stack.append(t)
-            return kept
-        folded = stack[-1].fold(t)
+        folded = stack[-1].fold(t) if stack else None
         if folded is None:
             stack.append(t)
             return kept
@@ -660,11 +649,8 @@ def check_transform(t: Any, where: str = "") -> Transform:
 def _import(module: str, qualname: str) -> Any:
     """The object ``module:qualname`` of the user's own code (used when saving only)."""
     try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
-    except (ImportError, AttributeError):
+        return pkgutil.resolve_name(f"{module}:{qualname}")
+    except (ImportError, AttributeError, ValueError):
         return None
 
 
@@ -747,17 +733,15 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
             f"{', '.join(sorted(_REGISTRY))}. Fix: upgrade sharetree, or check the file "
             "was written by sharetree."
         )
-    missing = [f for f in cls.spec_fields if f not in spec]
-    extra = [k for k in spec if k != "name" and k not in cls.spec_fields]
-    if missing or extra:
+    problems = [f"the field {f!r} is missing" for f in cls.spec_fields if f not in spec] + [
+        f"the field {_show.repr(k)} is not one of its fields"
+        for k in spec
+        if k != "name" and k not in cls.spec_fields
+    ]
+    if problems:
         fields = ", ".join(f"{f!r} ({d})" for f, d in cls.spec_fields.items()) or "none"
-        problem = (
-            f"the field {missing[0]!r} is missing"
-            if missing
-            else f"the field {_show.repr(extra[0])} is not one of its fields"
-        )
         raise TieError(
-            f"transform spec {_show.repr(spec)}: {problem}; the fields of {name!r} besides "
+            f"transform spec {_show.repr(spec)}: {problems[0]}; the fields of {name!r} besides "
             f"'name' are: {fields}. Fix: {_SPEC_FIX}"
         )
     return cls.from_spec(spec, resolve)
@@ -799,11 +783,8 @@ def transform_from_spec(
     def resolve(name: str) -> ArrayFn:
         if functions is None or name not in functions:
             last = name.rpartition(":")[2].rpartition(".")[2]
-            given = (
-                "no functions were given"
-                if not functions
-                else "the functions given are " + ", ".join(map(repr, list(functions)[:5]))
-            )
+            given = ", ".join(map(repr, list(functions or ())[:5]))
+            given = f"the functions given are {given}" if given else "no functions were given"
             raise TieError(
                 f"transform spec fn({name}): the function {name!r} is not among the functions "
                 f"passed in ({given}); a file's names are never imported or called. Fix: pass "
