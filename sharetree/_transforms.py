@@ -174,18 +174,16 @@ class _Transpose(Transform, name="transpose"):
     """``T`` / ``transpose(*axes)``: permute axes; see :func:`transpose`."""
 
     axes: tuple[int, ...] | None = None  # None: reverse all axes (T); else a permutation
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "axes": "null (reverse all axes) or a list of integers"
-    }
+    spec_fields: ClassVar = {"axes": "null (reverse all axes) or a list of integers"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.transpose(x, self.axes)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        return (
-            T if spec["axes"] is None else _build(spec, "axes", transpose, *_int_list(spec, "axes"))
-        )
+        if spec["axes"] is None:
+            return T
+        return _build(spec, "axes", transpose, *_int_list(spec, "axes"))
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Transpose):
@@ -215,7 +213,7 @@ class _Reshape(Transform, name="reshape"):
     """``reshape(*shape)``: see :func:`reshape`."""
 
     shape: tuple[int, ...]  # sizes >= 0 and at most one -1
-    spec_fields: ClassVar[Mapping[str, str]] = {"shape": "a list of integers"}
+    spec_fields: ClassVar = {"shape": "a list of integers"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.reshape(jnp.asarray(x), self.shape)
@@ -246,7 +244,7 @@ class _AsType(Transform, name="astype"):
     """``astype(dtype)``: cast; see :func:`astype`."""
 
     dtype: str  # the NumPy name of a boolean or numeric dtype
-    spec_fields: ClassVar[Mapping[str, str]] = {"dtype": "a dtype name such as 'bfloat16'"}
+    spec_fields: ClassVar = {"dtype": "a dtype name such as 'bfloat16'"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x).astype(self.dtype)
@@ -271,9 +269,7 @@ class _Scale(Transform, name="scale"):
     """``scale(c)``: multiply by a finite constant; see :func:`scale`."""
 
     c: float | complex  # finite; complex only when given as complex
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "c": "a finite number, or [real, imag] for a complex one"
-    }
+    spec_fields: ClassVar = {"c": "a finite number, or [real, imag] for a complex one"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x) * self.c
@@ -308,9 +304,7 @@ class _Fn(Transform, name="fn"):
     """``fn(f)``: a user function; written by name, read back only from given functions."""
 
     f: ArrayFn
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "function": "a 'module:qualname' string such as 'mylib.ops:softcap'"
-    }
+    spec_fields: ClassVar = {"function": "a 'module:qualname' string such as 'mylib.ops:softcap'"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return self.f(jnp.asarray(x))
@@ -343,9 +337,7 @@ class _Chain(Transform, name="chain"):
     """``a >> b >> ...``: built only by :func:`chain`, so always in normal form."""
 
     parts: tuple[Transform, ...]  # normal form: >= 2 parts, no identity, no chain, no folds
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "parts": "a list of transform specs that are not chains"
-    }
+    spec_fields: ClassVar = {"parts": "a list of transform specs that are not chains"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return functools.reduce(lambda y, part: part(y), self.parts, x)  # type: ignore[return-value]
