@@ -38,9 +38,8 @@ MAX_ROWS = 20
 """Default number of rows per table (and views per drawing) before cutting."""
 
 _BUFFER_FILL = "#dbeafe"
-_BUFFER_STROKE = "#1d4ed8"
-_VIEW_FILL = "#ffedd5"
-_VIEW_STROKE = "#c2410c"
+_BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
+_VIEW_STYLE = 'fill="#ffedd5" stroke="#c2410c" stroke-dasharray="4 2"'
 _svg_ids = itertools.count()
 
 
@@ -74,9 +73,7 @@ def saved_percent(unique: int, expanded: int) -> float:
         >>> saved_percent(24, 48), saved_percent(0, 0)
         (50.0, 0.0)
     """
-    if expanded <= 0:
-        return 0.0
-    return 100.0 * (expanded - unique) / expanded
+    return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
 class _Section(NamedTuple):
@@ -304,6 +301,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     label_w = max(len(s) for s in labels) * char_w
     gap = max(70.0, label_w + 90)
     x_left, x_right = 4.0, 4.0 + left_w + gap
+    x0, x1 = x_left + left_w, x_right  # where the edges start and end
     more_text = f"... and {more:,} more views" if more else ""
     height = top + len(shown) * row_h + 4 + (row_h if more else 0)
     width = max(x_right + right_w, x_right + len(more_text) * char_w) + 4
@@ -320,10 +318,8 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for buf, vs in groups:
         ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
         by = sum(ys) / len(ys)
-        style = f'fill="{_BUFFER_FILL}" stroke="{_BUFFER_STROKE}"'
-        out.append(_box(f"buffer {buf}", x_left, by, left_w, _clip(buf, clip), style))
+        out.append(_box(f"buffer {buf}", x_left, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
         for v, y, label in zip(vs, ys, labels[row:], strict=False):
-            x0, x1 = x_left + left_w, x_right
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
@@ -335,8 +331,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                     f'fill="#374151">{e(label)}</text>'
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
-            style = f'fill="{_VIEW_FILL}" stroke="{_VIEW_STROKE}" stroke-dasharray="4 2"'
-            out.append(_box(title, x_right, y, right_w, _clip(v.path, clip), style))
+            out.append(_box(title, x_right, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
         row += len(vs)
     if more:
         out.append(
@@ -362,21 +357,24 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         True
     """
     buffers, views = _sections(g, max_rows)
-    parts = [
-        f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
-        f"<div><b>{html.escape(_headline(g))}</b></div>",
-        _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
-    ]
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
-    for sec in (buffers, views) if views.rows else (buffers,):
-        parts.append(f"<div><b>{sec.title}</b></div>")
-        parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more_text()))
-    if views.rows:
-        parts.append(graph_svg(g, max_rows=max_rows))
-    else:
-        parts.append("<div><i>no views: nothing is shared</i></div>")
-    parts.append("</div>")
-    return "".join(parts)
+    return "".join(
+        [
+            f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
+            f"<div><b>{html.escape(_headline(g))}</b></div>",
+            _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
+            *(
+                f"<div><b>{sec.title}</b></div>"
+                + _html_table(sec.header, sec.rows, sec.numeric, sec.more_text())
+                for sec in ((buffers, views) if views.rows else (buffers,))
+            ),
+            graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS,
+            "</div>",
+        ]
+    )
+
+
+_NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
 
 
 # ---------------------------------------------------------------------------
@@ -459,9 +457,8 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
         ")",
     )
     node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
-    note = f"  # \u2192 view of {ref}"
-    if tied.transform != identity:
-        note += f" via {tied.transform!r}"
+    how = "" if tied.transform == identity else f" via {tied.transform!r}"
+    note = f"  # \u2192 view of {ref}{how}"
     return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
 
 
@@ -512,20 +509,19 @@ class MaterializedDisplay:
 
     def __init__(self, tree: Any) -> None:
         leaves, structure = leaves_and_structure(tree)
-        self.tree = tree
-        self.graph = SharingGraph(structure, leaves)
-        self._leaves = leaves
-        self._structure = structure
+        self.tree, self.graph = tree, SharingGraph(structure, leaves)
+        self._leaves, self._structure = leaves, structure
 
     def marked_tree(self) -> Any:
         """The materialized tree whose buffer and view leaves are wrapped with their notes."""
-        structure, leaves = self._structure, self._leaves
-        values = _expand_leaves(structure, leaves)
+        structure = self._structure
         uses: dict[int, list[str]] = {}
         for view in structure.views:
             uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
-        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
+        for (i, t, p, at), x in zip(
+            structure.expanded, _expand_leaves(structure, self._leaves), strict=True
+        ):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
                 how = "" if t == identity else f" via {t!r}"
@@ -543,12 +539,10 @@ class MaterializedDisplay:
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         from treescope import rendering_parts as rp
 
+        g = self.graph
+        saved = saved_percent(g.nbytes_unique, g.nbytes_expanded)
         head = rp.comment_color(
-            rp.text(
-                f"# materialized tree; {_headline(self.graph)} "
-                f"({saved_percent(self.graph.nbytes_unique, self.graph.nbytes_expanded):.1f}% "
-                "of bytes saved)"
-            )
+            rp.text(f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)")
         )
         body = subtree_renderer(self.marked_tree(), path=path)
         return rp.siblings_with_annotations(head, rp.text("\n"), body)
