@@ -9,9 +9,9 @@ escaped before it goes into HTML, SVG or DOT.
 
 from __future__ import annotations
 
-import html
 import itertools
 from collections.abc import Mapping, Sequence, Set
+from html import escape
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
@@ -144,12 +144,10 @@ def _headline(g: SharingGraph) -> str:
 # text
 
 
-def _table(
-    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], indent: str = "  "
-) -> list[str]:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     return [
-        (indent + "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True))).rstrip()
+        ("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True))).rstrip()
         for r in [header, *rows]
     ]
 
@@ -205,11 +203,8 @@ def summary(
         )
     lines = [_headline(g), *_table(_TOTALS, _totals(g))]
     for sec in _sections(g, max_rows):
-        lines += [
-            f"{sec.title}:",
-            *(_table(sec.header, sec.rows) if sec.rows else ["  " + sec.none]),
-        ]
-        lines += ["  " + sec.more_text()] if sec.more else []
+        body = _table(sec.header, sec.rows) if sec.rows else ["  " + sec.none]
+        lines += [f"{sec.title}:", *body, *(["  " + sec.more_text()] if sec.more else [])]
     if grads_by_use is not None:
         from sharetree._grad_report import grad_report  # it renders with this module's tables
 
@@ -228,18 +223,17 @@ _MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
 def _html_table(
     header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: Set[int], more: str = ""
 ) -> str:
-    e = html.escape
-
     def cells(tag: str, r: Sequence[str]) -> str:
         return "".join(
-            f'<{tag} style="{_NUM if i in numeric else _CELL}">{e(x)}</{tag}>'
+            f'<{tag} style="{_NUM if i in numeric else _CELL}">{escape(x)}</{tag}>'
             for i, x in enumerate(r)
         )
 
     body = [f"<tr>{cells('td', r)}</tr>" for r in rows]
     if more:
         body.append(
-            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">{e(more)}</td></tr>'
+            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">'
+            f"{escape(more)}</td></tr>"
         )
     return (
         f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
@@ -253,11 +247,10 @@ def _clip(s: str, n: int) -> str:
 
 def _box(title: str, x: float, y: float, w: float, text: str, style: str) -> str:
     """An SVG box centred on height ``y`` with a hover ``title`` and a ``text`` label."""
-    e = html.escape
     return (
-        f'<g><title>{e(title)}</title><rect x="{x}" y="{y - _BOX_H / 2:.1f}" width="{w:.0f}" '
+        f'<g><title>{escape(title)}</title><rect x="{x}" y="{y - _BOX_H / 2:.1f}" width="{w:.0f}" '
         f'height="{_BOX_H}" rx="3" {style}/><text x="{x + _PAD}" y="{y + 4:.1f}">'
-        f"{e(text)}</text></g>"
+        f"{escape(text)}</text></g>"
     )
 
 
@@ -290,8 +283,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for v in itertools.islice(views.values(), max_rows):
         by_buffer.setdefault(v.buffer, []).append(v)
     more = len(views) - sum(len(vs) for vs in by_buffer.values())
-    order = {b.path: i for i, b in enumerate(g.buffers) if b.path in by_buffer}
-    groups = sorted(by_buffer.items(), key=lambda kv: order.get(kv[0], 0))
+    groups = [(b.path, by_buffer[b.path]) for b in g.buffers if b.path in by_buffer]
 
     char_w, row_h, clip, top = 7.0, 26, 36, 12
     shown = [v for _, vs in groups for v in vs]
@@ -306,7 +298,6 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     height = top + len(shown) * row_h + 4 + (row_h if more else 0)
     width = max(x_right + right_w, x_right + len(more_text) * char_w) + 4
     mid = f"stm{next(_svg_ids)}"
-    e = html.escape
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:12px;">',
@@ -328,7 +319,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
             if v.transform != identity:
                 out.append(
                     f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
-                    f'fill="#374151">{e(label)}</text>'
+                    f'fill="#374151">{escape(label)}</text>'
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
             out.append(_box(title, x_right, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
@@ -336,7 +327,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     if more:
         out.append(
             f'<text x="{x_right}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
-            f"{e(more_text)}</text>"
+            f"{escape(more_text)}</text>"
         )
     out.append("</svg>")
     return "".join(out)
@@ -361,7 +352,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     return "".join(
         [
             f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
-            f"<div><b>{html.escape(_headline(g))}</b></div>",
+            f"<div><b>{escape(_headline(g))}</b></div>",
             _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
             *(
                 f"<div><b>{sec.title}</b></div>"
@@ -408,24 +399,21 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
     views = list(g.views.values())
     used = {v.buffer for v in views}
     label = lambda x: _dot_str(f"{x.path}\n{format_aval(x.aval)}")  # noqa: E731
-    return "\n".join(
-        [
-            "digraph sharing {",
-            "  rankdir=LR;",
-            '  node [shape=box, fontname="monospace", fontsize=10];',
-            *(
-                f'  b{i} [label={label(b)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
-                for i, b in enumerate(g.buffers)
-                if include_unshared or b.path in used
-            ),
-            *(f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(views)),
-            *(
-                f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];"
-                for j, v in enumerate(views)
-            ),
-            "}",
-        ]
-    )
+    lines = ["digraph sharing {\n  rankdir=LR;", _DOT_NODE]
+    lines += [
+        f'  b{i} [label={label(b)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
+        for i, b in enumerate(g.buffers)
+        if include_unshared or b.path in used
+    ]
+    lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(views)]
+    lines += [
+        f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];"
+        for j, v in enumerate(views)
+    ]
+    return "\n".join([*lines, "}"])
+
+
+_DOT_NODE = '  node [shape=box, fontname="monospace", fontsize=10];'
 
 
 # ---------------------------------------------------------------------------
@@ -474,9 +462,8 @@ class _Mark:
         from treescope import rendering_parts as rp
 
         inner = subtree_renderer(self.value, path=path)
-        badge = rp.custom_style(
-            rp.text(self.badge), f"background-color:{self.color};border-radius:3px;"
-        )
+        style = f"background-color:{self.color};border-radius:3px;"
+        badge = rp.custom_style(rp.text(self.badge), style)
         notes = [rp.comment_color(rp.text(f"  # {self.note}"))] if self.note else []
         return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
 
