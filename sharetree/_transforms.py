@@ -143,8 +143,7 @@ class Transform:
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the view of a buffer with shape and dtype ``aval``."""
-        out: jax.ShapeDtypeStruct = jax.eval_shape(self, aval)
-        return out
+        return jax.eval_shape(self, aval)
 
 
 @dataclasses.dataclass(frozen=True)
