@@ -9,10 +9,10 @@ escaped before it goes into HTML, SVG or DOT.
 
 from __future__ import annotations
 
-import html
 import itertools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence, Set
+from html import escape
+from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
@@ -20,7 +20,7 @@ from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
 from sharetree._materialize import leaves_and_structure
 from sharetree._paths import format_aval, path_str, plural
-from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._report import SharingGraph, View, canonicalize
 from sharetree._tied import Tied
 from sharetree._transforms import identity
 
@@ -38,9 +38,8 @@ MAX_ROWS = 20
 """Default number of rows per table (and views per drawing) before cutting."""
 
 _BUFFER_FILL = "#dbeafe"
-_BUFFER_STROKE = "#1d4ed8"
-_VIEW_FILL = "#ffedd5"
-_VIEW_STROKE = "#c2410c"
+_BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
+_VIEW_STYLE = 'fill="#ffedd5" stroke="#c2410c" stroke-dasharray="4 2"'
 _svg_ids = itertools.count()
 
 
@@ -74,15 +73,21 @@ def saved_percent(unique: int, expanded: int) -> float:
         >>> saved_percent(24, 48), saved_percent(0, 0)
         (50.0, 0.0)
     """
-    if expanded <= 0:
-        return 0.0
-    return 100.0 * (expanded - unique) / expanded
+    return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
-def _graph(tree_or_graph: Any) -> SharingGraph:
-    if isinstance(tree_or_graph, SharingGraph):
-        return tree_or_graph
-    return canonicalize(tree_or_graph)
+class _Section(NamedTuple):
+    """One table of a summary: its title, header, the rows shown and how many are left out."""
+
+    title: str
+    header: tuple[str, ...]
+    rows: Sequence[tuple[str, ...]]
+    more: int
+    none: str  # the text shown when there are no rows
+    numeric: frozenset[int]  # columns aligned right in HTML
+
+    def more_text(self) -> str:
+        return f"... and {self.more:,} more {self.title}" if self.more else ""
 
 
 def _shape_str(shape: tuple[int, ...] | None) -> str:
@@ -91,59 +96,44 @@ def _shape_str(shape: tuple[int, ...] | None) -> str:
     return "(" + ", ".join(map(str, shape)) + (",)" if len(shape) == 1 else ")")
 
 
-def _dtype_str(dtype: Any) -> str:
-    return "-" if dtype is None else str(dtype)
-
-
-def _rows(g: SharingGraph, max_rows: int) -> tuple[list[Buffer], int, list[View], int]:
-    """The buffers and views to show, and how many of each are left out.
+def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
+    """The buffer and view tables, each cut after ``max_rows`` rows.
 
     Buffers that have views come first when the table must be cut (they are
     the interesting ones), but rows keep flatten order.
     """
-    buffers = g.buffers
-    if len(buffers) <= max_rows:
-        shown_buffers = list(buffers)
-    else:
-        shared = [i for i, b in enumerate(buffers) if b.num_views]
-        keep = set(shared[:max_rows])
-        for i in range(len(buffers)):
-            if len(keep) >= max_rows:
-                break
-            keep.add(i)
-        shown_buffers = [buffers[i] for i in sorted(keep)]
-    views = g.views
-    shown_views = list(itertools.islice(views.values(), max_rows))
-    return (
-        shown_buffers,
-        len(buffers) - len(shown_buffers),
-        shown_views,
-        len(views) - len(shown_views),
-    )
+    buffers, views = g.buffers, list(g.views.values())
+    shared = [i for i, b in enumerate(buffers) if b.num_views][:max_rows]
+    kept = set(shared)
+    others = [i for i in range(len(buffers)) if i not in kept][: max_rows - len(shared)]
+    dtype = lambda d: "-" if d is None else str(d)  # noqa: E731
+    b_rows = [
+        (b.path, _shape_str(b.shape), dtype(b.dtype), format_bytes(b.nbytes), str(b.num_views))
+        for b in (buffers[i] for i in sorted(kept.union(others)))
+    ]
+    v_rows = [
+        (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), dtype(v.dtype))
+        for v in views[:max_rows]
+    ]
+    return [
+        _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
+                 len(buffers) - len(b_rows), "(none)", frozenset({3, 4})),
+        _Section("views", ("path", "buffer", "transform", "shape", "dtype"), v_rows,
+                 len(views) - len(v_rows), "(none: nothing is shared)", frozenset()),
+    ]  # fmt: skip
 
 
 def _totals(g: SharingGraph) -> list[tuple[str, str, str, str]]:
     """(what, unique, expanded, saved) lines of the totals block."""
-    return [
-        (
-            "leaves",
-            f"{g.num_unique:,}",
-            f"{g.num_expanded:,}",
-            f"{saved_percent(g.num_unique, g.num_expanded):.1f}%",
-        ),
-        (
-            "params",
-            f"{g.size_unique:,}",
-            f"{g.size_expanded:,}",
-            f"{saved_percent(g.size_unique, g.size_expanded):.1f}%",
-        ),
-        (
-            "bytes",
-            format_bytes(g.nbytes_unique),
-            format_bytes(g.nbytes_expanded),
-            f"{saved_percent(g.nbytes_unique, g.nbytes_expanded):.1f}%",
-        ),
+    counts = [
+        ("leaves", g.num_unique, g.num_expanded, "{:,}".format),
+        ("params", g.size_unique, g.size_expanded, "{:,}".format),
+        ("bytes", g.nbytes_unique, g.nbytes_expanded, format_bytes),
     ]
+    return [(w, f(u), f(x), f"{saved_percent(u, x):.1f}%") for w, u, x, f in counts]
+
+
+_TOTALS = ("", "unique", "expanded", "saved")
 
 
 def _headline(g: SharingGraph) -> str:
@@ -154,15 +144,12 @@ def _headline(g: SharingGraph) -> str:
 # text
 
 
-def _table(
-    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], indent: str = "  "
-) -> list[str]:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    out = []
-    for r in [header, *rows]:
-        cells = (x.ljust(w) for x, w in zip(r, widths, strict=True))
-        out.append((indent + "  ".join(cells)).rstrip())
-    return out
+    return [
+        ("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True))).rstrip()
+        for r in [header, *rows]
+    ]
 
 
 def summary(
@@ -208,54 +195,21 @@ def summary(
           path  buffer  transform  shape   dtype
           dec   enc     T          (3, 2)  float32
     """
-    g = _graph(tree)
+    g = tree if isinstance(tree, SharingGraph) else canonicalize(tree)
     if max_rows < 1:
         raise TieError(
             f"summary: max_rows must be at least 1, got {max_rows!r}. Fix: pass a positive "
             "number of rows per table, e.g. st.summary(tree, max_rows=50)."
         )
-    shown_b, more_b, shown_v, more_v = _rows(g, max_rows)
-    lines = [_headline(g)]
-    lines += _table(("", "unique", "expanded", "saved"), _totals(g))
-    lines.append("buffers:")
-    if shown_b:
-        lines += _table(
-            ("path", "shape", "dtype", "bytes", "views"),
-            _buffer_rows(shown_b),
-        )
-    else:
-        lines.append("  (none)")
-    if more_b:
-        lines.append(f"  ... and {more_b:,} more buffers")
-    lines.append("views:")
-    if shown_v:
-        lines += _table(
-            ("path", "buffer", "transform", "shape", "dtype"),
-            _view_rows(shown_v),
-        )
-    else:
-        lines.append("  (none: nothing is shared)")
-    if more_v:
-        lines.append(f"  ... and {more_v:,} more views")
+    lines = [_headline(g), *_table(_TOTALS, _totals(g))]
+    for sec in _sections(g, max_rows):
+        body = _table(sec.header, sec.rows) if sec.rows else ["  " + sec.none]
+        lines += [f"{sec.title}:", *body, *(["  " + sec.more_text()] if sec.more else [])]
     if grads_by_use is not None:
         from sharetree._grad_report import grad_report  # it renders with this module's tables
 
         lines.append(str(grad_report(grads_by_use, max_rows=max_rows)))
     return "\n".join(lines)
-
-
-def _buffer_rows(buffers: Sequence[Buffer]) -> list[tuple[str, ...]]:
-    return [
-        (b.path, _shape_str(b.shape), _dtype_str(b.dtype), format_bytes(b.nbytes), str(b.num_views))
-        for b in buffers
-    ]
-
-
-def _view_rows(views: Sequence[View]) -> list[tuple[str, ...]]:
-    return [
-        (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), _dtype_str(v.dtype))
-        for v in views
-    ]
 
 
 # ---------------------------------------------------------------------------
@@ -267,30 +221,40 @@ _MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
 
 
 def _html_table(
-    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: set[int], more: str = ""
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: Set[int], more: str = ""
 ) -> str:
-    e = html.escape
-    head = "".join(
-        f'<th style="{_NUM if i in numeric else _CELL}">{e(h)}</th>' for i, h in enumerate(header)
-    )
-    body = []
-    for r in rows:
-        cells = "".join(
-            f'<td style="{_NUM if i in numeric else _CELL}">{e(x)}</td>' for i, x in enumerate(r)
+    def cells(tag: str, r: Sequence[str]) -> str:
+        return "".join(
+            f'<{tag} style="{_NUM if i in numeric else _CELL}">{escape(x)}</{tag}>'
+            for i, x in enumerate(r)
         )
-        body.append(f"<tr>{cells}</tr>")
+
+    body = [f"<tr>{cells('td', r)}</tr>" for r in rows]
     if more:
         body.append(
-            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">{e(more)}</td></tr>'
+            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">'
+            f"{escape(more)}</td></tr>"
         )
     return (
         f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
-        f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
 
 
 def _clip(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "\u2026"
+
+
+def _box(title: str, x: float, y: float, w: float, text: str, style: str) -> str:
+    """An SVG box centred on height ``y`` with a hover ``title`` and a ``text`` label."""
+    return (
+        f'<g><title>{escape(title)}</title><rect x="{x}" y="{y - _BOX_H / 2:.1f}" width="{w:.0f}" '
+        f'height="{_BOX_H}" rx="3" {style}/><text x="{x + _PAD}" y="{y + 4:.1f}">'
+        f"{escape(text)}</text></g>"
+    )
+
+
+_BOX_H, _PAD = 20, 8
 
 
 def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
@@ -319,24 +283,21 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for v in itertools.islice(views.values(), max_rows):
         by_buffer.setdefault(v.buffer, []).append(v)
     more = len(views) - sum(len(vs) for vs in by_buffer.values())
-    order = {b.path: i for i, b in enumerate(g.buffers) if b.path in by_buffer}
-    groups = sorted(by_buffer.items(), key=lambda kv: order.get(kv[0], 0))
+    groups = [(b.path, by_buffer[b.path]) for b in g.buffers if b.path in by_buffer]
 
-    char_w, row_h, box_h, pad, clip, top = 7.0, 26, 20, 8, 36, 12
-    left = [_clip(b, clip) for b, _ in groups]
-    right = [_clip(v.path, clip) for _, vs in groups for v in vs]
-    labels = [_clip(repr(v.transform), 28) for _, vs in groups for v in vs]
-    left_w = max(len(s) for s in left) * char_w + 2 * pad
-    right_w = max(len(s) for s in right) * char_w + 2 * pad
+    char_w, row_h, clip, top = 7.0, 26, 36, 12
+    shown = [v for _, vs in groups for v in vs]
+    labels = [_clip(repr(v.transform), 28) for v in shown]
+    left_w = max(len(_clip(b, clip)) for b, _ in groups) * char_w + 2 * _PAD
+    right_w = max(len(_clip(v.path, clip)) for v in shown) * char_w + 2 * _PAD
     label_w = max(len(s) for s in labels) * char_w
     gap = max(70.0, label_w + 90)
     x_left, x_right = 4.0, 4.0 + left_w + gap
-    n_rows = len(right)
+    x0, x1 = x_left + left_w, x_right  # where the edges start and end
     more_text = f"... and {more:,} more views" if more else ""
-    height = top + n_rows * row_h + 4 + (row_h if more else 0)
+    height = top + len(shown) * row_h + 4 + (row_h if more else 0)
     width = max(x_right + right_w, x_right + len(more_text) * char_w) + 4
     mid = f"stm{next(_svg_ids)}"
-    e = html.escape
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:12px;">',
@@ -345,18 +306,11 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         f'fill="#6b7280"/></marker></defs>',
     ]
     row = 0
-    for (buf, vs), left_label in zip(groups, left, strict=True):
-        ys = [top + (row + k) * row_h + box_h / 2 for k in range(len(vs))]
+    for buf, vs in groups:
+        ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
         by = sum(ys) / len(ys)
-        out.append(
-            f'<g><title>buffer {e(buf)}</title><rect x="{x_left}" y="{by - box_h / 2:.1f}" '
-            f'width="{left_w:.0f}" height="{box_h}" rx="3" fill="{_BUFFER_FILL}" '
-            f'stroke="{_BUFFER_STROKE}"/><text x="{x_left + pad}" y="{by + 4:.1f}">'
-            f"{e(left_label)}</text></g>"
-        )
-        for v, y in zip(vs, ys, strict=True):
-            x0, x1 = x_left + left_w, x_right
-            label = _clip(repr(v.transform), 28)
+        out.append(_box(f"buffer {buf}", x_left, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
+        for v, y, label in zip(vs, ys, labels[row:], strict=False):
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
@@ -365,20 +319,15 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
             if v.transform != identity:
                 out.append(
                     f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
-                    f'fill="#374151">{e(label)}</text>'
+                    f'fill="#374151">{escape(label)}</text>'
                 )
-            out.append(
-                f"<g><title>view {e(v.path)} = {e(repr(v.transform))}({e(v.buffer)})</title>"
-                f'<rect x="{x_right}" y="{y - box_h / 2:.1f}" width="{right_w:.0f}" '
-                f'height="{box_h}" rx="3" fill="{_VIEW_FILL}" stroke="{_VIEW_STROKE}" '
-                f'stroke-dasharray="4 2"/><text x="{x_right + pad}" y="{y + 4:.1f}">'
-                f"{e(_clip(v.path, clip))}</text></g>"
-            )
+            title = f"view {v.path} = {v.transform!r}({v.buffer})"
+            out.append(_box(title, x_right, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
         row += len(vs)
     if more:
         out.append(
-            f'<text x="{x_right}" y="{top + n_rows * row_h + 14}" fill="#6b7280">'
-            f"{e(more_text)}</text>"
+            f'<text x="{x_right}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
+            f"{escape(more_text)}</text>"
         )
     out.append("</svg>")
     return "".join(out)
@@ -398,35 +347,25 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         >>> "b&lt;i&gt;" in page and "b<i>" not in page and "<svg" in page
         True
     """
-    e = html.escape
-    shown_b, more_b, shown_v, more_v = _rows(g, max_rows)
-    parts = [
-        f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
-        f"<div><b>{e(_headline(g))}</b></div>",
-        _html_table(("", "unique", "expanded", "saved"), _totals(g), numeric={1, 2, 3}),
-        "<div><b>buffers</b></div>",
-        _html_table(
-            ("path", "shape", "dtype", "bytes", "views"),
-            _buffer_rows(shown_b),
-            numeric={3, 4},
-            more=f"... and {more_b:,} more buffers" if more_b else "",
-        ),
-    ]
-    if shown_v:
-        parts += [
-            "<div><b>views</b></div>",
-            _html_table(
-                ("path", "\u2190 buffer", "transform", "shape", "dtype"),
-                _view_rows(shown_v),
-                numeric=set(),
-                more=f"... and {more_v:,} more views" if more_v else "",
+    buffers, views = _sections(g, max_rows)
+    views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
+    return "".join(
+        [
+            f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
+            f"<div><b>{escape(_headline(g))}</b></div>",
+            _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
+            *(
+                f"<div><b>{sec.title}</b></div>"
+                + _html_table(sec.header, sec.rows, sec.numeric, sec.more_text())
+                for sec in ((buffers, views) if views.rows else (buffers,))
             ),
-            graph_svg(g, max_rows=max_rows),
+            graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS,
+            "</div>",
         ]
-    else:
-        parts.append("<div><i>no views: nothing is shared</i></div>")
-    parts.append("</div>")
-    return "".join(parts)
+    )
+
+
+_NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
 
 
 # ---------------------------------------------------------------------------
@@ -457,25 +396,24 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
         }
     """
     index = {b.path: i for i, b in enumerate(g.buffers)}
-    used = {v.buffer for v in g.views.values()}
-    lines = [
-        "digraph sharing {",
-        "  rankdir=LR;",
-        '  node [shape=box, fontname="monospace", fontsize=10];',
+    views = list(g.views.values())
+    used = {v.buffer for v in views}
+    label = lambda x: _dot_str(f"{x.path}\n{format_aval(x.aval)}")  # noqa: E731
+    lines = ["digraph sharing {\n  rankdir=LR;", _DOT_NODE]
+    lines += [
+        f'  b{i} [label={label(b)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
+        for i, b in enumerate(g.buffers)
+        if include_unshared or b.path in used
     ]
-    for i, b in enumerate(g.buffers):
-        if include_unshared or b.path in used:
-            label = f"{b.path}\n{format_aval(b.aval)}"
-            lines.append(
-                f'  b{i} [label={_dot_str(label)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
-            )
-    for j, v in enumerate(g.views.values()):
-        label = f"{v.path}\n{format_aval(v.aval)}"
-        lines.append(f'  v{j} [label={_dot_str(label)}, style="dashed"];')
-    for j, v in enumerate(g.views.values()):
-        lines.append(f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];")
-    lines.append("}")
-    return "\n".join(lines)
+    lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(views)]
+    lines += [
+        f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];"
+        for j, v in enumerate(views)
+    ]
+    return "\n".join([*lines, "}"])
+
+
+_DOT_NODE = '  node [shape=box, fontname="monospace", fontsize=10];'
 
 
 # ---------------------------------------------------------------------------
@@ -507,9 +445,8 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
         ")",
     )
     node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
-    note = f"  # \u2192 view of {ref}"
-    if tied.transform != identity:
-        note += f" via {tied.transform!r}"
+    how = "" if tied.transform == identity else f" via {tied.transform!r}"
+    note = f"  # \u2192 view of {ref}{how}"
     return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
 
 
@@ -525,9 +462,8 @@ class _Mark:
         from treescope import rendering_parts as rp
 
         inner = subtree_renderer(self.value, path=path)
-        badge = rp.custom_style(
-            rp.text(self.badge), f"background-color:{self.color};border-radius:3px;"
-        )
+        style = f"background-color:{self.color};border-radius:3px;"
+        badge = rp.custom_style(rp.text(self.badge), style)
         notes = [rp.comment_color(rp.text(f"  # {self.note}"))] if self.note else []
         return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
 
@@ -560,20 +496,19 @@ class MaterializedDisplay:
 
     def __init__(self, tree: Any) -> None:
         leaves, structure = leaves_and_structure(tree)
-        self.tree = tree
-        self.graph = SharingGraph(structure, leaves)
-        self._leaves = leaves
-        self._structure = structure
+        self.tree, self.graph = tree, SharingGraph(structure, leaves)
+        self._leaves, self._structure = leaves, structure
 
     def marked_tree(self) -> Any:
         """The materialized tree whose buffer and view leaves are wrapped with their notes."""
-        structure, leaves = self._structure, self._leaves
-        values = _expand_leaves(structure, leaves)
+        structure = self._structure
         uses: dict[int, list[str]] = {}
         for view in structure.views:
             uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
-        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
+        for (i, t, p, at), x in zip(
+            structure.expanded, _expand_leaves(structure, self._leaves), strict=True
+        ):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
                 how = "" if t == identity else f" via {t!r}"
@@ -591,12 +526,10 @@ class MaterializedDisplay:
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         from treescope import rendering_parts as rp
 
+        g = self.graph
+        saved = saved_percent(g.nbytes_unique, g.nbytes_expanded)
         head = rp.comment_color(
-            rp.text(
-                f"# materialized tree; {_headline(self.graph)} "
-                f"({saved_percent(self.graph.nbytes_unique, self.graph.nbytes_expanded):.1f}% "
-                "of bytes saved)"
-            )
+            rp.text(f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)")
         )
         body = subtree_renderer(self.marked_tree(), path=path)
         return rp.siblings_with_annotations(head, rp.text("\n"), body)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import cmath
 import dataclasses
-import importlib
+import functools
 import math
+import pkgutil
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -97,11 +98,8 @@ class Transform:
         super().__init_subclass__(**kwargs)
         if name is None:
             return  # an abstract intermediate class: not readable from a spec
-        old = _REGISTRY.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (
-            cls.__module__,
-            cls.__qualname__,
-        ):
+        old = _REGISTRY.get(name, cls)
+        if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             raise TypeError(
                 f"transform spec name {name!r} is already taken by {old.__qualname__}; "
                 "choose another name"
@@ -115,9 +113,13 @@ class Transform:
         """Compute the view of the buffer ``x``."""
         raise NotImplementedError
 
-    def spec(self) -> dict[str, Any]:  # pragma: no cover - abstract
-        """Return a JSON-able description, the inverse of :func:`transform_from_spec`."""
-        raise NotImplementedError
+    def spec(self) -> dict[str, Any]:
+        """Return a JSON-able description, the inverse of :func:`transform_from_spec`.
+
+        By default ``"name"`` and each of ``spec_fields`` read from the attribute of that
+        name, tuples written as lists, complex numbers as ``[real, imag]``, transforms as specs.
+        """
+        return {"name": self.spec_name, **{f: _json(getattr(self, f)) for f in self.spec_fields}}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
@@ -141,8 +143,7 @@ class Transform:
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the view of a buffer with shape and dtype ``aval``."""
-        out: jax.ShapeDtypeStruct = jax.eval_shape(self, aval)
-        return out
+        return jax.eval_shape(self, aval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +153,6 @@ class _Identity(Transform, name="identity"):
     # returns its argument itself (a NumPy array stays that very object), not a jax.Array
     def __call__(self, x: ArrayLike) -> ArrayLike:  # type: ignore[override]
         return x
-
-    def spec(self) -> dict[str, Any]:
-        return {"name": "identity"}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
@@ -175,20 +173,14 @@ class _Transpose(Transform, name="transpose"):
     """``T`` / ``transpose(*axes)``: permute axes; see :func:`transpose`."""
 
     axes: tuple[int, ...] | None = None  # None: reverse all axes (T); else a permutation
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "axes": "null (reverse all axes) or a list of integers"
-    }
+    spec_fields: ClassVar = {"axes": "null (reverse all axes) or a list of integers"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.transpose(x, self.axes)
 
-    def spec(self) -> dict[str, Any]:
-        return {"name": "transpose", "axes": None if self.axes is None else list(self.axes)}
-
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        axes = spec["axes"]
-        if axes is None:
+        if spec["axes"] is None:
             return T
         return _build(spec, "axes", transpose, *_int_list(spec, "axes"))
 
@@ -198,27 +190,21 @@ class _Transpose(Transform, name="transpose"):
         p, q = self.axes, after.axes
         if p is None and q is None:
             return identity  # reversing twice, whatever the rank
-        if p is None:
-            assert q is not None
-            p = tuple(reversed(range(len(q))))  # q fixes the rank
-        if q is None:
-            q = tuple(reversed(range(len(p))))  # p fixes the rank
+        p, q = p or _reverse(len(q or ())), q or _reverse(len(p or ()))  # the other fixes the rank
         if len(p) != len(q):
             return None  # one of them fails on any array; keep the error
         composed = tuple(p[i] for i in q)  # out axis j is input axis p[q[j]]
         return identity if composed == tuple(range(len(composed))) else _Transpose(composed)
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        axes = self.axes if self.axes is not None else tuple(reversed(range(len(aval.shape))))
+        axes = self.axes or _reverse(len(aval.shape))
         if sorted(axes) != list(range(len(aval.shape))):
             return jax.eval_shape(self, aval)  # raises the real error
         dtype = canonical_dtype(aval.dtype)  # as jnp.transpose returns it
         return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), dtype)
 
     def __repr__(self) -> str:
-        if self.axes is None:
-            return "T"
-        return f"transpose({', '.join(map(str, self.axes))})"
+        return "T" if self.axes is None else f"transpose({', '.join(map(str, self.axes))})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,13 +212,10 @@ class _Reshape(Transform, name="reshape"):
     """``reshape(*shape)``: see :func:`reshape`."""
 
     shape: tuple[int, ...]  # sizes >= 0 and at most one -1
-    spec_fields: ClassVar[Mapping[str, str]] = {"shape": "a list of integers"}
+    spec_fields: ClassVar = {"shape": "a list of integers"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.reshape(jnp.asarray(x), self.shape)
-
-    def spec(self) -> dict[str, Any]:
-        return {"name": "reshape", "shape": list(self.shape)}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
@@ -260,20 +243,14 @@ class _AsType(Transform, name="astype"):
     """``astype(dtype)``: cast; see :func:`astype`."""
 
     dtype: str  # the NumPy name of a boolean or numeric dtype
-    spec_fields: ClassVar[Mapping[str, str]] = {"dtype": "a dtype name such as 'bfloat16'"}
+    spec_fields: ClassVar = {"dtype": "a dtype name such as 'bfloat16'"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x).astype(self.dtype)
 
-    def spec(self) -> dict[str, Any]:
-        return {"name": "astype", "dtype": self.dtype}
-
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        name = spec["dtype"]
-        if not isinstance(name, str):
-            raise _bad_field(spec, "dtype", name)
-        return _build(spec, "dtype", astype, name)
+        return _build(spec, "dtype", astype, _field(spec, "dtype", lambda v: isinstance(v, str)))
 
     def fold(self, after: Transform) -> Transform | None:
         # only the same cast twice: a cast after a different one may lose what it kept
@@ -291,9 +268,7 @@ class _Scale(Transform, name="scale"):
     """``scale(c)``: multiply by a finite constant; see :func:`scale`."""
 
     c: float | complex  # finite; complex only when given as complex
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "c": "a finite number, or [real, imag] for a complex one"
-    }
+    spec_fields: ClassVar = {"c": "a finite number, or [real, imag] for a complex one"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x) * self.c
@@ -307,21 +282,11 @@ class _Scale(Transform, name="scale"):
     def __hash__(self) -> int:
         return hash((_Scale, type(self.c), self.c))
 
-    def spec(self) -> dict[str, Any]:
-        if isinstance(self.c, complex):
-            return {"name": "scale", "c": [self.c.real, self.c.imag]}
-        return {"name": "scale", "c": self.c}
-
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        c = spec["c"]
-        if isinstance(c, (list, tuple)):
-            if len(c) != 2 or not all(_is_real(v) for v in c):
-                raise _bad_field(spec, "c", c)
-            return _build(spec, "c", scale, complex(c[0], c[1]))
-        if not _is_real(c):
-            raise _bad_field(spec, "c", c)
-        return _build(spec, "c", scale, c)
+        pair = isinstance(c := spec["c"], (list, tuple)) and len(c) == 2
+        c = _field(spec, "c", lambda v: all(map(_is_real, v)) if pair else _is_real(v))
+        return _build(spec, "c", scale, complex(*c) if pair else c)
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Scale):
@@ -338,9 +303,7 @@ class _Fn(Transform, name="fn"):
     """``fn(f)``: a user function; written by name, read back only from given functions."""
 
     f: ArrayFn
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "function": "a 'module:qualname' string such as 'mylib.ops:softcap'"
-    }
+    spec_fields: ClassVar = {"function": "a 'module:qualname' string such as 'mylib.ops:softcap'"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return self.f(jnp.asarray(x))
@@ -361,10 +324,7 @@ class _Fn(Transform, name="fn"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        name = spec["function"]
-        if not isinstance(name, str) or not _is_function_name(name):
-            raise _bad_field(spec, "function", name)
-        return fn(resolve(name))
+        return fn(resolve(_field(spec, "function", _is_function_name)))
 
     def __repr__(self) -> str:
         name = getattr(self.f, "__qualname__", None)
@@ -376,33 +336,21 @@ class _Chain(Transform, name="chain"):
     """``a >> b >> ...``: built only by :func:`chain`, so always in normal form."""
 
     parts: tuple[Transform, ...]  # normal form: >= 2 parts, no identity, no chain, no folds
-    spec_fields: ClassVar[Mapping[str, str]] = {
-        "parts": "a list of transform specs that are not chains"
-    }
+    spec_fields: ClassVar = {"parts": "a list of transform specs that are not chains"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
-        y = self.parts[0](x)
-        for part in self.parts[1:]:
-            y = part(y)
-        return y
-
-    def spec(self) -> dict[str, Any]:
-        return {"name": "chain", "parts": [p.spec() for p in self.parts]}
+        return functools.reduce(lambda y, part: part(y), self.parts, x)  # type: ignore[return-value]
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        parts = spec["parts"]
-        if not isinstance(parts, (list, tuple)):
-            raise _bad_field(spec, "parts", parts)
+        parts = _field(spec, "parts", lambda v: isinstance(v, (list, tuple)))
         for p in parts:
             if isinstance(p, Mapping) and p.get("name") == "chain":
                 raise _bad_field(spec, "parts", p)  # chains are flat: depth stays bounded
         return chain(*(_from_spec(p, resolve) for p in parts))
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        for part in self.parts:
-            aval = part.abstract(aval)
-        return aval
+        return functools.reduce(lambda a, part: part.abstract(a), self.parts, aval)
 
     def __repr__(self) -> str:
         return " >> ".join(map(repr, self.parts))
@@ -447,11 +395,9 @@ def transpose(*axes: int | Sequence[int]) -> Transform:
         >>> st.transpose() == st.T, st.transpose(0, 2, 1), st.transpose(-1, 0)
         (True, transpose(0, 2, 1), transpose(1, 0))
     """
-    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
-        axes = tuple(axes[0])
-    if not axes:
-        return T
     given = _ints("transpose", axes)
+    if not given:
+        return T
     n = len(given)
     perm = tuple(a % n if -n <= a < n else a for a in given)
     if sorted(perm) != list(range(n)):
@@ -465,7 +411,10 @@ def transpose(*axes: int | Sequence[int]) -> Transform:
 
 
 def _ints(name: str, values: Sequence[Any]) -> tuple[int, ...]:
-    bad = [v for v in values if not isinstance(v, (int, np.integer)) or isinstance(v, bool)]
+    """``values`` (or its one list or tuple) as ints, else a TieError for ``name(...)``."""
+    if len(values) == 1 and isinstance(values[0], (tuple, list)):
+        values = tuple(values[0])
+    bad = [v for v in values if not _is_int(v)]
     if bad:
         raise TieError(
             f"{name}({', '.join(map(repr, values))}): expected integers, "
@@ -489,8 +438,6 @@ def reshape(*shape: int | Sequence[int]) -> Transform:
         >>> st.reshape(24) >> st.reshape(2, -1)
         reshape(2, 12)
     """
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
     sizes = _ints("reshape", shape)
     if sizes.count(-1) > 1 or any(d < -1 for d in sizes):
         raise TieError(
@@ -516,28 +463,20 @@ def astype(dtype: DTypeLike) -> Transform:
         >>> st.astype(jnp.bfloat16), st.astype("float16") == st.astype(jnp.float16)
         (astype(bfloat16), True)
     """
-    accepted = (
-        "a boolean or numeric dtype: a np.dtype, a scalar type (jnp.bfloat16, np.float32) "
-        "or its name ('float16')"
+    problem = f"is {type(dtype).__name__}"
+    if isinstance(dtype, (np.dtype, type, str)):
+        try:
+            d = jnp.dtype(dtype)
+            if d == np.dtype(bool) or jnp.issubdtype(d, np.number):
+                return _AsType(d.name)
+            problem = f"is {d}, which JAX cannot compute with"
+        except TypeError as e:
+            problem = f"is not a dtype ({e})"
+    raise TieError(
+        f"astype({dtype!r}): the dtype argument {problem}; expected a boolean or numeric dtype: "
+        "a np.dtype, a scalar type (jnp.bfloat16, np.float32) or its name ('float16'). "
+        "Fix: pass e.g. st.astype(jnp.bfloat16)."
     )
-    if not isinstance(dtype, (np.dtype, type, str)):
-        raise TieError(
-            f"astype({dtype!r}): the dtype argument is {type(dtype).__name__}; expected "
-            f"{accepted}. Fix: pass e.g. st.astype(jnp.bfloat16)."
-        )
-    try:
-        d = jnp.dtype(dtype)
-    except TypeError as e:
-        raise TieError(
-            f"astype({dtype!r}): the dtype argument is not a dtype ({e}); expected {accepted}. "
-            "Fix: pass e.g. st.astype(jnp.bfloat16)."
-        ) from None
-    if not (d == np.dtype(bool) or jnp.issubdtype(d, np.number)):
-        raise TieError(
-            f"astype({dtype!r}): the dtype argument is {d}, which JAX cannot compute with; "
-            f"expected {accepted}. Fix: pass e.g. st.astype(jnp.bfloat16)."
-        )
-    return _AsType(d.name)
 
 
 def scale(c: complex | np.number[Any]) -> Transform:
@@ -656,17 +595,12 @@ def chain(*parts: Transform) -> Transform:
     for p in parts:
         check_transform(p)
         rest = p.parts if isinstance(p, _Chain) else (p,)
-        if not out and isinstance(p, _Chain):
-            out.extend(rest)  # already normal
-            continue
         for i, q in enumerate(rest):
             if _push(out, q) and i + 1 < len(rest):
                 out.extend(rest[i + 1 :])  # q was kept as is: its neighbours in p do not fold
                 break
-    if not out:
-        return identity
-    if len(out) == 1:
-        return out[0]
+    if len(out) < 2:
+        return out[0] if out else identity
     return _Chain(tuple(out))
 
 
@@ -674,10 +608,7 @@ def _push(stack: list[Transform], t: Transform) -> bool:
     """Append ``t`` to a normal form, folding it into the end; True if kept unchanged."""
     kept = True
     while t != identity:
-        if not stack:
-            stack.append(t)
-            return kept
-        folded = stack[-1].fold(t)
+        folded = stack[-1].fold(t) if stack else None
         if folded is None:
             stack.append(t)
             return kept
@@ -709,32 +640,48 @@ def check_transform(t: Any, where: str = "") -> Transform:
 def _import(module: str, qualname: str) -> Any:
     """The object ``module:qualname`` of the user's own code (used when saving only)."""
     try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
-    except (ImportError, AttributeError):
+        return pkgutil.resolve_name(f"{module}:{qualname}")
+    except (ImportError, AttributeError, ValueError):
         return None
 
 
+def _reverse(n: int) -> tuple[int, ...]:
+    return tuple(range(n - 1, -1, -1))
+
+
+def _json(v: Any) -> Any:
+    """A field as JSON: tuples as lists, complex as [real, imag], transforms as specs."""
+    if isinstance(v, tuple):
+        return [_json(x) for x in v]
+    if isinstance(v, complex):
+        return [v.real, v.imag]
+    return v.spec() if isinstance(v, Transform) else v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _is_real(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+    return _is_int(v) or isinstance(v, (float, np.floating))
 
 
-def _is_function_name(name: str) -> bool:
-    module, sep, qualname = name.partition(":")
-    return bool(sep) and all(
-        part.isidentifier() for part in (*module.split("."), *qualname.split("."))
-    )
+def _is_function_name(name: Any) -> bool:
+    module, sep, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
+    return bool(sep) and all(p.isidentifier() for p in (*module.split("."), *qualname.split(".")))
+
+
+def _field(spec: Mapping[str, Any], field: str, ok: Callable[[Any], bool]) -> Any:
+    """``spec[field]`` if ``ok`` says its type is right, else the TieError naming the field."""
+    if not ok(value := spec[field]):
+        raise _bad_field(spec, field, value)
+    return value
 
 
 def _int_list(spec: Mapping[str, Any], field: str) -> list[int]:
-    value = spec[field]
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
-    ):
-        raise _bad_field(spec, field, value)
-    return list(value)
+    return list(
+        _field(spec, field, lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)))
+    )
 
 
 def _bad_field(spec: Mapping[str, Any], field: str, found: Any, why: str = "") -> TieError:
@@ -777,17 +724,15 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
             f"{', '.join(sorted(_REGISTRY))}. Fix: upgrade sharetree, or check the file "
             "was written by sharetree."
         )
-    missing = [f for f in cls.spec_fields if f not in spec]
-    extra = [k for k in spec if k != "name" and k not in cls.spec_fields]
-    if missing or extra:
+    problems = [f"the field {f!r} is missing" for f in cls.spec_fields if f not in spec] + [
+        f"the field {_show.repr(k)} is not one of its fields"
+        for k in spec
+        if k != "name" and k not in cls.spec_fields
+    ]
+    if problems:
         fields = ", ".join(f"{f!r} ({d})" for f, d in cls.spec_fields.items()) or "none"
-        problem = (
-            f"the field {missing[0]!r} is missing"
-            if missing
-            else f"the field {_show.repr(extra[0])} is not one of its fields"
-        )
         raise TieError(
-            f"transform spec {_show.repr(spec)}: {problem}; the fields of {name!r} besides "
+            f"transform spec {_show.repr(spec)}: {problems[0]}; the fields of {name!r} besides "
             f"'name' are: {fields}. Fix: {_SPEC_FIX}"
         )
     return cls.from_spec(spec, resolve)
@@ -828,16 +773,14 @@ def transform_from_spec(
 
     def resolve(name: str) -> ArrayFn:
         if functions is None or name not in functions:
-            given = (
-                "no functions were given"
-                if not functions
-                else "the functions given are " + ", ".join(map(repr, list(functions)[:5]))
-            )
+            last = name.rpartition(":")[2].rpartition(".")[2]
+            given = ", ".join(map(repr, list(functions or ())[:5]))
+            given = f"the functions given are {given}" if given else "no functions were given"
             raise TieError(
                 f"transform spec fn({name}): the function {name!r} is not among the functions "
                 f"passed in ({given}); a file's names are never imported or called. Fix: pass "
-                f"it yourself, e.g. st.load(path, functions={{{name!r}: {_last(name)}}}) or "
-                f"st.transform_from_spec(spec, functions={{{name!r}: {_last(name)}}})."
+                f"it yourself, e.g. st.load(path, functions={{{name!r}: {last}}}) or "
+                f"st.transform_from_spec(spec, functions={{{name!r}: {last}}})."
             )
         f = functions[name]
         try:
@@ -847,10 +790,6 @@ def transform_from_spec(
             raise TieError(f"transform spec fn({name}): functions[{name!r}]: {e}") from None
 
     return _from_spec(spec, resolve)
-
-
-def _last(name: str) -> str:
-    return name.rpartition(":")[2].rpartition(".")[2]
 
 
 def describe_spec(spec: object) -> str:
