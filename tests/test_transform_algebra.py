@@ -18,6 +18,10 @@ F16, F32 = jnp.float16, jnp.float32
 FUNCTIONS = {"jax.numpy:flipud": jnp.flipud}
 
 
+def _np_reshape(shape, a):
+    return np.reshape(a, shape)  # positional: numpy < 2.1 has no shape= keyword
+
+
 def parts_of(t):
     return list(getattr(t, "parts", ())) or ([] if t == st.identity else [t])
 
@@ -158,7 +162,7 @@ def valid_chains(draw, max_parts=7):
             spelled = list(new)
             if draw(hs.booleans()):
                 spelled[draw(hs.integers(0, len(new) - 1))] = -1
-            steps.append((st.reshape(*spelled), functools.partial(np.reshape, shape=new)))
+            steps.append((st.reshape(*spelled), functools.partial(_np_reshape, new)))
             shape = new
         elif kind == "scale":
             c = draw(
