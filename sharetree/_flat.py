@@ -446,25 +446,19 @@ def _new_layout(
     return _Layout(types, config, tuple(leaf_dtypes), restructure, on_host, jax_arrays)
 
 
-_LAST_STATICS: dict[Any, tuple[tuple[int, _Static], ...]] = {}
-_LAST_STATICS_SIZE = 64  # structures remembered (oldest out)
 _WARNED: set[Any] = set()
 
 
-def _warn_on_changed_statics(restructure: Restructure) -> None:
-    """Warn once per leaf when a static leaf changed since the last destructure of its layout.
+def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) -> None:
+    """Warn once per leaf when only static leaves changed since the previous destructure.
 
     ``Restructure`` compares static leaves by value, so a ``jit`` that takes it as an
     argument retraces whenever one changes (a step counter: every step).
     """
     key = restructure._key[:4] + restructure._key[5:]  # all but the static values
-    before = _LAST_STATICS.pop(key, None)
-    _LAST_STATICS[key] = restructure.statics
-    if len(_LAST_STATICS) > _LAST_STATICS_SIZE:
-        del _LAST_STATICS[next(iter(_LAST_STATICS))]
-    if before is None:
+    if previous._key[:4] + previous._key[5:] != key:
         return
-    for (i, old), (_, new) in zip(before, restructure.statics):
+    for (i, old), (_, new) in zip(previous.statics, restructure.statics):
         if old != new and (key, i) not in _WARNED:
             _WARNED.add((key, i))
             where = path_str(restructure.structure.buffer_paths[i])
@@ -526,12 +520,13 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
                     pass
             elif _matches(layout, buffers):
                 return layout.concat(buffers), re
+    previous = layout
     layout = _new_layout(leaves, structure, types, config)
     _LAYOUTS[structure] = layout
     _LAYOUTS.move_to_end(structure)
     if len(_LAYOUTS) > LAYOUT_CACHE_SIZE:
         _LAYOUTS.popitem(last=False)
-    if layout.restructure.statics:
-        _warn_on_changed_statics(layout.restructure)
+    if previous is not None and layout.restructure.statics:
+        _warn_on_changed_statics(previous.restructure, layout.restructure)
     buffers = [leaves[i] for i in layout.restructure.slots]
     return layout.concat(buffers), layout.restructure
