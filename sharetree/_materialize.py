@@ -22,6 +22,7 @@ __all__ = [
     "expanded_by_path",
     "abstract_expanded",
     "leaves_and_structure",
+    "leaf_aval",
     "transform_error",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
@@ -219,9 +220,14 @@ def abstract_expanded(tree: PyTree) -> dict[Path, Any]:
     return _by_path(structure, expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a)))
 
 
+def leaf_aval(x: Any) -> jax.ShapeDtypeStruct | None:
+    """The shape/dtype of an array leaf, tracer or ``ShapeDtypeStruct``; ``None`` otherwise."""
+    aval = aval_of(x)
+    if aval is None and not is_array_leaf(x) and hasattr(x, "shape") and hasattr(x, "dtype"):
+        aval = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return aval
+
+
 def _abstract_leaf(x: Any) -> Any:
-    if is_array_leaf(x):
-        return aval_of(x)
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
-    return x
+    aval = leaf_aval(x)
+    return x if aval is None else aval

@@ -15,8 +15,8 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._materialize import transform_error
-from sharetree._paths import aval_nbytes, aval_of, format_aval, is_array_leaf, path_str, plural
+from sharetree._materialize import leaf_aval, transform_error
+from sharetree._paths import aval_nbytes, format_aval, path_str, plural
 from sharetree._resolve import Structure, structure_of
 from sharetree._tied import Tied
 from sharetree._transforms import Transform
@@ -104,7 +104,7 @@ class SharingGraph:
 
     @functools.cached_property
     def _avals(self) -> list[jax.ShapeDtypeStruct | None]:
-        return [_leaf_aval(x) for x in self._leaves]
+        return [leaf_aval(x) for x in self._leaves]
 
     @functools.cached_property
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
@@ -198,14 +198,6 @@ class SharingGraph:
             f"params {self.size_unique:,} unique / {self.size_expanded:,} expanded; "
             f"bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
         )
-
-
-def _leaf_aval(x: Any) -> jax.ShapeDtypeStruct | None:
-    """The shape/dtype of an array leaf, tracer or ``ShapeDtypeStruct``; ``None`` otherwise."""
-    aval = aval_of(x)
-    if aval is None and not is_array_leaf(x) and hasattr(x, "shape") and hasattr(x, "dtype"):
-        aval = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
-    return aval
 
 
 def canonicalize(tree: Any) -> SharingGraph:
