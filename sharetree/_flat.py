@@ -297,11 +297,8 @@ def _grouped_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
     (the barrier keeps XLA from flattening them back into one). Groups hold
     about sqrt(n) buffers up to 255 buffers, then 8: XLA:CPU fuses a concatenate
     of at most 8 operands into one kernel with the ops that produce them, which
-    shrinks the graph its runtime schedules. Measured on XLA:CPU at 1,750
-    buffers: sqrt groups compile about 15% faster than one concatenate, groups
-    of 8 about 40% faster than sqrt groups; below a few hundred buffers sqrt
-    groups are the faster; run time is the same (benchmarks/README.md). The
-    values are those of one ``lax.split``.
+    shrinks the graph its runtime schedules (compile times in
+    benchmarks/README.md). The values are those of one ``lax.split``.
     """
     n = len(sizes)
     if n < _GROUPED_MIN:
