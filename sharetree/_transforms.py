@@ -782,10 +782,8 @@ def transform_from_spec(
                 f"it yourself, e.g. st.load(path, functions={{{name!r}: {last}}}) or "
                 f"st.transform_from_spec(spec, functions={{{name!r}: {last}}})."
             )
-        f = functions[name]
         try:
-            fn(f)  # callable and hashable
-            return f
+            return fn(functions[name]).f  # fn checks that it is callable and hashable
         except TieError as e:
             raise TieError(f"transform spec fn({name}): functions[{name!r}]: {e}") from None
 
