@@ -120,8 +120,10 @@ def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
         if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts):
             return np.asarray(t(a))
         for p in parts:
-            if p is not identity:
-                a = np.transpose(a, p.axes) if isinstance(p, _Transpose) else np.reshape(a, p.shape)
+            if isinstance(p, _Transpose):
+                a = np.transpose(a, p.axes)
+            elif isinstance(p, _Reshape):
+                a = np.reshape(a, p.shape)
         return a
     except Exception:
         return None

@@ -154,13 +154,13 @@ def shardings_by_path(
                 "only arrays take a sharding. Fix: pass a tree of arrays or "
                 "jax.ShapeDtypeStruct (jax.eval_shape(init, key))."
             )
-        if rule is None and fallback is None:
+        pattern, spec = rule or ("default", fallback)
+        if spec is None:
             raise TieError(
                 f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))}) matches none "
                 f"of the patterns {[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
                 f"{path_str(path)!r} or '*'), or pass default=P()."
             )
-        pattern, spec = rule or ("default", fallback)
         _check(path, aval.shape, spec, pattern, mesh)
         return NamedSharding(mesh, spec)
 

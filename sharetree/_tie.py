@@ -11,6 +11,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._materialize import (
+    _transformable,
     abstract_expanded,
     expanded_by_path,
     leaves_and_structure,
@@ -22,7 +23,6 @@ from sharetree._paths import (
     aval_of,
     closest,
     format_aval,
-    is_array_leaf,
     keypath_to_path,
     path_str,
     prefixes,
@@ -247,7 +247,7 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
             continue
         where, buffer = path_str(leaf.path), path_str(structure.buffer_paths[leaf.buffer])
         x, before, t = leaves[leaf.buffer], old.get(leaf.path), leaf.transform or identity
-        if not all(is_array_leaf(v) or hasattr(v, "shape") for v in (x, before)):
+        if not (_transformable(x) and _transformable(before)):
             if type(x) is not type(before) or x != before:
                 raise TieError(
                     f"tie {where!r} <- {buffer!r}: the copies differ: {where!r} holds "

@@ -783,9 +783,10 @@ def transform_from_spec(
                 f"st.transform_from_spec(spec, functions={{{name!r}: {last}}})."
             )
         try:
-            return fn(functions[name]).f  # fn checks that it is callable and hashable
+            fn(f := functions[name])  # callable and hashable
         except TieError as e:
             raise TieError(f"transform spec fn({name}): functions[{name!r}]: {e}") from None
+        return f
 
     return _from_spec(spec, resolve)
 
