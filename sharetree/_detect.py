@@ -142,10 +142,6 @@ def _close(x: np.ndarray, y: np.ndarray, atol: float) -> bool:
     return x.shape == y.shape and bool(np.allclose(x, y, rtol=0.0, atol=atol, equal_nan=True))
 
 
-def _constant(a: np.ndarray, sample: np.ndarray) -> bool:
-    return bool(np.all(sample == sample[0])) and bool(np.all(a == a.flat[0]))
-
-
 def _key(a: np.ndarray, sample: np.ndarray, atol: float) -> tuple[Any, ...]:
     """Where views that may equal ``a`` are kept: shape, dtype and, when bit-exact, the sample."""
     return a.shape, a.dtype, sample.tobytes() if atol == 0.0 else None
@@ -162,7 +158,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
             continue
         a = np.asarray(x)
         sample = _sample(a)
-        if _constant(a, sample):
+        if np.all(sample == sample[0]) and np.all(a == a.flat[0]):
             continue  # equal content means nothing for constant arrays (fresh biases)
         hits = [v for v in seen.get(_key(a, sample, atol), []) if _close(v.sample, sample, atol)]
         match = next((v for v in hits if _close(v.value, a, atol)), None)

@@ -43,6 +43,11 @@ def _shape_of(positions: Mapping[Path, Any]) -> str:
     return "a subtree with leaves " + ", ".join(repr(path_str(p)) for p in sorted(positions))
 
 
+def _kind(x: Any) -> Any:
+    """What ``check=True`` compares: shape and dtype as JAX computes them, else the type."""
+    return (x.shape, canonical_dtype(x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else type(x)
+
+
 def _describe(x: Any) -> str:
     return format_aval(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
 
@@ -158,12 +163,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
             )
         for rel, b in before.items():
             a = after[rel]
-            same = (
-                (a.shape, canonical_dtype(a.dtype)) == (b.shape, canonical_dtype(b.dtype))
-                if isinstance(a, jax.ShapeDtypeStruct) and isinstance(b, jax.ShapeDtypeStruct)
-                else type(a) is type(b)
-            )
-            if not same:
+            if _kind(a) != _kind(b):
                 where = path_str(target + rel)
                 raise TieError(
                     f"tie {where!r} <- {t!r}: the view is {_describe(a)} but the value it "
