@@ -70,7 +70,7 @@ def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> T
     )
 
 
-def _by_path(
+def _apply_rules(
     tree: Any,
     pairs: list[tuple[str, Any]],
     leaf: Callable[[Path, Any, tuple[str, Any] | None], Any],
@@ -152,7 +152,7 @@ def label_by_path(
             )
         return default if rule is None else rule[1]
 
-    return _by_path(tree, pairs, label, "label_by_path", strict, credit_all=False)
+    return _apply_rules(tree, pairs, label, "label_by_path", strict, credit_all=False)
 
 
 def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = True) -> Any:
@@ -189,6 +189,6 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
                 "Fix: write paths like 'encoder/*/kernel'."
             )
     pairs = [(p, True) for p in patterns]
-    return _by_path(
+    return _apply_rules(
         tree, pairs, lambda _p, _x, rule: rule is not None, "mask_by_path", strict, credit_all=True
     )

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharetree._errors import TieError
-from sharetree._labels import _by_path, _rules
+from sharetree._labels import _apply_rules, _rules
 from sharetree._paths import Path, aval_of, path_str
 
 __all__ = ["shardings_by_path"]
@@ -164,4 +164,4 @@ def shardings_by_path(
         _check(path, aval.shape, spec, pattern, mesh)
         return NamedSharding(mesh, spec)
 
-    return _by_path(tree, pairs, shard, _WHERE, strict, credit_all=True)
+    return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True)
