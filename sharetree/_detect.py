@@ -6,13 +6,12 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, keypath_to_path, path_str
-from sharetree._tie import bit_equal, tie
-from sharetree._tied import Tied, is_tied
+from sharetree._paths import Path, path_str
+from sharetree._tie import _positions, bit_equal, tie
+from sharetree._tied import Tied
 from sharetree._transforms import (
     T,
     Transform,
@@ -24,11 +23,6 @@ from sharetree._transforms import (
 )
 
 __all__ = ["tie_identical", "find_ties"]
-
-
-def _positions(tree: Any) -> list[tuple[Path, Any]]:
-    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    return [(keypath_to_path(kp), x) for kp, x in flat]
 
 
 def tie_identical(tree: Any) -> Any:
@@ -122,19 +116,15 @@ class _View(NamedTuple):
 def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
     """``t(a)``: a NumPy view (no copy) for axis permutations and reshapes, else computed."""
     parts = t.parts if isinstance(t, _Chain) else (t,)
-    if all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts):
-        v = a
-        try:
-            for p in parts:
-                if isinstance(p, _Transpose):
-                    v = np.transpose(v, p.axes)
-                elif isinstance(p, _Reshape):
-                    v = np.reshape(v, p.shape)
-        except Exception:
-            return None
-        return v
     try:
-        return np.asarray(t(a))
+        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts):
+            return np.asarray(t(a))
+        for p in parts:
+            if isinstance(p, _Transpose):
+                a = np.transpose(a, p.axes)
+            elif isinstance(p, _Reshape):
+                a = np.reshape(a, p.shape)
+        return a
     except Exception:
         return None
 
@@ -152,8 +142,9 @@ def _close(x: np.ndarray, y: np.ndarray, atol: float) -> bool:
     return x.shape == y.shape and bool(np.allclose(x, y, rtol=0.0, atol=atol, equal_nan=True))
 
 
-def _constant(a: np.ndarray, sample: np.ndarray) -> bool:
-    return bool(np.all(sample == sample[0])) and bool(np.all(a == a.flat[0]))
+def _key(a: np.ndarray, sample: np.ndarray, atol: float) -> tuple[Any, ...]:
+    """Where views that may equal ``a`` are kept: shape, dtype and, when bit-exact, the sample."""
+    return a.shape, a.dtype, sample.tobytes() if atol == 0.0 else None
 
 
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
@@ -161,19 +152,15 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
     # reshapes as NumPy views, for free). A candidate is compared in full only with the views
     # of the same shape and dtype whose fingerprints match its own.
     found: dict[Path, Tied] = {}
-    exact: dict[tuple[Any, ...], list[_View]] = {}  # atol == 0: keyed by the fingerprint's bytes
-    near: dict[tuple[Any, ...], list[_View]] = {}  # atol > 0: keyed by shape and dtype
+    seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
     for path, x in _positions(tree):
         if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
             continue
         a = np.asarray(x)
         sample = _sample(a)
-        if _constant(a, sample):
+        if np.all(sample == sample[0]) and np.all(a == a.flat[0]):
             continue  # equal content means nothing for constant arrays (fresh biases)
-        if atol == 0.0:
-            hits = exact.get((a.shape, a.dtype, sample.tobytes()), [])
-        else:
-            hits = [v for v in near.get((a.shape, a.dtype), []) if _close(v.sample, sample, atol)]
+        hits = [v for v in seen.get(_key(a, sample, atol), []) if _close(v.sample, sample, atol)]
         match = next((v for v in hits if _close(v.value, a, atol)), None)
         if match is not None:
             found[path] = Tied(match.path, match.transform)
@@ -183,8 +170,5 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
             if value is None:
                 continue
             view = _View(path, t, value, _sample(value))
-            if atol == 0.0:
-                exact.setdefault((value.shape, value.dtype, view.sample.tobytes()), []).append(view)
-            else:
-                near.setdefault((value.shape, value.dtype), []).append(view)
+            seen.setdefault(_key(value, view.sample, atol), []).append(view)
     return {(p if any("/" in k for k in p) else path_str(p)): t for p, t in found.items()}

@@ -11,13 +11,14 @@ gets one label, one mask bit and one optimizer state.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._paths import Path, closest, keypath_to_path, path_str, prefixes
+from sharetree._tie import _positions
 from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
@@ -42,7 +43,6 @@ def _rules(
 ) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    out = []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TieError(
@@ -50,16 +50,11 @@ def _rules(
                 f"(pattern, {value}) pairs with str patterns, found {item!r}. "
                 f"Fix: write {example}."
             )
-        out.append(item)
-    return out
+    return items
 
 
 def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
-    ties = [
-        (keypath_to_path(kp), x)
-        for kp, x in jtu.tree_flatten_with_path(tree, is_leaf=is_tied)[0]
-        if is_tied(x)
-    ]
+    ties = [(p, x) for p, x in _positions(tree) if is_tied(x)]
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
     nodes = {n for p in leaf_paths for n in _prefixes(p)} | {path_str(p) for p, _ in ties}
     why = (
@@ -73,6 +68,37 @@ def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> T
         "pattern for the buffer's path (patterns are fnmatch-style on '/'-joined paths and "
         "cover every leaf under a matching node), or pass strict=False."
     )
+
+
+def _apply_rules(
+    tree: Any,
+    pairs: list[tuple[str, Any]],
+    leaf: Callable[[Path, Any, tuple[str, Any] | None], Any],
+    where: str,
+    strict: bool,
+    credit_all: bool,
+) -> Any:
+    """Replace each leaf by ``leaf(path, value, first matching rule or None)``.
+
+    With ``strict`` every rule must have matched a leaf: the first matching one
+    (or, with ``credit_all``, every matching one) counts as used.
+    """
+    used = [False] * len(pairs)
+    leaf_paths: list[Path] = []
+
+    def one(kp: Any, x: Any) -> Any:
+        path = keypath_to_path(kp)
+        leaf_paths.append(path)
+        hits = [i for i, (pattern, _) in enumerate(pairs) if _matches(pattern, path)]
+        for i in hits if credit_all else hits[:1]:
+            used[i] = True
+        return leaf(path, x, pairs[hits[0]] if hits else None)
+
+    out = jtu.tree_map_with_path(one, tree)
+    unused = [pattern for (pattern, _), ok in zip(pairs, used, strict=True) if not ok]
+    if strict and unused:
+        raise _unused_error(unused[0], tree, leaf_paths, where)
+    return out
 
 
 def label_by_path(
@@ -116,30 +142,17 @@ def label_by_path(
         {'b': 'sgd', 'embed': 'adam', 'head': Tied('embed', T)}
     """
     pairs = _rules(rules)
-    used = [False] * len(pairs)
-    leaf_paths: list[Path] = []
 
-    def label(kp: Any, _x: Any) -> Any:
-        path = keypath_to_path(kp)
-        leaf_paths.append(path)
-        for i, (pattern, value) in enumerate(pairs):
-            if _matches(pattern, path):
-                used[i] = True
-                return value
-        if default is _MISSING:
+    def label(path: Path, _x: Any, rule: tuple[str, Any] | None) -> Any:
+        if rule is None and default is _MISSING:
             raise TieError(
                 f"label_by_path: leaf {path_str(path)!r} matches none of the patterns "
                 f"{[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
                 f"{path_str(path)!r} or '*'), or pass default=..."
             )
-        return default
+        return default if rule is None else rule[1]
 
-    out = jtu.tree_map_with_path(label, tree)
-    if strict:
-        for (pattern, _), ok in zip(pairs, used, strict=True):
-            if not ok:
-                raise _unused_error(pattern, tree, leaf_paths, "label_by_path")
-    return out
+    return _apply_rules(tree, pairs, label, "label_by_path", strict, credit_all=False)
 
 
 def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = True) -> Any:
@@ -168,19 +181,14 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
         >>> st.mask_by_path(params, "*kernel")
         {'dense': {'bias': False, 'kernel': True}, 'out': {'kernel': Tied('dense/kernel', T)}}
     """
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    patterns = list(patterns)
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     for p in patterns:
         if not isinstance(p, str):
             raise TieError(
                 f"mask_by_path: patterns must be str, found {type(p).__name__} {p!r}. "
                 "Fix: write paths like 'encoder/*/kernel'."
             )
-    out = label_by_path(tree, [(p, True) for p in patterns], default=False, strict=False)
-    if strict:
-        leaf_paths = [keypath_to_path(kp) for kp, _ in jtu.tree_flatten_with_path(tree)[0]]
-        for p in patterns:
-            if not any(_matches(p, path) for path in leaf_paths):
-                raise _unused_error(p, tree, leaf_paths, "mask_by_path")
-    return out
+    pairs = [(p, True) for p in patterns]
+    return _apply_rules(
+        tree, pairs, lambda _p, _x, rule: rule is not None, "mask_by_path", strict, credit_all=True
+    )

@@ -15,18 +15,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharetree._errors import TieError
-from sharetree._labels import _matches, _unused_error
-from sharetree._labels import _rules as _label_rules
-from sharetree._paths import Path, aval_of, keypath_to_path, path_str
+from sharetree._labels import _apply_rules, _rules
+from sharetree._paths import Path, aval_of, path_str
 
 __all__ = ["shardings_by_path"]
 
 _WHERE = "shardings_by_path"
+_EXAMPLE = "{'embed/*': P('model', None), '*': P()}"
 
 
 def _spec_of(value: Any, pattern: str) -> PartitionSpec:
@@ -36,14 +35,8 @@ def _spec_of(value: Any, pattern: str) -> PartitionSpec:
         return PartitionSpec(*(value or ()))
     raise TieError(
         f"{_WHERE}: the rule {pattern!r} gives {type(value).__name__} {value!r}; expected a "
-        "jax.sharding.PartitionSpec. Fix: write {'embed/*': P('model', None), '*': P()}."
+        f"jax.sharding.PartitionSpec. Fix: write {_EXAMPLE}."
     )
-
-
-def _rules(rules: Any) -> list[tuple[str, PartitionSpec]]:
-    example = "{'embed/*': P('model', None), '*': P()}"
-    pairs = _label_rules(rules, _WHERE, "PartitionSpec", example)
-    return [(pattern, _spec_of(value, pattern)) for pattern, value in pairs]
 
 
 def _axes(entry: Any) -> tuple[Any, ...]:
@@ -150,14 +143,10 @@ def shardings_by_path(
             f"{_WHERE}: expected a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}. "
             "Fix: build one with jax.make_mesh((2, 4), ('data', 'model'))."
         )
-    pairs = _rules(rules)
+    pairs = [(p, _spec_of(v, p)) for p, v in _rules(rules, _WHERE, "PartitionSpec", _EXAMPLE)]
     fallback = None if default is None else _spec_of(default, "default")
-    used = [False] * len(pairs)
-    leaf_paths: list[Path] = []
 
-    def shard(kp: Any, x: Any) -> NamedSharding:
-        path = keypath_to_path(kp)
-        leaf_paths.append(path)
+    def shard(path: Path, x: Any, rule: tuple[str, PartitionSpec] | None) -> NamedSharding:
         aval = aval_of(x)
         if aval is None:
             raise TieError(
@@ -165,25 +154,14 @@ def shardings_by_path(
                 "only arrays take a sharding. Fix: pass a tree of arrays or "
                 "jax.ShapeDtypeStruct (jax.eval_shape(init, key))."
             )
-        matching = [i for i, (pattern, _) in enumerate(pairs) if _matches(pattern, path)]
-        for i in matching:
-            used[i] = True
-        if matching:
-            pattern, spec = pairs[matching[0]]
-            _check(path, aval.shape, spec, pattern, mesh)
-            return NamedSharding(mesh, spec)
-        if fallback is None:
+        pattern, spec = rule or ("default", fallback)
+        if spec is None:
             raise TieError(
                 f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))}) matches none "
                 f"of the patterns {[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
                 f"{path_str(path)!r} or '*'), or pass default=P()."
             )
-        _check(path, aval.shape, fallback, "default", mesh)
-        return NamedSharding(mesh, fallback)
+        _check(path, aval.shape, spec, pattern, mesh)
+        return NamedSharding(mesh, spec)
 
-    out = jtu.tree_map_with_path(shard, tree)
-    if strict:
-        for (pattern, _), ok in zip(pairs, used, strict=True):
-            if not ok:
-                raise _unused_error(pattern, tree, leaf_paths, _WHERE)
-    return out
+    return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True)

@@ -11,6 +11,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._materialize import (
+    _transformable,
     abstract_expanded,
     expanded_by_path,
     leaves_and_structure,
@@ -22,9 +23,9 @@ from sharetree._paths import (
     aval_of,
     closest,
     format_aval,
-    is_array_leaf,
     keypath_to_path,
     path_str,
+    prefixes,
     to_path,
 )
 from sharetree._resolve import structure_of
@@ -40,6 +41,11 @@ def _shape_of(positions: Mapping[Path, Any]) -> str:
     if set(positions) == {()}:
         return "a leaf"
     return "a subtree with leaves " + ", ".join(repr(path_str(p)) for p in sorted(positions))
+
+
+def _kind(x: Any) -> Any:
+    """What ``check=True`` compares: shape and dtype as JAX computes them, else the type."""
+    return (x.shape, canonical_dtype(x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else type(x)
 
 
 def _describe(x: Any) -> str:
@@ -99,51 +105,41 @@ def tie(
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
     new: dict[Path, Tied] = {}
-    spelled: dict[Path, Any] = {}
     for target, ref in ties.items():
         path = to_path(target, "tie target")
         if path in new:
+            first = next(k for k in ties if to_path(k) == path)
             raise TieError(
-                f"tie targets {spelled[path]!r} and {target!r} name the same path "
+                f"tie targets {first!r} and {target!r} name the same path "
                 f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
             )
-        spelled[path] = target
         new[path] = ref if isinstance(ref, Tied) else Tied(ref)
-    for a in new:
-        for b in new:
-            if a != b and b[: len(a)] == a:
-                raise TieError(
-                    f"tie targets {path_str(a)!r} and {path_str(b)!r} overlap: the second lies "
-                    "inside the first, which is replaced as a whole. "
-                    f"Fix: keep only {path_str(a)!r}."
-                )
+    for b in new:
+        if (a := _under(b[:-1], new)) is not None:
+            raise TieError(
+                f"tie targets {path_str(a)!r} and {path_str(b)!r} overlap: the second lies "
+                "inside the first, which is replaced as a whole. "
+                f"Fix: keep only {path_str(a)!r}."
+            )
 
-    visited: set[Path] = set()
-    all_paths: set[str] = set()
+    seen: set[Path] = set()  # every node looked at; a target stops the walk where it is
 
     def stop(kp: Any, x: Any) -> bool:
-        path = keypath_to_path(kp)
-        all_paths.add(path_str(path))
+        seen.add(path := keypath_to_path(kp))
         return path in new
 
-    def replace(kp: Any, x: Any) -> Any:
-        path = keypath_to_path(kp)
-        if path in new:
-            visited.add(path)
-            return new[path]
-        return x
-
-    out = jtu.tree_map_with_path(replace, tree, is_leaf=stop, is_leaf_takes_path=True)
-    missing = [p for p in new if p not in visited]
+    out = jtu.tree_map_with_path(
+        lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
+    )
+    missing = [p for p in new if p not in seen]
     if missing:
-        all_paths.discard("<root>")
         raise TieError(
             f"tie target {path_str(missing[0])!r} does not exist in the tree; "
-            f"{closest(path_str(missing[0]), all_paths)}. Fix: use the path as "
-            "jax.tree_util key paths name it, '/'-joined (dict keys, indices, attribute names). "
-            "If the value is absent on purpose (a checkpoint that omits a tied tensor, such as "
-            "a Hugging Face lm_head.weight tied to the input embedding), load the file with "
-            "st.load(path, ties={target: ref}), which adds the Tied itself."
+            f"{closest(path_str(missing[0]), {path_str(p) for p in seen if p})}. Fix: use the "
+            "path as jax.tree_util key paths name it, '/'-joined (dict keys, indices, attribute "
+            "names). If the value is absent on purpose (a checkpoint that omits a tied tensor, "
+            "such as a Hugging Face lm_head.weight tied to the input embedding), load the file "
+            "with st.load(path, ties={target: ref}), which adds the Tied itself."
         )
     structure_of(jtu.tree_structure(out))  # dangling refs, cycles, self-references
     if check:
@@ -154,8 +150,7 @@ def tie(
 
 
 def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
-    old = abstract_expanded(old_tree)
-    now = abstract_expanded(new_tree)
+    old, now = abstract_expanded(old_tree), abstract_expanded(new_tree)
     for target, t in new.items():
         n = len(target)
         before = {p[n:]: v for p, v in old.items() if p[:n] == target}
@@ -168,12 +163,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
             )
         for rel, b in before.items():
             a = after[rel]
-            same = (
-                (a.shape, canonical_dtype(a.dtype)) == (b.shape, canonical_dtype(b.dtype))
-                if isinstance(a, jax.ShapeDtypeStruct) and isinstance(b, jax.ShapeDtypeStruct)
-                else type(a) is type(b)
-            )
-            if not same:
+            if _kind(a) != _kind(b):
                 where = path_str(target + rel)
                 raise TieError(
                     f"tie {where!r} <- {t!r}: the view is {_describe(a)} but the value it "
@@ -183,10 +173,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
 
 
 def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
-    for t in targets:
-        if path[: len(t)] == t:
-            return t
-    return None
+    return next((p for p in prefixes(path) if p in targets), None)
 
 
 def _concrete(x: Any, where: str) -> np.ndarray:
@@ -234,11 +221,15 @@ def bit_equal(a: Any, b: Any) -> bool:
     return bool(np.array_equal(x.view(width), y.view(width)))
 
 
+def _positions(tree: Any) -> list[tuple[Path, Any]]:
+    """Every leaf of ``tree`` with its path, a ``Tied`` counting as one leaf."""
+    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
+    return [(keypath_to_path(kp), x) for kp, x in flat]
+
+
 def _old_values(old_tree: Any, new: dict[Path, Tied]) -> dict[Path, Any]:
     """The values the ties replace, by path (materialized only if some of them are views)."""
-    flat, _ = jtu.tree_flatten_with_path(old_tree, is_leaf=is_tied)
-    under = {keypath_to_path(kp): x for kp, x in flat}
-    under = {p: x for p, x in under.items() if _under(p, new) is not None}
+    under = {p: x for p, x in _positions(old_tree) if _under(p, new) is not None}
     if any(is_tied(x) for x in under.values()):
         with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
             return expanded_by_path(old_tree)
@@ -251,17 +242,12 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
     old = _old_values(old_tree, new)
     leaves, structure = leaves_and_structure(new_tree)
     for leaf in structure.expanded:
-        i, t, path = leaf.buffer, leaf.transform, leaf.path
-        target = _under(path, new)
+        target = _under(leaf.path, new)
         if target is None:
             continue
-        where = path_str(path)
-        buffer = path_str(structure.buffer_paths[i])
-        x = leaves[i]
-        before = old.get(path)
-        if not (is_array_leaf(x) or hasattr(x, "shape")) or not (
-            is_array_leaf(before) or hasattr(before, "shape")
-        ):
+        where, buffer = path_str(leaf.path), path_str(structure.buffer_paths[leaf.buffer])
+        x, before, t = leaves[leaf.buffer], old.get(leaf.path), leaf.transform or identity
+        if not (_transformable(x) and _transformable(before)):
             if type(x) is not type(before) or x != before:
                 raise TieError(
                     f"tie {where!r} <- {buffer!r}: the copies differ: {where!r} holds "
@@ -269,15 +255,12 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                     f"{buffer!r}, or the other way round to keep {where!r}."
                 )
             continue
-        if t is None or t is identity:
-            view = _concrete(x, buffer)
-        else:
-            with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
-                try:
-                    computed = t(x)
-                except Exception as e:
-                    raise transform_error(structure, leaf, aval_of(x), e) from e
-                view = _concrete(computed, buffer)
+        with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+            try:
+                computed = t(x)  # identity(x) is x itself
+            except Exception as e:
+                raise transform_error(structure, leaf, aval_of(x), e) from e
+        view = _concrete(computed, buffer)
         b = _concrete(before, where)
         if bit_equal(b, view):
             continue  # the same bits: equal under any atol, no need to look closer
@@ -290,12 +273,11 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
         worst, d = _max_abs_diff(b, view)
         if worst > atol:
             n_bad = int(np.count_nonzero(d > atol))
-            tr = identity if t is None else t
-            seen = repr(buffer) if tr == identity else f"{tr!r} of {buffer!r}"
+            seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"
             back = (
-                f"st.tie(tree, {{{buffer!r}: {Tied(where, tr)!r}}})"
-                if tr in (identity, T)
-                else f"tie {buffer!r} to {where!r} with the inverse of {tr!r}"
+                f"st.tie(tree, {{{buffer!r}: {Tied(where, t)!r}}})"
+                if t in (identity, T)
+                else f"tie {buffer!r} to {where!r} with the inverse of {t!r}"
             )
             raise TieError(
                 f"tie {where!r} <- {new[target]!r}: the two copies differ: {where!r} and "

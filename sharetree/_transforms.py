@@ -782,12 +782,11 @@ def transform_from_spec(
                 f"it yourself, e.g. st.load(path, functions={{{name!r}: {last}}}) or "
                 f"st.transform_from_spec(spec, functions={{{name!r}: {last}}})."
             )
-        f = functions[name]
         try:
-            fn(f)  # callable and hashable
-            return f
+            fn(f := functions[name])  # callable and hashable
         except TieError as e:
             raise TieError(f"transform spec fn({name}): functions[{name!r}]: {e}") from None
+        return f
 
     return _from_spec(spec, resolve)
 
