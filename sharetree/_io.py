@@ -63,9 +63,7 @@ _RESAVE = (
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
 )
 
-_CONTAINERS: dict[str, Any] = {
-    "dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple
-}  # fmt: skip
+_CONTAINERS = {"dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple}
 """The node kinds of the containers a file rebuilds on its own."""
 _KIND_OF: dict[type, Any] = {kind: t for t, kind in _CONTAINERS.items()}
 PathOrStr = Union[str, "os.PathLike[str]"]
@@ -197,11 +195,8 @@ class _Writer:
                 "numeric dtype a safetensors file can hold. Fix: convert it to a numeric array "
                 "or keep it out of the tree."
             )
-        dtype = a.dtype.name
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")  # (np.ascontiguousarray would make 0-d arrays 1-d)
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
+        dtype = a.dtype.name  # C order, little-endian: a copy only where needed
+        a = a.astype(a.dtype.newbyteorder("<"), order="C", copy=False)
         raw = dtype not in NATIVE_CODES.values()  # stored as bytes: no code of its own
         name = self.name_for(path)
         self.tensors[name] = np.frombuffer(a.tobytes(), np.uint8) if raw else a
@@ -354,26 +349,19 @@ def _json_depth(text: str, limit: int) -> int:
         >>> _json_depth('{"a": [[1], "[[[\\"]"]}', 10), _json_depth("[" * 5000, 10)
         (3, 11)
     """
-    depth = deepest = pos = 0
-    while (m := _NEXT.search(text, pos)) is not None:
-        c, pos = m.group(), m.end()
-        if c == '"':
-            string = _STRING.match(text, m.start())
-            if string is None:
-                break
-            pos = string.end()
-        elif c in "[{":
+    depth = deepest = 0
+    for m in _TOKENS.finditer(text):  # a whole string, a bracket, or a quote that opens no string
+        if m.group() == '"' or deepest > limit:
+            break
+        if m.group() in ("[", "{"):
             depth += 1
             deepest = max(deepest, depth)
-            if deepest > limit:
-                break
-        else:
+        elif m.group() in ("]", "}"):
             depth -= 1
     return deepest
 
 
-_NEXT = re.compile(r'["\[\]{}]')
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.S)
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*+"|[\[\]{}"]', re.S)
 
 
 class _AnyFunction(dict[str, Any]):
