@@ -736,8 +736,7 @@ class _Builder:
         return _Static(self.statics[-1][1])
 
     def tied(self, node: dict[str, Any], path: Path) -> Tied:
-        ref = self.field(node, "ref", path)
-        spec = self.field(node, "transform", path)
+        ref, spec = (self.field(node, f, path) for f in ("ref", "transform"))
         try:
             transform = self.resolve(spec)
         except TieError as e:
@@ -832,6 +831,10 @@ def _is_dtype_name(v: Any) -> bool:
     return d.name == v and _is_numeric(d)
 
 
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
+
+
 def _of(*types: type) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, types)
 
@@ -845,12 +848,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "transform": (_of(dict), "a spec"),
     "tensor": (_of(str), "a tensor name"),
     "dtype": (_is_dtype_name, "a numeric dtype name"),
-    "shape": (
-        lambda v: (
-            isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
-        ),
-        "a list of sizes >= 0",
-    ),
+    "shape": (_is_shape, "a list of sizes >= 0"),
     "raw": (_of(bool), "true or false"),
 }
 """Each field of a node: its check and what it should be (``_Builder.field`` names both)."""
