@@ -172,9 +172,7 @@ def _read_index(index: str) -> dict[str, str]:
             "Fix: write the index again (save_pretrained)."
         ) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise TieError(
             f"load: {index!r} has no 'weight_map' object of tensor name -> shard file name. "
             "Fix: write the index again (save_pretrained)."
@@ -316,9 +314,7 @@ def load_foreign(
             "without like (a flat dict {tensor name: array}, ties= for its tied weights)."
         )
     asked = {} if ties is None else _parse_ties(ties)
-    tensors: dict[str, Any] = {}
-    for reader in readers:
-        tensors.update(reader.tensors())
+    tensors = {name: a for reader in readers for name, a in reader.tensors()}
     file_ties = {  # {dropped: kept} entries of safetensors metadata, as save_model writes them
         k: v for r in readers for k, v in r.metadata.items() if k not in tensors and v in tensors
     }

@@ -92,8 +92,7 @@ class _Writer:
 
     def __init__(self, gather: bool) -> None:
         self.tensors: dict[str, np.ndarray] = {}
-        self.gather = gather
-        self.has_keys = False
+        self.gather, self.has_keys = gather, False
 
     def name_for(self, path: Path) -> str:
         # lone surrogates: a file holds UTF-8 names only

@@ -77,8 +77,7 @@ class Reader:
     def __init__(self, path: str, verb: str = "load") -> None:
         from safetensors import safe_open
 
-        self.path = path
-        self.verb = verb
+        self.path, self.verb = path, verb
         try:
             with safe_open(path, framework="np") as f:
                 self.metadata: dict[str, str] = dict(f.metadata() or {})
