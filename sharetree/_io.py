@@ -352,15 +352,13 @@ def _json_depth(text: str, limit: int) -> int:
     for m in _TOKENS.finditer(text):  # a whole string, a bracket, or a quote that opens no string
         if m.group() == '"' or deepest > limit:
             break
-        if m.group() in ("[", "{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif m.group() in ("]", "}"):
-            depth -= 1
+        depth += _STEPS.get(m.group(), 0)  # a string: 0
+        deepest = max(deepest, depth)
     return deepest
 
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*+"|[\[\]{}"]', re.S)
+_STEPS = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class _AnyFunction(dict[str, Any]):
