@@ -14,7 +14,7 @@ import json
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -40,18 +40,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _MAX_INDEX_BYTES = 64 << 20  # an index names tensors and files; anything larger is not one
 
 
-class _Tie(NamedTuple):
-    """One requested tie of a flat state dict: ``target = transform(ref)``."""
-
-    target: str
-    ref: str
-    transform: Transform
-
-
-def _tied(ref: str, transform: Transform = identity) -> Tied:
-    return Tied((ref,), transform)
-
-
 def _name(x: Any, what: str) -> str:
     """A tensor name from a tie's target or ref (a string, or a path of one key)."""
     if isinstance(x, str) and x:
@@ -66,7 +54,8 @@ def _name(x: Any, what: str) -> str:
     )
 
 
-def _parse_ties(ties: Any) -> list[_Tie]:
+def _parse_ties(ties: Any) -> dict[str, Tied]:
+    """The requested ties of a flat state dict: ``{target: Tied((ref,), transform)}``."""
     if not isinstance(ties, Mapping):
         raise TieError(
             f"load: ties must be a mapping {{target: ref}}, got {type(ties).__name__} "
@@ -74,37 +63,32 @@ def _parse_ties(ties: Any) -> list[_Tie]:
             "(transformers 5: ties=model.all_tied_weights_keys; 4.x: the names of "
             "model.named_parameters(remove_duplicate=False) that share storage)."
         )
-    out: dict[str, _Tie] = {}
+    out: dict[str, Tied] = {}
     for target, ref in ties.items():
         t = _name(target, "target")
         if isinstance(ref, Tied):
             # Tied("a/b") splits at '/'; a flat state dict has the one key 'a/b'
-            r, transform = "/".join(map(str, ref.ref)), ref.transform
+            tied = Tied(("/".join(map(str, ref.ref)),), ref.transform)
         else:
-            r, transform = _name(ref, "ref"), identity
+            tied = Tied((_name(ref, "ref"),))
         if t in out:
             raise TieError(f"load: the tie target {t!r} is given twice. Fix: keep one entry.")
-        out[t] = _Tie(t, r, transform)
-    return list(out.values())
+        out[t] = tied
+    return out
 
 
 # ----------------------------------------------------------------------------- files
 
 
-class _Checkpoint(NamedTuple):
-    """The safetensors files of a checkpoint and, if sharded, its index."""
+def _readers(path: str) -> list[Reader]:
+    """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory), headers read.
 
-    files: list[str]
-    index_file: str | None = None
-    weight_map: dict[str, str] | None = None  # tensor name -> shard file name
-
-
-def _files(path: str) -> _Checkpoint:
-    """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory)."""
+    A sharded checkpoint's index is checked against its shards: every tensor in
+    its shard, once; no tensor the index does not list.
+    """
     if not os.path.isdir(path):
-        return _Checkpoint([path])
-    single = os.path.join(path, SINGLE_FILE)
-    index = os.path.join(path, INDEX_FILE)
+        return [Reader(path)]
+    single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
     if os.path.isfile(single) and os.path.isfile(index):
         raise TieError(
             f"load: the directory {path!r} holds both {SINGLE_FILE!r} and {INDEX_FILE!r}, so "
@@ -112,20 +96,55 @@ def _files(path: str) -> _Checkpoint:
             "the file itself."
         )
     if os.path.isfile(single):
-        return _Checkpoint([single])
-    if os.path.isfile(index):
-        return _shards(path, index)
-    raise TieError(
-        f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
-        "(a Hugging Face save_pretrained directory in safetensors format). If it is an Orbax "
-        "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
-        "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
-        "loaded (convert it to safetensors first)."
-    )
+        return [Reader(single)]
+    if not os.path.isfile(index):
+        raise TieError(
+            f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
+            "(a Hugging Face save_pretrained directory in safetensors format). If it is an Orbax "
+            "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
+            "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
+            "loaded (convert it to safetensors first)."
+        )
+    weight_map = _read_index(index)
+    for name, shard in weight_map.items():
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise TieError(
+                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
+                f"does not exist in {path!r}. Fix: copy the missing shard, or save the "
+                "checkpoint again."
+            )
+    readers = [Reader(os.path.join(path, s)) for s in dict.fromkeys(weight_map.values())]
+    where: dict[str, str] = {}
+    for reader in readers:
+        shard = os.path.basename(reader.path)
+        for name in reader.infos:
+            if name in where:
+                raise TieError(
+                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
+                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
+                    "Fix: save the checkpoint again."
+                )
+            where[name] = shard
+    for name, shard in where.items():
+        if (listed := weight_map.get(name)) != shard:
+            said = "does not list it" if listed is None else f"puts it in {listed!r}"
+            raise TieError(
+                f"load: the shard {shard!r} holds {name!r}, but {index!r} {said}. "
+                "Fix: write the index again (save_pretrained), or remove the stray shard."
+            )
+    for name, shard in weight_map.items():
+        if name not in where:
+            raise TieError(
+                f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
+                "it (it is in no shard). Fix: save the checkpoint again."
+            )
+    return readers
 
 
-def _no_duplicate_keys(index: str) -> Any:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _read_index(index: str) -> dict[str, str]:
+    """The ``weight_map`` of a shard index: tensor name -> a shard file in the index's directory."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         for k, v in pairs:
             if k in seen:
@@ -136,10 +155,6 @@ def _no_duplicate_keys(index: str) -> Any:
             seen[k] = v
         return seen
 
-    return hook
-
-
-def _read_index(index: str) -> dict[str, str]:
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
         raise TieError(
             f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
@@ -148,7 +163,7 @@ def _read_index(index: str) -> dict[str, str]:
     with open(index, "rb") as f:
         raw = f.read()
     try:
-        data = json.loads(raw, object_pairs_hook=_no_duplicate_keys(index))
+        data = json.loads(raw, object_pairs_hook=unique)
     except TieError:
         raise
     except (ValueError, RecursionError) as e:
@@ -157,9 +172,7 @@ def _read_index(index: str) -> dict[str, str]:
             "Fix: write the index again (save_pretrained)."
         ) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise TieError(
             f"load: {index!r} has no 'weight_map' object of tensor name -> shard file name. "
             "Fix: write the index again (save_pretrained)."
@@ -173,60 +186,7 @@ def _read_index(index: str) -> dict[str, str]:
     return weight_map
 
 
-def _shards(directory: str, index: str) -> _Checkpoint:
-    weight_map = _read_index(index)
-    files = list(dict.fromkeys(weight_map.values()))
-    for shard in files:
-        if not os.path.isfile(os.path.join(directory, shard)):
-            name = next(k for k, v in weight_map.items() if v == shard)
-            raise TieError(
-                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
-                f"does not exist in {directory!r}. Fix: copy the missing shard, or save the "
-                "checkpoint again."
-            )
-    return _Checkpoint([os.path.join(directory, s) for s in files], index, weight_map)
-
-
-def _check_shards(index: str, weight_map: dict[str, str], readers: list[Reader]) -> None:
-    """Every tensor of the index in its shard, once; no tensor the index does not list."""
-    where: dict[str, str] = {}
-    for reader in readers:
-        shard = os.path.basename(reader.path)
-        for name in reader.names:
-            if name in where:
-                raise TieError(
-                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
-                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
-                    "Fix: save the checkpoint again."
-                )
-            where[name] = shard
-    for name, shard in where.items():
-        if weight_map.get(name) != shard:
-            listed = weight_map.get(name)
-            said = "does not list it" if listed is None else f"puts it in {listed!r}"
-            raise TieError(
-                f"load: the shard {shard!r} holds {name!r}, but {index!r} {said}. "
-                "Fix: write the index again (save_pretrained), or remove the stray shard."
-            )
-    for name, shard in weight_map.items():
-        if name not in where:
-            raise TieError(
-                f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
-                "it (it is in no shard). Fix: save the checkpoint again."
-            )
-
-
 # ----------------------------------------------------------------------------- ties
-
-
-def _file_ties(readers: list[Reader], names: set[str]) -> dict[str, str]:
-    """``{dropped: kept}`` entries of safetensors metadata (as ``save_model`` writes them)."""
-    out: dict[str, str] = {}
-    for reader in readers:
-        for k, v in reader.metadata.items():
-            if k not in names and v in names:
-                out[k] = v
-    return out
 
 
 def _inverse(t: Transform) -> Transform | None:
@@ -242,42 +202,42 @@ def _apply_ties(
     label: str,
     tensors: dict[str, Any],
     file_ties: dict[str, str],
-    asked: list[_Tie],
+    asked: dict[str, Tied],
     atol: float | None,
 ) -> dict[str, Any]:
     tree: dict[str, Any] = dict(tensors)
     for dropped, kept in file_ties.items():
         tree[dropped] = tensors[kept]  # the file says: the same values
-    by_target = {t.target: t for t in asked}
-    for t in asked:  # first the moves, so that any tie may refer to a moved buffer
-        if t.target in tree and t.ref not in tree and t.ref not in by_target:
+    for target, t in asked.items():  # first the moves, so that any tie may refer to a moved buffer
+        (ref,) = t.ref
+        if target in tree and ref not in tree and ref not in asked:
             back = _inverse(t.transform)  # the file stores only the target: move its buffer
             if back is None:
                 raise TieError(
-                    f"load {label}: the tie {t.target!r} <- {t.ref!r} ({t.transform!r}): the "
-                    f"file holds {t.target!r} but not {t.ref!r}, and {t.transform!r} has no "
+                    f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
+                    f"file holds {target!r} but not {ref!r}, and {t.transform!r} has no "
                     "inverse to compute the ref from it. Fix: tie the other way round, "
-                    f"ties={{{t.ref!r}: st.Tied({t.target!r}, <inverse>)}}."
+                    f"ties={{{ref!r}: st.Tied({target!r}, <inverse>)}}."
                 )
-            a = tree[t.target]
+            a = tree[target]
             axes = back.axes if isinstance(back, _Transpose) else None
-            tree[t.ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
+            tree[ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
     compare: dict[tuple[str, ...], Tied] = {}
-    for t in asked:
-        if t.target in tree:
-            compare[(t.target,)] = _tied(t.ref, t.transform)
-        elif t.ref in tree or t.ref in by_target:
-            tree[t.target] = _tied(t.ref, t.transform)  # absent on purpose: nothing to compare
+    for target, t in asked.items():
+        if target in tree:
+            compare[(target,)] = t
+        elif t.ref[0] in tree or t.ref[0] in asked:
+            tree[target] = t  # absent on purpose: nothing to compare
         else:
             raise TieError(
-                f"load {label}: the tie {t.target!r} <- {t.ref!r}: neither is in the file; "
-                f"{closest(t.ref, set(tree))}. Fix: use the tensor names the file holds, as "
+                f"load {label}: the tie {target!r} <- {t.ref[0]!r}: neither is in the file; "
+                f"{closest(t.ref[0], set(tree))}. Fix: use the tensor names the file holds, as "
                 "model.state_dict() names them."
             )
     for dropped, kept in file_ties.items():
-        reversed_ = kept in by_target and by_target[kept].ref == dropped
-        if dropped not in by_target and not reversed_:
-            tree[dropped] = _tied(kept)  # the file's own tie, unless ties= says otherwise
+        reversed_ = kept in asked and asked[kept].ref == (dropped,)
+        if dropped not in asked and not reversed_:
+            tree[dropped] = Tied((kept,))  # the file's own tie, unless ties= says otherwise
     try:
         out = tie(tree, compare, check=True, atol=0.0 if atol is None else atol)
         abstract_expanded(out)  # every view computes (shapes of absent targets included)
@@ -345,30 +305,26 @@ def load_foreign(
         >>> sd["head"], sd["embed"].shape
         (Tied('embed'), (3, 2))
     """
-    checkpoint = _files(path)
-    files = checkpoint.files
-    readers = [Reader(f) for f in files]  # headers only: every tensor is read once, below
+    readers = _readers(path)  # headers only: every tensor is read once, below
     label = repr(path)
-    if checkpoint.index_file is not None and checkpoint.weight_map is not None:
-        _check_shards(checkpoint.index_file, checkpoint.weight_map, readers)
     if like is not None:
         raise TieError(
             f"load: {label} was not written by sharetree (no {KEY_VERSION!r} in its "
             "metadata), so it has no tree structure to check against like=. Fix: load it "
             "without like (a flat dict {tensor name: array}, ties= for its tied weights)."
         )
-    asked = [] if ties is None else _parse_ties(ties)
-    tensors: dict[str, Any] = {}
-    for reader in readers:
-        tensors.update(reader.tensors())
-    file_ties = _file_ties(readers, set(tensors))
+    asked = {} if ties is None else _parse_ties(ties)
+    tensors = {name: a for reader in readers for name, a in reader.tensors()}
+    file_ties = {  # {dropped: kept} entries of safetensors metadata, as save_model writes them
+        k: v for r in readers for k, v in r.metadata.items() if k not in tensors and v in tensors
+    }
     tree = _apply_ties(label, tensors, file_ties, asked, atol)
-    n = f"{len(files)} files" if len(files) > 1 else "one file"
+    n = f"{len(readers)} files" if len(readers) > 1 else "one file"
     said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
     if file_ties:
         said += f"; restored the ties its safetensors metadata records: {_describe(file_ties)}"
     if asked:
-        said += f"; tied as asked (ties=): {_describe({t.target: t.ref for t in asked})}"
+        said += f"; tied as asked (ties=): {_describe({k: t.ref[0] for k, t in asked.items()})}"
     else:
         said += (
             ". If the model ties weights that the file omits or stores once (Hugging Face "

@@ -10,13 +10,13 @@ only from the ``functions`` the caller passes in.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
-import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import jax
@@ -58,19 +58,14 @@ KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 _KEY_TREE = "sharetree.tree"
 _KEY_LIBRARY = "sharetree.library_version"
 _PREFIX = "sharetree."
-_RESERVED_NAMES = frozenset({"__metadata__"})
-"""Tensor names the safetensors format keeps for itself."""
 _RESAVE = (
     "The file was edited or damaged after st.save wrote it. Fix: save the tree again with "
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
 )
 
-_NATIVE = frozenset(NATIVE_CODES.values())  # stored under their own code, not as raw bytes
-_CONTAINERS: dict[str, Any] = {
-    "dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple
-}  # fmt: skip
+_CONTAINERS = {"dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple}
 """The node kinds of the containers a file rebuilds on its own."""
-_KIND_OF = {kind: t for t, kind in _CONTAINERS.items()}
+_KIND_OF: dict[type, Any] = {kind: t for t, kind in _CONTAINERS.items()}
 PathOrStr = Union[str, "os.PathLike[str]"]
 
 
@@ -87,14 +82,6 @@ def _is_numeric(dtype: np.dtype) -> bool:
         return False
 
 
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _addressable(x: jax.Array) -> bool:
     """Whether this process holds every shard of ``x`` (a seam for tests)."""
     return bool(x.is_fully_addressable)
@@ -105,16 +92,14 @@ class _Writer:
 
     def __init__(self, gather: bool) -> None:
         self.tensors: dict[str, np.ndarray] = {}
-        self.gather = gather
-        self.has_keys = False
+        self.gather, self.has_keys = gather, False
 
     def name_for(self, path: Path) -> str:
-        base = "/".join(path) if path else "<root>"
-        if not _utf8(base):  # lone surrogates: a file holds UTF-8 names only
-            base = base.encode("utf-8", "backslashreplace").decode("utf-8")
+        # lone surrogates: a file holds UTF-8 names only
+        base = "/".join(path).encode("utf-8", "backslashreplace").decode() if path else "<root>"
         name, k = base, 1
         # keys containing '/' can make two paths print alike; '__metadata__' is reserved
-        while name in self.tensors or name in _RESERVED_NAMES:
+        while name in self.tensors or name == "__metadata__":
             name, k = f"{base}~{k}", k + 1
         return name
 
@@ -135,8 +120,8 @@ class _Writer:
             return {"t": "none"}
         kind, t = type(x), _KIND_OF.get(type(x))
         if t in ("list", "tuple"):
-            return {"t": t, "children": [self.node(c, (*path, str(i))) for i, c in enumerate(x)]}
-        if t is not None:
+            node, keys, values = {"t": t}, [str(i) for i in range(len(x))], list(x)
+        elif t is not None:
             keys = list(x.keys())
             seen: dict[str, Any] = {}
             for k in keys:
@@ -154,9 +139,7 @@ class _Writer:
                     )
                 seen[str(k)] = k
             node, values = {"t": t, "keys": keys}, [x[k] for k in keys]
-        elif jtu.all_leaves([x]):
-            return self.leaf(x, path)
-        else:  # any other pytree node: its children by their key names
+        elif not jtu.all_leaves([x]):  # any other pytree node: its children by their key names
             flat, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
             keys, values = [key_name(kp[0]) for kp, _ in flat], [c for _, c in flat]
             if len(set(keys)) != len(keys):
@@ -166,16 +149,15 @@ class _Writer:
                     "the node type with distinct keys (jax.tree_util.register_pytree_with_keys)."
                 )
             node = {"t": "node", "type": f"{kind.__module__}.{kind.__qualname__}", "keys": keys}
-        children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values, strict=True)]
-        return {**node, "children": children}
-
-    def leaf(self, x: Any, path: Path) -> dict[str, Any]:
-        if type(x) in (bool, int, float, str, complex):
-            value = [x.real, x.imag] if type(x) is complex else x
-            return {"t": "value", "type": type(x).__name__, "value": value}
-        if _is_array(x):
+        elif kind in (bool, int, float, str, complex):
+            value = [x.real, x.imag] if kind is complex else x
+            return {"t": "value", "type": kind.__name__, "value": value}
+        elif _is_array(x):
             return self.array(x, path)
-        return {"t": "static", "type": f"{type(x).__module__}.{type(x).__qualname__}"}
+        else:
+            return {"t": "static", "type": f"{kind.__module__}.{kind.__qualname__}"}
+        children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values)]
+        return {**node, "children": children}
 
     def array(self, x: Any, path: Path) -> dict[str, Any]:
         if isinstance(x, jax.core.Tracer):
@@ -212,12 +194,9 @@ class _Writer:
                 "numeric dtype a safetensors file can hold. Fix: convert it to a numeric array "
                 "or keep it out of the tree."
             )
-        dtype = a.dtype.name
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")  # (np.ascontiguousarray would make 0-d arrays 1-d)
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        raw = dtype not in _NATIVE
+        dtype = a.dtype.name  # C order, little-endian: a copy only where needed
+        a = a.astype(a.dtype.newbyteorder("<"), order="C", copy=False)
+        raw = dtype not in NATIVE_CODES.values()  # stored as bytes: no code of its own
         name = self.name_for(path)
         self.tensors[name] = np.frombuffer(a.tobytes(), np.uint8) if raw else a
         scalar = isinstance(x, np.generic)
@@ -240,11 +219,13 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
                 f"{type(v).__name__}; safetensors metadata holds str -> str only. "
                 "Fix: convert it, e.g. with json.dumps."
             )
-        if not (_utf8(k) and _utf8(v)):
+        try:
+            (k + v).encode("utf-8")
+        except UnicodeEncodeError:
             raise TieError(
                 f"save: the metadata entry {k!r}: {v!r} is not valid UTF-8 text (it holds a lone "
                 "surrogate). Fix: pass text that encodes to UTF-8."
-            )
+            ) from None
         if k.startswith(_PREFIX):
             raise TieError(
                 f"save: the metadata key {k!r} starts with {_PREFIX!r}, which sharetree keeps "
@@ -367,61 +348,17 @@ def _json_depth(text: str, limit: int) -> int:
         >>> _json_depth('{"a": [[1], "[[[\\"]"]}', 10), _json_depth("[" * 5000, 10)
         (3, 11)
     """
-    depth = deepest = pos = 0
-    while (m := _NEXT.search(text, pos)) is not None:
-        c, pos = m.group(), m.end()
-        if c == '"':
-            string = _STRING.match(text, m.start())
-            if string is None:
-                break
-            pos = string.end()
-        elif c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                break
-        else:
-            depth -= 1
+    depth = deepest = 0
+    for m in _TOKENS.finditer(text):  # a whole string, a bracket, or a quote that opens no string
+        if m.group() == '"' or deepest > limit:
+            break
+        depth += _STEPS.get(m.group(), 0)  # a string: 0
+        deepest = max(deepest, depth)
     return deepest
 
 
-_NEXT = re.compile(r'["\[\]{}]')
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.S)
-
-
-def _parse_structure(path: str, meta: dict[str, str], verb: str) -> Any:
-    version = meta[_KEY_VERSION]
-    if not (version.isascii() and version.isdigit()):
-        raise TieError(
-            f"{verb}: {path!r} has a malformed format version {version!r}; expected a "
-            f"decimal integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
-        )
-    if int(version) > FORMAT_VERSION:
-        raise TieError(
-            f"{verb}: {path!r} has format version {int(version)}, written by sharetree "
-            f"{meta.get(_KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
-            f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
-        )
-    if _KEY_TREE not in meta:
-        raise TieError(
-            f"{verb}: {path!r} has a format version but no {_KEY_TREE!r} metadata, so its tree "
-            f"structure is lost. {_RESAVE}"
-        )
-    text = meta[_KEY_TREE]
-    depth = _json_depth(text, _MAX_JSON_DEPTH)
-    if depth > _MAX_JSON_DEPTH:
-        raise TieError(
-            f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is nested {depth} or more levels "
-            f"deep; a file written by st.save nests at most {_MAX_JSON_DEPTH} (trees of at "
-            f"most {MAX_DEPTH} levels). {_RESAVE}"
-        )
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise TieError(
-            f"{verb}: the {_KEY_TREE!r} metadata of {path!r} is not valid JSON "
-            f"({one_line(e)}). {_RESAVE}"
-        ) from e
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*+"|[\[\]{}"]', re.S)
+_STEPS = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class _AnyFunction(dict[str, Any]):
@@ -524,11 +461,7 @@ def load(
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
-    if os.path.isdir(path):
-        return load_foreign(path, like=like, ties=ties, atol=atol)
-    reader = Reader(path)
-    meta = reader.metadata
-    if _KEY_VERSION not in meta:
+    if os.path.isdir(path) or _KEY_VERSION not in (reader := Reader(path)).metadata:
         return load_foreign(path, like=like, ties=ties, atol=atol)
     if ties is not None or atol is not None:
         raise TieError(
@@ -536,7 +469,7 @@ def load(
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    builder = _Builder(path, "load", meta, dict(reader.tensors()), functions)
+    builder = _Builder(reader, dict(reader.tensors()), functions)
     tree = builder.run()
     if like is not None:
         tree = _restore_like(path, tree, like)
@@ -549,17 +482,16 @@ def load(
         )
     elif builder.generic:
         where, kind = builder.generic[0]
+        boxes = any("Partitioned" in k for _, k in builder.generic)
+        hint = (
+            " (Flax partition boxes: model.apply fails on these dicts; pass "
+            "like=jax.eval_shape(lambda: model.init(key, x))['params'])."
+        )
         warnings.warn(
             f"{path!r}: {len(builder.generic)} pytree node(s) of types sharetree cannot rebuild "
-            f"on its own, such as {kind} at {path_str(where)!r}, were "
-            "loaded as dicts keyed by their key names (paths and ties are unchanged). Pass "
-            "like=template to get the original types"
-            + (
-                " (Flax partition boxes: model.apply fails on these dicts; pass "
-                "like=jax.eval_shape(lambda: model.init(key, x))['params'])."
-                if any("Partitioned" in str(k) for _, k in builder.generic)
-                else "."
-            ),
+            f"on its own, such as {kind} at {path_str(where)!r}, were loaded as dicts keyed by "
+            "their key names (paths and ties are unchanged). Pass like=template to get the "
+            f"original types{hint if boxes else '.'}",
             UserWarning,
             stacklevel=2,
         )
@@ -583,15 +515,13 @@ class _FileGraph(SharingGraph):
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
         out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
-            aval, t = self._avals[view.buffer], view.transform
-            if t is not None and (aval is None or _is_described(t)):
-                aval = None  # a named st.fn view: its function is never called
-            elif t is not None:
+            aval = self._avals[view.buffer]
+            if aval is not None and not _is_described(view.transform):
                 try:
-                    aval = t.abstract(aval)
+                    aval = view.transform.abstract(aval)
                 except Exception as e:  # a built-in transform that does not fit its buffer
                     raise transform_error(self.structure, view, aval, e) from e
-            out.append(aval)
+            out.append(None if _is_described(view.transform) else aval)  # st.fn: never called
         return out
 
 
@@ -650,7 +580,7 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         if len(reader.infos) > max_rows:
             rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
         return "\n".join([head, *rows])
-    builder = _Builder(path, "inspect", meta, reader.infos, _AnyFunction())
+    builder = _Builder(reader, reader.infos, _AnyFunction())
     tree = builder.run()
     try:
         leaves, structure = leaves_and_structure(tree)
@@ -691,15 +621,9 @@ class _Builder:
     tree at most ``MAX_DEPTH``.
     """
 
-    def __init__(
-        self,
-        path: str,
-        verb: str,
-        meta: dict[str, str],
-        tensors: Mapping[str, Any],
-        functions: Mapping[str, Any] | None,
-    ) -> None:
-        self.path, self.verb, self.meta, self.tensors = path, verb, meta, tensors
+    def __init__(self, reader: Reader, tensors: Mapping[str, Any], functions: Any) -> None:
+        self.path, self.verb, self.meta = reader.path, reader.verb, reader.metadata
+        self.tensors = tensors
         self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
@@ -707,14 +631,40 @@ class _Builder:
         self.keys: list[Path] = []
 
     def run(self) -> Any:
-        structure = _parse_structure(self.path, self.meta, self.verb)
-        self.version = int(self.meta[_KEY_VERSION])  # (checked by _parse_structure)
+        version, where = self.meta[_KEY_VERSION], f"{self.verb}: {self.path!r}"
+        of_tree = f"{self.verb}: the {_KEY_TREE!r} metadata of {self.path!r}"
+        if not (version.isascii() and version.isdigit()):
+            raise TieError(
+                f"{where} has a malformed format version {version!r}; expected a decimal "
+                f"integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
+            )
+        self.version = int(version)
+        if self.version > FORMAT_VERSION:
+            raise TieError(
+                f"{where} has format version {self.version}, written by sharetree "
+                f"{self.meta.get(_KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
+                f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
+            )
+        if _KEY_TREE not in self.meta:
+            raise TieError(
+                f"{where} has a format version but no {_KEY_TREE!r} metadata, so its tree "
+                f"structure is lost. {_RESAVE}"
+            )
+        depth = _json_depth(self.meta[_KEY_TREE], _MAX_JSON_DEPTH)
+        if depth > _MAX_JSON_DEPTH:
+            raise TieError(
+                f"{of_tree} is nested {depth} or more levels deep; a file written by st.save "
+                f"nests at most {_MAX_JSON_DEPTH} (trees of at most {MAX_DEPTH} levels). {_RESAVE}"
+            )
+        try:
+            structure = json.loads(self.meta[_KEY_TREE])
+        except ValueError as e:
+            raise TieError(f"{of_tree} is not valid JSON ({one_line(e)}). {_RESAVE}") from e
         tree = self.build(structure, ())
         unused = sorted(set(self.tensors) - self.used)
         if unused:
             raise TieError(
-                f"{self.verb}: {self.path!r} holds tensors that its tree does not use: "
-                f"{unused[:5]}. {_RESAVE}"
+                f"{where} holds tensors that its tree does not use: {unused[:5]}. {_RESAVE}"
             )
         return tree
 
@@ -740,61 +690,50 @@ class _Builder:
             )
         return v
 
-    def children(
-        self, node: dict[str, Any], path: Path, keyed: bool
-    ) -> tuple[list[Any], list[Any]]:
-        children = self.field(node, "children", path)
-        if not keyed:
-            return [str(i) for i in range(len(children))], children
-        keys = self.field(node, "keys", path)
-        if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
-            raise self.bad(
-                path,
-                f"expected as many distinct keys as children, found keys {keys[:8]!r} for "
-                f"{len(children)} children",
-            )
-        return keys, children
-
     def build(self, node: Any, path: Path) -> Any:
         if len(path) > MAX_DEPTH:
             raise self.bad(path[:8], f"the tree is nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict):
             raise self.bad(path, f"expected a JSON object, found {type(node).__name__}")
         t = self.field(node, "t", path)
-        if t in _CONTAINERS or t == "node":
-            type_name = self.field(node, "type", path) if t == "node" else None
-            keys, children = self.children(node, path, t not in ("list", "tuple"))
-            if t == "dict" and len({type(k) for k in keys}) > 1:
-                raise self.bad(
-                    path,
-                    f"a dict has keys of one type (jax sorts them), found str "
-                    f"and int keys {keys[:8]!r}",
-                )
-            if type_name is not None:
-                self.generic.append((path, type_name))
-            built = [
-                (k, self.build(c, (*path, str(k)))) for k, c in zip(keys, children, strict=True)
-            ]
-            if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
-                return {str(k): v for k, v in built}
-            kind = _CONTAINERS[t]
-            return kind(v for _, v in built) if t in ("list", "tuple") else kind(built)
-        if t == "none":
-            return None
-        if t == "static":
-            type_name = self.field(node, "type", path)
-            self.statics.append((path, type_name))
-            return _Static(type_name)
+        if t in ("none", "static"):
+            return None if t == "none" else self.static(node, path)
         if t in ("tied", "value", "buffer"):
             return getattr(self, t)(node, path)
-        raise TieError(
-            f"{self.verb}: {self.path!r}: unknown node kind {t!r} at {path_str(path)!r}; the "
-            "file may come from a newer sharetree. Fix: upgrade sharetree."
-        )
+        if t not in _CONTAINERS and t != "node":
+            raise self.fail(
+                f"unknown node kind {t!r} at {path_str(path)!r}; the file may come from a newer "
+                "sharetree. Fix: upgrade sharetree.",
+                "",
+            )
+        if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
+            self.generic.append((path, self.field(node, "type", path)))
+        children = self.field(node, "children", path)
+        sequence = t in ("list", "tuple")
+        keys = list(range(len(children))) if sequence else self.field(node, "keys", path)
+        if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
+            raise self.bad(
+                path,
+                f"expected as many distinct keys as children, found keys {keys[:8]!r} for "
+                f"{len(children)} children",
+            )
+        if t == "dict" and len({type(k) for k in keys}) > 1:
+            raise self.bad(
+                path,
+                f"a dict has keys of one type (jax sorts them), found str and int keys "
+                f"{keys[:8]!r}",
+            )
+        values = [self.build(c, (*path, str(k))) for k, c in zip(keys, children)]
+        if sequence:
+            return _CONTAINERS[t](values)
+        return _CONTAINERS.get(t, dict)(zip(map(str, keys) if t == "node" else keys, values))
+
+    def static(self, node: dict[str, Any], path: Path) -> _Static:
+        self.statics.append((path, self.field(node, "type", path)))
+        return _Static(self.statics[-1][1])
 
     def tied(self, node: dict[str, Any], path: Path) -> Tied:
-        ref = self.field(node, "ref", path)
-        spec = self.field(node, "transform", path)
+        ref, spec = (self.field(node, f, path) for f in ("ref", "transform"))
         try:
             transform = self.resolve(spec)
         except TieError as e:
@@ -810,13 +749,11 @@ class _Builder:
         kind = self.field(node, "type", path, ok, "bool, int, float, complex or str")
         v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
         if kind == "complex":
-            return complex(v[0], v[1])
+            return complex(*v)
         return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name, dtype_name = self.field(node, "tensor", path), self.field(node, "dtype", path)
-        shape = tuple(self.field(node, "shape", path))
-        raw = self.field(node, "raw", path)
+        name, dtype_name, shape, raw = (self.field(node, f, path) for f in _BUFFER_FIELDS)
         scalar = node.get("scalar", False)
         if not isinstance(scalar, bool) or (scalar and shape):
             raise self.bad(
@@ -844,13 +781,12 @@ class _Builder:
                 "has a tensor of its own."
             )
         self.used.add(name)
-        want = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype_name))
-        found = self.tensors[name]
+        want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype_name)), self.tensors[name]
         info = isinstance(found, TensorInfo)
         got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
         got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
         where = f"tensor {name!r} at {path_str(path)!r}"
-        if raw and got != f"uint8[{math.prod(shape) * want.dtype.itemsize}]":
+        if raw and got != f"uint8[{want.size * want.dtype.itemsize}]":
             raise self.fail(
                 f"{where} should hold the raw bytes of {format_aval(want)}, found {got}."
             )
@@ -860,7 +796,7 @@ class _Builder:
             self.keys.append(path)
         if info:
             return want
-        a = np.frombuffer(found.tobytes(), want.dtype).reshape(shape) if raw else found
+        a = np.frombuffer(found.tobytes(), want.dtype).reshape(want.shape) if raw else found
         if impl is not None:
             try:
                 return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
@@ -892,6 +828,10 @@ def _is_dtype_name(v: Any) -> bool:
     return d.name == v and _is_numeric(d)
 
 
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
+
+
 def _of(*types: type) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, types)
 
@@ -905,15 +845,12 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "transform": (_of(dict), "a spec"),
     "tensor": (_of(str), "a tensor name"),
     "dtype": (_is_dtype_name, "a numeric dtype name"),
-    "shape": (
-        lambda v: (
-            isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
-        ),
-        "a list of sizes >= 0",
-    ),
+    "shape": (_is_shape, "a list of sizes >= 0"),
     "raw": (_of(bool), "true or false"),
 }
 """Each field of a node: its check and what it should be (``_Builder.field`` names both)."""
+
+_BUFFER_FIELDS = ("tensor", "dtype", "shape", "raw")
 
 _VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
     "bool": _of(bool),
@@ -935,12 +872,11 @@ def _place(path: str, tree: Any, shardings: Any) -> Any:
 
     want = _by_path(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
     got = _by_path(tree)
-    missing = sorted(path_str(p) for p, x in got.items() if _is_array(x) and p not in want)
-    extra = sorted(map(path_str, want.keys() - got.keys()))
-    if missing or extra:
+    missing, extra = _only({p for p, x in got.items() if _is_array(x)}, want), _only(want, got)
+    if missing != "none" or extra != "none":
         raise TieError(
             f"load: shardings= does not match {path!r}: buffers without a sharding: "
-            f"{missing[:5] or 'none'}; paths the file does not have: {extra[:5] or 'none'}. "
+            f"{missing}; paths the file does not have: {extra}. "
             "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
             "sharding, abstract_tree) (Tied positions are ignored)."
         )
@@ -958,15 +894,20 @@ def _place(path: str, tree: Any, shardings: Any) -> Any:
     return jtu.tree_unflatten(jtu.tree_structure(tree, is_leaf=is_tied), leaves)
 
 
+def _only(paths: Iterable[Path], other: Iterable[Path]) -> Any:
+    """The first five of ``paths`` not in ``other``, sorted and shown (``'none'`` if none)."""
+    return sorted(map(path_str, set(paths) - set(other)))[:5] or "none"
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, jax.Array))
 
 
+@dataclasses.dataclass(frozen=True)
 class _Static:
     """Placeholder for a leaf a file could not hold; replaced from the template."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    kind: str
 
     def __repr__(self) -> str:
         return f"<unsaved {self.kind}>"
@@ -985,13 +926,10 @@ def _describe_leaf(x: Any) -> str:
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
     got = _by_path(tree)
     tmpl = [(keypath_to_path(kp), t) for kp, t in jtu.tree_flatten_with_path(like, is_tied)[0]]
-    want = dict(tmpl)
-    if got.keys() != want.keys():
-        only_file = sorted(map(path_str, got.keys() - want.keys()))
-        only_tmpl = sorted(map(path_str, want.keys() - got.keys()))
+    if got.keys() != dict(tmpl).keys():
         raise TieError(
             f"load: the template (like=) does not match {path!r}: paths only in the file: "
-            f"{only_file[:5] or 'none'}; only in the template: {only_tmpl[:5] or 'none'}. "
+            f"{_only(got, dict(tmpl))}; only in the template: {_only(dict(tmpl), got)}. "
             "Fix: pass a template of the same model and configuration, tied the same way."
         )
     leaves: list[Any] = []

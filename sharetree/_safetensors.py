@@ -6,6 +6,7 @@ The file format sharetree writes is described in one place,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -76,14 +77,12 @@ class Reader:
     def __init__(self, path: str, verb: str = "load") -> None:
         from safetensors import safe_open
 
-        self.path = path
-        self.verb = verb
+        self.path, self.verb = path, verb
         try:
             with safe_open(path, framework="np") as f:
                 self.metadata: dict[str, str] = dict(f.metadata() or {})
-                self.names: list[str] = list(f.keys())
-                self.infos: dict[str, TensorInfo] = {}
-                for name in self.names:
+                self.infos: dict[str, TensorInfo] = {}  # in header order
+                for name in f.keys():
                     s = f.get_slice(name)
                     self.infos[name] = TensorInfo(name, str(s.get_dtype()), tuple(s.get_shape()))
         except Exception as e:  # SafetensorError, OSError of a directory, ...
@@ -98,39 +97,36 @@ class Reader:
         from safetensors import safe_open
 
         with safe_open(self.path, framework="np") as f:
-            for name in self.names:
+            for name, info in self.infos.items():
                 try:
                     a = f.get_tensor(name)
                 except Exception as e:  # a dtype numpy lacks (float8), or damaged data
-                    if self.infos[name].code in _CODES:
-                        a = self._raw(name, e)
-                    else:
+                    if info.code not in _CODES:
                         raise TieError(
                             f"{self.verb}: tensor {name!r} of {self.path!r} has the dtype code "
-                            f"{self.infos[name].code!r}, which sharetree cannot read (known: "
+                            f"{info.code!r}, which sharetree cannot read (known: "
                             f"{', '.join(_CODES)}). Fix: convert the file."
                         ) from e
+                    a = self._raw(info, e)
                 yield name, np.array(a)  # own the memory (safetensors may hand out a view)
 
-    def _raw(self, name: str, cause: BaseException) -> np.ndarray:
+    def _raw(self, info: TensorInfo, cause: BaseException) -> np.ndarray:
         """Read a tensor of a dtype the numpy backend lacks from its bytes.
 
         The library does not expose data offsets, so they come from the header
         (already validated by the library when the file was opened).
         """
-        info = self.infos[name]
         try:
             with open(self.path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                entry = json.loads(f.read(n))[name]
-                start, end = (int(v) for v in entry["data_offsets"])
+                start, end = (int(v) for v in json.loads(f.read(n))[info.name]["data_offsets"])
                 f.seek(8 + n + start)
                 data = f.read(end - start)
             return np.frombuffer(data, jnp.dtype(_CODES[info.code])).reshape(info.shape)
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             raise TieError(
-                f"{self.verb}: cannot read tensor {name!r} of {self.path!r} ({one_line(cause)}; "
-                f"{one_line(e)}). Fix: check the file is complete."
+                f"{self.verb}: cannot read tensor {info.name!r} of {self.path!r} "
+                f"({one_line(cause)}; {one_line(e)}). Fix: check the file is complete."
             ) from e
 
 
@@ -142,14 +138,13 @@ def _serialize_file(
     save_file(tensors, filename, metadata=metadata)
 
 
-def _create_temp(directory: str, base: str) -> tuple[int, str]:
+def _create_temp(directory: str, base: str) -> str:
     """Create a new file next to the target with mode ``0o666``, which the kernel masks."""
     for _ in range(100):
         tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), tmp
-        except FileExistsError:
-            continue
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return tmp
     raise FileExistsError(f"cannot create a temporary file in {directory!r}")  # pragma: no cover
 
 
@@ -176,21 +171,16 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
         mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         mode = None
-    fd, tmp = _create_temp(directory, os.path.basename(path))
+    tmp = _create_temp(directory, os.path.basename(path))
     try:
-        try:
-            if mode is None:  # the kernel applied the umask to 0o666: that is the mode
-                mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        finally:
-            os.close(fd)
+        if mode is None:  # the kernel applied the umask to 0o666: that is the mode
+            mode = stat.S_IMODE(os.stat(tmp).st_mode)
         _serialize_file(tensors, tmp, metadata)  # (safetensors may replace the file: new mode)
         os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
