@@ -80,24 +80,14 @@ def transform_error(
     structure: Structure, leaf: Leaf | ViewLeaf, aval: Any, err: BaseException
 ) -> TieError:
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
-    tie = structure.ties.get(leaf.tie) if leaf.tie is not None else None
     where = leaf.tie or leaf.path
     return TieError(
-        f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
+        f"view {path_str(leaf.path)!r} (from {structure.ties.get(where)!r} at "
+        f"{path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
         f"of {format_aval(aval)}: {type(err).__name__}: {err}. "
         f"Fix: use a transform that accepts {format_aval(aval)}."
     )
-
-
-def _transformable(x: Any) -> bool:
-    return is_array_leaf(x) or hasattr(x, "shape")
-
-
-def _has_fn(t: Transform) -> bool:
-    """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
-    parts = t.parts if isinstance(t, _Chain) else (t,)
-    return any(isinstance(p, _Fn) for p in parts)
 
 
 def _concrete_array(x: Any) -> bool:
@@ -106,53 +96,19 @@ def _concrete_array(x: Any) -> bool:
     )
 
 
-class _EagerViews:
-    """One compiled function computing the built-in views of a structure (no ``st.fn``)."""
-
-    def __init__(self, structure: Structure) -> None:
-        views = [
-            (k, leaf)
-            for k, leaf in enumerate(structure.expanded)
-            if leaf.transform is not None and leaf.transform is not identity
-        ]
-        self.positions = tuple(
-            k for k, leaf in views if leaf.transform and not _has_fn(leaf.transform)
-        )
-        chosen = [structure.expanded[k] for k in self.positions]
-        batched = set(self.positions)
-        self.rest = tuple(k for k in _plan(structure).views if k not in batched)  # st.fn views
-        self.inputs = tuple(sorted({leaf.buffer for leaf in chosen}))
-        slot = {i: n for n, i in enumerate(self.inputs)}
-
-        def compute(buffers: tuple[Any, ...]) -> list[Any]:
-            out = []
-            for leaf in chosen:
-                assert leaf.transform is not None
-                x = buffers[slot[leaf.buffer]]
-                try:
-                    out.append(leaf.transform(x))
-                except Exception as e:
-                    raise transform_error(structure, leaf, aval_of(x), e) from e
-            return out
-
-        self.fn = jax.jit(compute)
-
-
-@functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
-def _eager_views(structure: Structure) -> _EagerViews:
-    return _EagerViews(structure)
-
-
 class _Plan(NamedTuple):
     """Index lists of a structure for ``expand_leaves`` (built once per structure)."""
 
     sources: Callable[[Sequence[Any]], Any]  # leaves -> the buffer of every materialized leaf
-    views: tuple[int, ...]  # materialized leaves with a transform other than identity
+    views: tuple[tuple[int, Transform], ...]  # position and transform, other than identity
+    batched: tuple[int, ...]  # the views without ``st.fn``: one compiled call computes them
+    rest: tuple[tuple[int, Transform], ...]  # the views with ``st.fn``, called one by one
+    inputs: tuple[int, ...]  # the buffers of the batched views
 
 
 @functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
 def _plan(structure: Structure) -> _Plan:
-    sources = structure.sources
+    sources = tuple(leaf.buffer for leaf in structure.expanded)
     getter: Callable[[Sequence[Any]], Any]
     if len(sources) == 1:
         getter = lambda leaves: (leaves[sources[0]],)  # noqa: E731
@@ -160,12 +116,41 @@ def _plan(structure: Structure) -> _Plan:
         getter = operator.itemgetter(*sources)
     else:
         getter = lambda leaves: ()  # noqa: E731
-    views = tuple(
-        k
+    views = [
+        (k, leaf.transform)
         for k, leaf in enumerate(structure.expanded)
         if leaf.transform is not None and leaf.transform is not identity
-    )
-    return _Plan(getter, views)
+    ]
+    # a user function (``st.fn``) may not be traceable
+    has_fn = [
+        any(isinstance(p, _Fn) for p in (t.parts if isinstance(t, _Chain) else (t,)))
+        for _, t in views
+    ]
+    batched = tuple(k for (k, _), fn in zip(views, has_fn) if not fn)
+    rest = tuple(view for view, fn in zip(views, has_fn) if fn)
+    inputs = tuple(sorted({sources[k] for k in batched}))
+    return _Plan(getter, tuple(views), batched, rest, inputs)
+
+
+@functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
+def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]:
+    """One compiled function computing the batched views of a structure from its inputs."""
+    plan = _plan(structure)
+    chosen = [structure.expanded[k] for k in plan.batched]
+    slot = {i: n for n, i in enumerate(plan.inputs)}
+
+    def compute(buffers: tuple[Any, ...]) -> list[Any]:
+        out = []
+        for leaf in chosen:
+            assert leaf.transform is not None
+            x = buffers[slot[leaf.buffer]]
+            try:
+                out.append(leaf.transform(x))
+            except Exception as e:
+                raise transform_error(structure, leaf, aval_of(x), e) from e
+        return out
+
+    return jax.jit(compute)
 
 
 def expand_leaves(
@@ -183,23 +168,25 @@ def expand_leaves(
     """
     plan = _plan(structure)
     out = list(plan.sources(leaves))
-    todo: Sequence[int] = plan.views
-    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
-        batch = _eager_views(structure)
-        if batch.positions and all(_concrete_array(leaves[i]) for i in batch.inputs):
-            for k, value in zip(batch.positions, batch.fn(tuple(leaves[i] for i in batch.inputs))):
-                out[k] = value
-            todo = batch.rest
-    for k in todo:
-        leaf = structure.expanded[k]
+    todo = plan.views
+    if (
+        apply is None
+        and plan.batched
+        and len(structure.views) >= _JIT_VIEWS_MIN
+        and all(_concrete_array(leaves[i]) for i in plan.inputs)
+    ):
+        values = _eager_views(structure)(tuple(leaves[i] for i in plan.inputs))
+        for k, value in zip(plan.batched, values):
+            out[k] = value
+        todo = plan.rest
+    for k, t in todo:
         x = out[k]
-        t = leaf.transform
-        if t is None or t is identity or not _transformable(x):
+        if not (is_array_leaf(x) or hasattr(x, "shape")):
             continue
         try:
             out[k] = t(x) if apply is None else apply(t, x)
         except Exception as e:
-            raise transform_error(structure, leaf, aval_of(x), e) from e
+            raise transform_error(structure, structure.expanded[k], aval_of(x), e) from e
     return out
 
 
@@ -216,18 +203,13 @@ def expanded_by_path(tree: PyTree) -> dict[Path, Any]:
 def abstract_expanded(tree: PyTree) -> dict[Path, Any]:
     """Path -> shape/dtype (or the leaf itself when not an array) of the materialized tree."""
     leaves, structure = leaves_and_structure(tree)
-    avals = [_abstract_leaf(x) for x in leaves]
+    avals = [x if (a := leaf_aval(x)) is None else a for x in leaves]
     return _by_path(structure, expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a)))
 
 
 def leaf_aval(x: Any) -> jax.ShapeDtypeStruct | None:
     """The shape/dtype of an array leaf, tracer or ``ShapeDtypeStruct``; ``None`` otherwise."""
     aval = aval_of(x)
-    if aval is None and not is_array_leaf(x) and hasattr(x, "shape") and hasattr(x, "dtype"):
+    if aval is None and hasattr(x, "shape") and hasattr(x, "dtype"):
         aval = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
     return aval
-
-
-def _abstract_leaf(x: Any) -> Any:
-    aval = leaf_aval(x)
-    return x if aval is None else aval
