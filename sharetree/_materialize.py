@@ -91,9 +91,12 @@ def transform_error(
 
 
 def _concrete_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic)) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
+    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
+
+
+def _has_fn(t: Transform) -> bool:
+    """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
+    return any(isinstance(p, _Fn) for p in (t.parts if isinstance(t, _Chain) else (t,)))
 
 
 class _Plan(NamedTuple):
@@ -101,7 +104,7 @@ class _Plan(NamedTuple):
 
     sources: Callable[[Sequence[Any]], Any]  # leaves -> the buffer of every materialized leaf
     views: tuple[tuple[int, Transform], ...]  # position and transform, other than identity
-    batched: tuple[int, ...]  # the views without ``st.fn``: one compiled call computes them
+    batched: tuple[tuple[int, Transform], ...]  # the views that one compiled call can compute
     rest: tuple[tuple[int, Transform], ...]  # the views with ``st.fn``, called one by one
     inputs: tuple[int, ...]  # the buffers of the batched views
 
@@ -110,42 +113,34 @@ class _Plan(NamedTuple):
 def _plan(structure: Structure) -> _Plan:
     sources = tuple(leaf.buffer for leaf in structure.expanded)
     getter: Callable[[Sequence[Any]], Any]
-    if len(sources) == 1:
-        getter = lambda leaves: (leaves[sources[0]],)  # noqa: E731
-    elif sources:
+    if len(sources) > 1:
         getter = operator.itemgetter(*sources)
-    else:
-        getter = lambda leaves: ()  # noqa: E731
-    views = [
+    else:  # itemgetter of one index returns the item itself, of none it fails
+        getter = lambda leaves: [leaves[i] for i in sources]  # noqa: E731
+    views = tuple(
         (k, leaf.transform)
         for k, leaf in enumerate(structure.expanded)
         if leaf.transform is not None and leaf.transform is not identity
-    ]
-    # a user function (``st.fn``) may not be traceable
-    has_fn = [
-        any(isinstance(p, _Fn) for p in (t.parts if isinstance(t, _Chain) else (t,)))
-        for _, t in views
-    ]
-    batched = tuple(k for (k, _), fn in zip(views, has_fn) if not fn)
-    rest = tuple(view for view, fn in zip(views, has_fn) if fn)
-    inputs = tuple(sorted({sources[k] for k in batched}))
-    return _Plan(getter, tuple(views), batched, rest, inputs)
+    )
+    batched = tuple(view for view in views if not _has_fn(view[1]))
+    rest = tuple(view for view in views if _has_fn(view[1]))
+    inputs = tuple(sorted({sources[k] for k, _ in batched}))
+    return _Plan(getter, views, batched, rest, inputs)
 
 
 @functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
 def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]:
     """One compiled function computing the batched views of a structure from its inputs."""
     plan = _plan(structure)
-    chosen = [structure.expanded[k] for k in plan.batched]
     slot = {i: n for n, i in enumerate(plan.inputs)}
 
     def compute(buffers: tuple[Any, ...]) -> list[Any]:
         out = []
-        for leaf in chosen:
-            assert leaf.transform is not None
+        for k, t in plan.batched:
+            leaf = structure.expanded[k]
             x = buffers[slot[leaf.buffer]]
             try:
-                out.append(leaf.transform(x))
+                out.append(t(x))
             except Exception as e:
                 raise transform_error(structure, leaf, aval_of(x), e) from e
         return out
@@ -176,7 +171,7 @@ def expand_leaves(
         and all(_concrete_array(leaves[i]) for i in plan.inputs)
     ):
         values = _eager_views(structure)(tuple(leaves[i] for i in plan.inputs))
-        for k, value in zip(plan.batched, values):
+        for (k, _), value in zip(plan.batched, values):
             out[k] = value
         todo = plan.rest
     for k, t in todo:

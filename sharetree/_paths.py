@@ -173,8 +173,7 @@ def format_aval(aval: Any) -> str:
         >>> format_aval(np.zeros((2, 3), np.float32)), format_aval(None)
         ('float32[2, 3]', 'static')
     """
-    if not isinstance(aval, jax.ShapeDtypeStruct):
-        aval = aval_of(aval)
+    aval = aval_of(aval)
     if aval is None:
         return "static"
     return f"{aval.dtype.name}[{', '.join(map(str, aval.shape))}]"

@@ -186,11 +186,10 @@ class SharingGraph:
         return graph_dot(self, include_unshared=include_unshared)
 
     def __repr__(self) -> str:
+        counts = f"{plural(self.num_unique, 'buffer')}, {plural(self.num_views, 'view')}"
         return (
-            f"SharingGraph({plural(self.num_unique, 'buffer')}, "
-            f"{plural(self.num_views, 'view')}; "
-            f"params {self.size_unique:,} unique / {self.size_expanded:,} expanded; "
-            f"bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
+            f"SharingGraph({counts}; params {self.size_unique:,} unique / {self.size_expanded:,} "
+            f"expanded; bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
         )
 
 

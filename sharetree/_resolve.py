@@ -162,27 +162,24 @@ class _Resolver:
         return self.targets[at]
 
     def _missing(self, at: Path, t: Tied, ref: Path, prefix: Path | None) -> TieError:
-        written = f"ref {path_str(t.ref)!r}"
+        head = f"Tied at {path_str(at)!r}: ref {path_str(t.ref)!r}"
         if ref != t.ref:
-            written += f" (followed through views to {path_str(ref)!r})"
+            head += f" (followed through views to {path_str(ref)!r})"
         if prefix in self.buffer_paths:
             return TieError(
-                f"Tied at {path_str(at)!r}: {written} goes below the leaf "
-                f"{path_str(prefix)!r}, which has no children. Fix: refer to "
-                f"{path_str(prefix)!r} itself and select with a transform (st.fn)."
+                f"{head} goes below the leaf {path_str(prefix)!r}, which has no children. "
+                f"Fix: refer to {path_str(prefix)!r} itself and select with a transform (st.fn)."
             )
         empty = [x for x in _nodes_at(self.placeholder, ref) if not jtu.tree_leaves(x)]
         if empty:
             return TieError(
-                f"Tied at {path_str(at)!r}: {written} is {empty[0]!r}, a subtree "
-                "with no leaves: there is no value to share. Fix: point the ref at a leaf or "
-                "a subtree that holds arrays."
+                f"{head} is {empty[0]!r}, a subtree with no leaves: there is no value to share. "
+                "Fix: point the ref at a leaf or a subtree that holds arrays."
             )
-        candidates = [path_str(p) for p in self.nodes if p != at]
+        hint = closest(path_str(ref), (path_str(p) for p in self.nodes if p != at))
         return TieError(
-            f"Tied at {path_str(at)!r}: {written} does not exist in the tree; "
-            f"{closest(path_str(ref), candidates)}. Fix: point the ref at an existing "
-            "leaf or subtree (paths are '/'-joined dict keys, indices and attribute names)."
+            f"{head} does not exist in the tree; {hint}. Fix: point the ref at an existing leaf "
+            "or subtree (paths are '/'-joined dict keys, indices and attribute names)."
         )
 
     # -- resolving, depth first with an explicit stack ---------------------

@@ -84,9 +84,6 @@ def _is_path(ref: Any) -> bool:
     return isinstance(ref, tuple) and bool(ref) and all(isinstance(k, str) and k for k in ref)
 
 
-jax.tree_util.register_pytree_with_keys(
-    Tied,
-    lambda t: ((), (t.ref, t.transform)),
-    lambda aux, children: Tied(*aux),
-    flatten_func=lambda t: ((), (t.ref, t.transform)),
+jax.tree_util.register_pytree_node(
+    Tied, lambda t: ((), (t.ref, t.transform)), lambda aux, children: Tied(*aux)
 )
