@@ -81,12 +81,11 @@ def transform_error(
 ) -> TieError:
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
     where = leaf.tie or leaf.path
+    tie, shown = structure.ties.get(where), format_aval(aval)
     return TieError(
-        f"view {path_str(leaf.path)!r} (from {structure.ties.get(where)!r} at "
-        f"{path_str(where)!r}): transform "
+        f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
-        f"of {format_aval(aval)}: {type(err).__name__}: {err}. "
-        f"Fix: use a transform that accepts {format_aval(aval)}."
+        f"of {shown}: {type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
     )
 
 

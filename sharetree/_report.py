@@ -136,17 +136,11 @@ class SharingGraph:
     @functools.cached_property
     def views(self) -> dict[str, View]:
         """Every view: materialized path -> :class:`View` (buffer path, composed transform)."""
-        paths = self.structure.buffer_paths
-        return {
-            path_str(v.path): View(
-                path_str(v.path),
-                path_str(paths[v.buffer]),
-                v.transform,
-                *_shape_fields(a),
-                path_str(v.tie),
-            )
-            for v, a in zip(self.structure.views, self._view_avals)
-        }
+        out = {}
+        for v, a in zip(self.structure.views, self._view_avals):
+            path, buffer = path_str(v.path), path_str(self.structure.buffer_paths[v.buffer])
+            out[path] = View(path, buffer, v.transform, *_shape_fields(a), path_str(v.tie))
+        return out
 
     @property
     def ties(self) -> dict[str, Tied]:

@@ -191,10 +191,13 @@ class _Resolver:
             return [path]
         return [p for p in self.tied_at if p[: len(path)] == path]
 
-    def resolve(self, start: Path) -> Any:
-        """The template (a ``_Ref`` or a subtree of them) of the ``Tied`` at ``start``."""
+    def resolve(self, start: Path) -> None:
+        """Put the template of the ``Tied`` at ``start`` (a ``_Ref`` or a subtree of them) in memo.
+
+        Every ``Tied`` it needs is resolved first.
+        """
         if start in self.memo:
-            return self.memo[start]
+            return
         stack: list[tuple[Path, Any]] = [(start, iter(self.deps(start)))]
         on_stack = {start: 0}
         while stack:
@@ -209,7 +212,6 @@ class _Resolver:
             stack.pop()
             del on_stack[at]
             self.memo[at] = self.build(at)
-        return self.memo[start]
 
     def build(self, at: Path) -> Any:
         path, t = self.target(at)
