@@ -70,9 +70,7 @@ class Tied:
 
     def __repr__(self) -> str:
         ref = repr(path_str(self.ref)) if not any("/" in k for k in self.ref) else repr(self.ref)
-        if self.transform == identity:
-            return f"Tied({ref})"
-        return f"Tied({ref}, {self.transform!r})"
+        return f"Tied({ref})" if self.transform == identity else f"Tied({ref}, {self.transform!r})"
 
 
 def is_tied(x: Any) -> bool:
