@@ -89,6 +89,11 @@ def transform_error(
     )
 
 
+def _transformable(x: Any) -> bool:
+    """Whether a transform applies to ``x`` (an array, number, tracer or shape/dtype)."""
+    return is_array_leaf(x) or hasattr(x, "shape")
+
+
 def _concrete_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
 
@@ -175,7 +180,7 @@ def expand_leaves(
         todo = plan.rest
     for k, t in todo:
         x = out[k]
-        if not (is_array_leaf(x) or hasattr(x, "shape")):
+        if not _transformable(x):
             continue
         try:
             out[k] = t(x) if apply is None else apply(t, x)
