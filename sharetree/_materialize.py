@@ -80,92 +80,76 @@ def transform_error(
     structure: Structure, leaf: Leaf | ViewLeaf, aval: Any, err: BaseException
 ) -> TieError:
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
-    tie = structure.ties.get(leaf.tie) if leaf.tie is not None else None
     where = leaf.tie or leaf.path
+    tie, shown = structure.ties.get(where), format_aval(aval)
     return TieError(
         f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
-        f"of {format_aval(aval)}: {type(err).__name__}: {err}. "
-        f"Fix: use a transform that accepts {format_aval(aval)}."
+        f"of {shown}: {type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
     )
 
 
 def _transformable(x: Any) -> bool:
+    """Whether a transform applies to ``x`` (an array, number, tracer or shape/dtype)."""
     return is_array_leaf(x) or hasattr(x, "shape")
+
+
+def _concrete_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
 
 
 def _has_fn(t: Transform) -> bool:
     """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
-    parts = t.parts if isinstance(t, _Chain) else (t,)
-    return any(isinstance(p, _Fn) for p in parts)
-
-
-def _concrete_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic)) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
-
-
-class _EagerViews:
-    """One compiled function computing the built-in views of a structure (no ``st.fn``)."""
-
-    def __init__(self, structure: Structure) -> None:
-        views = [
-            (k, leaf)
-            for k, leaf in enumerate(structure.expanded)
-            if leaf.transform is not None and leaf.transform is not identity
-        ]
-        self.positions = tuple(
-            k for k, leaf in views if leaf.transform and not _has_fn(leaf.transform)
-        )
-        chosen = [structure.expanded[k] for k in self.positions]
-        batched = set(self.positions)
-        self.rest = tuple(k for k in _plan(structure).views if k not in batched)  # st.fn views
-        self.inputs = tuple(sorted({leaf.buffer for leaf in chosen}))
-        slot = {i: n for n, i in enumerate(self.inputs)}
-
-        def compute(buffers: tuple[Any, ...]) -> list[Any]:
-            out = []
-            for leaf in chosen:
-                assert leaf.transform is not None
-                x = buffers[slot[leaf.buffer]]
-                try:
-                    out.append(leaf.transform(x))
-                except Exception as e:
-                    raise transform_error(structure, leaf, aval_of(x), e) from e
-            return out
-
-        self.fn = jax.jit(compute)
-
-
-@functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
-def _eager_views(structure: Structure) -> _EagerViews:
-    return _EagerViews(structure)
+    return any(isinstance(p, _Fn) for p in (t.parts if isinstance(t, _Chain) else (t,)))
 
 
 class _Plan(NamedTuple):
     """Index lists of a structure for ``expand_leaves`` (built once per structure)."""
 
     sources: Callable[[Sequence[Any]], Any]  # leaves -> the buffer of every materialized leaf
-    views: tuple[int, ...]  # materialized leaves with a transform other than identity
+    views: tuple[tuple[int, Transform], ...]  # position and transform, other than identity
+    batched: tuple[tuple[int, Transform], ...]  # the views that one compiled call can compute
+    rest: tuple[tuple[int, Transform], ...]  # the views with ``st.fn``, called one by one
+    inputs: tuple[int, ...]  # the buffers of the batched views
 
 
 @functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
 def _plan(structure: Structure) -> _Plan:
-    sources = structure.sources
+    sources = tuple(leaf.buffer for leaf in structure.expanded)
     getter: Callable[[Sequence[Any]], Any]
-    if len(sources) == 1:
-        getter = lambda leaves: (leaves[sources[0]],)  # noqa: E731
-    elif sources:
+    if len(sources) > 1:
         getter = operator.itemgetter(*sources)
-    else:
-        getter = lambda leaves: ()  # noqa: E731
+    else:  # itemgetter of one index returns the item itself, of none it fails
+        getter = lambda leaves: [leaves[i] for i in sources]  # noqa: E731
     views = tuple(
-        k
+        (k, leaf.transform)
         for k, leaf in enumerate(structure.expanded)
         if leaf.transform is not None and leaf.transform is not identity
     )
-    return _Plan(getter, views)
+    batched = tuple(view for view in views if not _has_fn(view[1]))
+    rest = tuple(view for view in views if _has_fn(view[1]))
+    inputs = tuple(sorted({sources[k] for k, _ in batched}))
+    return _Plan(getter, views, batched, rest, inputs)
+
+
+@functools.lru_cache(maxsize=EAGER_PROGRAM_CACHE_SIZE)
+def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]:
+    """One compiled function computing the batched views of a structure from its inputs."""
+    plan = _plan(structure)
+    slot = {i: n for n, i in enumerate(plan.inputs)}
+
+    def compute(buffers: tuple[Any, ...]) -> list[Any]:
+        out = []
+        for k, t in plan.batched:
+            leaf = structure.expanded[k]
+            x = buffers[slot[leaf.buffer]]
+            try:
+                out.append(t(x))
+            except Exception as e:
+                raise transform_error(structure, leaf, aval_of(x), e) from e
+        return out
+
+    return jax.jit(compute)
 
 
 def expand_leaves(
@@ -183,23 +167,25 @@ def expand_leaves(
     """
     plan = _plan(structure)
     out = list(plan.sources(leaves))
-    todo: Sequence[int] = plan.views
-    if apply is None and len(structure.views) >= _JIT_VIEWS_MIN:
-        batch = _eager_views(structure)
-        if batch.positions and all(_concrete_array(leaves[i]) for i in batch.inputs):
-            for k, value in zip(batch.positions, batch.fn(tuple(leaves[i] for i in batch.inputs))):
-                out[k] = value
-            todo = batch.rest
-    for k in todo:
-        leaf = structure.expanded[k]
+    todo = plan.views
+    if (
+        apply is None
+        and plan.batched
+        and len(structure.views) >= _JIT_VIEWS_MIN
+        and all(_concrete_array(leaves[i]) for i in plan.inputs)
+    ):
+        values = _eager_views(structure)(tuple(leaves[i] for i in plan.inputs))
+        for (k, _), value in zip(plan.batched, values):
+            out[k] = value
+        todo = plan.rest
+    for k, t in todo:
         x = out[k]
-        t = leaf.transform
-        if t is None or t is identity or not _transformable(x):
+        if not _transformable(x):
             continue
         try:
             out[k] = t(x) if apply is None else apply(t, x)
         except Exception as e:
-            raise transform_error(structure, leaf, aval_of(x), e) from e
+            raise transform_error(structure, structure.expanded[k], aval_of(x), e) from e
     return out
 
 
@@ -216,18 +202,13 @@ def expanded_by_path(tree: PyTree) -> dict[Path, Any]:
 def abstract_expanded(tree: PyTree) -> dict[Path, Any]:
     """Path -> shape/dtype (or the leaf itself when not an array) of the materialized tree."""
     leaves, structure = leaves_and_structure(tree)
-    avals = [_abstract_leaf(x) for x in leaves]
+    avals = [x if (a := leaf_aval(x)) is None else a for x in leaves]
     return _by_path(structure, expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a)))
 
 
 def leaf_aval(x: Any) -> jax.ShapeDtypeStruct | None:
     """The shape/dtype of an array leaf, tracer or ``ShapeDtypeStruct``; ``None`` otherwise."""
     aval = aval_of(x)
-    if aval is None and not is_array_leaf(x) and hasattr(x, "shape") and hasattr(x, "dtype"):
+    if aval is None and hasattr(x, "shape") and hasattr(x, "dtype"):
         aval = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
     return aval
-
-
-def _abstract_leaf(x: Any) -> Any:
-    aval = leaf_aval(x)
-    return x if aval is None else aval

@@ -61,25 +61,23 @@ def to_path(ref: Any, what: str = "path") -> Path:
         >>> to_path("layers/0/w"), to_path(("a/b", 1))
         (('layers', '0', 'w'), ('a/b', '1'))
     """
-    if isinstance(ref, int) and not isinstance(ref, bool):
-        ref = (ref,)
-    if isinstance(ref, str):
-        parts = tuple(ref.split("/")) if ref else ()
-    elif isinstance(ref, (tuple, list)):
-        for k in ref:
+    keys = (ref,) if isinstance(ref, int) and not isinstance(ref, bool) else ref
+    if isinstance(keys, str):
+        parts = tuple(keys.split("/"))  # "" gives ("",): an empty key
+    elif isinstance(keys, (tuple, list)):
+        for k in keys:
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TieError(
-                    f"{what} {tuple(ref)!r}: keys must be str or int, "
+                    f"{what} {tuple(keys)!r}: keys must be str or int, "
                     f"found {type(k).__name__} {k!r}. Fix: use the key's name or index."
                 )
-        parts = tuple(k if isinstance(k, str) else str(k) for k in ref)
+        parts = tuple(k if isinstance(k, str) else str(k) for k in keys)
     else:
         raise TieError(
-            f"{what}: expected a '/'-joined string or a tuple of keys, found "
-            f"{type(ref).__name__} {ref!r}. "
-            "Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
+            f"{what}: expected a '/'-joined string or a tuple of keys, found {type(ref).__name__} "
+            f"{ref!r}. Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
         )
-    if not parts or any(p == "" for p in parts):
+    if not parts or "" in parts:
         raise TieError(
             f"{what} {ref!r} has an empty key. Fix: name a path below the root, such as "
             "'encoder/kernel' (a tie at or to the root is not allowed)."
@@ -173,8 +171,7 @@ def format_aval(aval: Any) -> str:
         >>> format_aval(np.zeros((2, 3), np.float32)), format_aval(None)
         ('float32[2, 3]', 'static')
     """
-    if not isinstance(aval, jax.ShapeDtypeStruct):
-        aval = aval_of(aval)
+    aval = aval_of(aval)
     if aval is None:
         return "static"
     return f"{aval.dtype.name}[{', '.join(map(str, aval.shape))}]"

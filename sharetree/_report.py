@@ -6,26 +6,43 @@ and the tree's leaves; rendering (text, HTML, SVG, DOT) lives in ``_display``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._materialize import leaf_aval, transform_error
+from sharetree._materialize import leaf_aval, leaves_and_structure, transform_error
 from sharetree._paths import aval_nbytes, format_aval, path_str, plural
-from sharetree._resolve import Structure, structure_of
+from sharetree._resolve import Structure
 from sharetree._tied import Tied
 from sharetree._transforms import Transform
 
 __all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
 
 
+class _Shaped:
+    """The ``aval`` of a record with ``shape`` and ``dtype`` fields."""
+
+    shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct | None:
+        """Shape and dtype (``None`` for a leaf that is not an array)."""
+        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+
+def _shape_fields(a: jax.ShapeDtypeStruct | None) -> tuple[Any, Any, int]:
+    """``shape, dtype, nbytes`` of a record (``None, None, 0`` for a leaf that is not an array)."""
+    return (None, None, 0) if a is None else (tuple(a.shape), a.dtype, aval_nbytes(a))
+
+
 @dataclasses.dataclass(frozen=True)
-class Buffer:
+class Buffer(_Shaped):
     """A leaf stored once: its path, shape, dtype, bytes and how many views use it."""
 
     path: str
@@ -34,17 +51,12 @@ class Buffer:
     nbytes: int
     num_views: int
 
-    @property
-    def aval(self) -> jax.ShapeDtypeStruct | None:
-        """Shape and dtype (``None`` for a leaf that is not an array)."""
-        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
-
     def __repr__(self) -> str:
         return f"Buffer({self.path!r}, {format_aval(self.aval)}, views={self.num_views})"
 
 
 @dataclasses.dataclass(frozen=True)
-class View:
+class View(_Shaped):
     """A position whose value is ``transform(buffer)``; ``tie`` is the ``Tied`` that made it."""
 
     path: str
@@ -54,11 +66,6 @@ class View:
     dtype: np.dtype | None
     nbytes: int
     tie: str
-
-    @property
-    def aval(self) -> jax.ShapeDtypeStruct | None:
-        """Shape and dtype of the view (``None`` for a leaf that is not an array)."""
-        return None if self.shape is None else jax.ShapeDtypeStruct(self.shape, self.dtype)
 
     def __repr__(self) -> str:
         return (
@@ -111,11 +118,8 @@ class SharingGraph:
         out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
             aval = self._avals[view.buffer]
-            if aval is None:
-                out.append(aval)
-                continue
             try:
-                out.append(view.transform.abstract(aval))
+                out.append(None if aval is None else view.transform.abstract(aval))
             except Exception as e:
                 raise transform_error(self.structure, view, aval, e) from e
         return out
@@ -123,35 +127,19 @@ class SharingGraph:
     @functools.cached_property
     def buffers(self) -> tuple[Buffer, ...]:
         """Every buffer in flatten order."""
-        uses = [0] * self.num_unique
-        for view in self.structure.views:
-            uses[view.buffer] += 1
+        uses = collections.Counter(view.buffer for view in self.structure.views)
         return tuple(
-            Buffer(
-                path_str(p),
-                None if a is None else tuple(a.shape),
-                None if a is None else a.dtype,
-                aval_nbytes(a),
-                uses[i],
-            )
+            Buffer(path_str(p), *_shape_fields(a), uses[i])
             for i, (p, a) in enumerate(zip(self.structure.buffer_paths, self._avals))
         )
 
     @functools.cached_property
     def views(self) -> dict[str, View]:
         """Every view: materialized path -> :class:`View` (buffer path, composed transform)."""
-        paths = self.structure.buffer_paths
         out = {}
-        for view, a in zip(self.structure.views, self._view_avals):
-            out[path_str(view.path)] = View(
-                path_str(view.path),
-                path_str(paths[view.buffer]),
-                view.transform,
-                None if a is None else tuple(a.shape),
-                None if a is None else a.dtype,
-                aval_nbytes(a),
-                path_str(view.tie),
-            )
+        for v, a in zip(self.structure.views, self._view_avals):
+            path, buffer = path_str(v.path), path_str(self.structure.buffer_paths[v.buffer])
+            out[path] = View(path, buffer, v.transform, *_shape_fields(a), path_str(v.tie))
         return out
 
     @property
@@ -192,11 +180,10 @@ class SharingGraph:
         return graph_dot(self, include_unshared=include_unshared)
 
     def __repr__(self) -> str:
+        counts = f"{plural(self.num_unique, 'buffer')}, {plural(self.num_views, 'view')}"
         return (
-            f"SharingGraph({plural(self.num_unique, 'buffer')}, "
-            f"{plural(self.num_views, 'view')}; "
-            f"params {self.size_unique:,} unique / {self.size_expanded:,} expanded; "
-            f"bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
+            f"SharingGraph({counts}; params {self.size_unique:,} unique / {self.size_expanded:,} "
+            f"expanded; bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
         )
 
 
@@ -223,5 +210,5 @@ def canonicalize(tree: Any) -> SharingGraph:
         >>> [b.path for b in g.buffers], list(g.views)
         (['x', 'y'], ['z'])
     """
-    leaves, treedef = jtu.tree_flatten(tree)
-    return SharingGraph(structure_of(treedef), leaves)
+    leaves, structure = leaves_and_structure(tree)
+    return SharingGraph(structure, leaves)

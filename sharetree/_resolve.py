@@ -69,45 +69,21 @@ class Structure:
     expanded: tuple[Leaf, ...]
 
     @functools.cached_property
-    def sources(self) -> tuple[int, ...]:
-        """The buffer index of each materialized leaf."""
-        return tuple(leaf.buffer for leaf in self.expanded)
-
-    @functools.cached_property
     def views(self) -> tuple[ViewLeaf, ...]:
         """The materialized leaves that are views (``transform`` is not ``None``)."""
-        out = []
-        for leaf in self.expanded:
-            if leaf.transform is not None:
-                assert leaf.tie is not None  # set by the resolver on every view
-                out.append(ViewLeaf(leaf.buffer, leaf.transform, leaf.path, leaf.tie))
-        return tuple(out)
-
-
-class _Slot:
-    """Placeholder for canonical leaf ``i`` while resolving a structure (a pytree leaf)."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int) -> None:
-        self.i = i
+        return tuple(ViewLeaf._make(leaf) for leaf in self.expanded if leaf.transform is not None)
 
 
 class _Ref:
-    """Placeholder for ``transform(canonical leaf i)`` in a view made by the ``Tied`` at ``via``."""
+    """``transform(canonical leaf i)``, in a view made by the ``Tied`` at ``via`` (a pytree leaf).
+
+    The placeholder tree holds one ``_Ref(i, identity)`` per canonical leaf (``via`` is ``None``).
+    """
 
     __slots__ = ("i", "transform", "via")
 
     def __init__(self, i: int, transform: Transform, via: Path | None = None) -> None:
         self.i, self.transform, self.via = i, transform, via
-
-
-class _Target(NamedTuple):
-    """Where a ref lands after following views: a leaf, a ``Tied`` or a subtree."""
-
-    kind: str  # "leaf" | "tied" | "node"
-    path: Path
-    transform: Transform  # applied to the value found at ``path``
 
 
 def _compose(template: Any, t: Transform) -> Any:
@@ -129,30 +105,30 @@ def _cycle_error(cycle: list[Path]) -> TieError:
 class _Resolver:
     def __init__(self, placeholder: Any) -> None:
         self.placeholder = placeholder
-        flat, _ = jtu.tree_flatten_with_path(placeholder, is_leaf=is_tied)
-        self.order: list[Path] = []
-        self.slot_of: dict[Path, int] = {}
         self.tied_at: dict[Path, Tied] = {}
-        for kp, x in flat:
+        # the templates: canonical leaves (``_Ref``) by path, then each resolved ``Tied``
+        self.memo: dict[Path, Any] = {}
+        for kp, x in jtu.tree_flatten_with_path(placeholder, is_leaf=is_tied)[0]:
             path = keypath_to_path(kp)
-            if path in self.slot_of or path in self.tied_at:
+            if path in self.memo or path in self.tied_at:
                 raise TieError(
                     f"two positions share the path {path_str(path)!r} (keys that differ only in "
                     "type, such as 0 and '0'). Fix: rename one key so that paths are unambiguous."
                 )
-            self.order.append(path)
             if isinstance(x, Tied):
                 self.tied_at[path] = x
             else:
-                self.slot_of[path] = x.i
-        self.nodes = node_paths(self.order)
-        self.memo: dict[Path, Any] = {}
-        self.targets: dict[Path, _Target] = {}
+                self.memo[path] = x
+        self.buffer_paths = tuple(self.memo)
+        self.nodes = node_paths([*self.memo, *self.tied_at])
+        self.targets: dict[Path, tuple[Path, Transform]] = {}
 
-    # -- where a ref lands -------------------------------------------------
+    def target(self, at: Path) -> tuple[Path, Transform]:
+        """Follow the ref of the ``Tied`` at ``at`` through any views it passes (iteratively).
 
-    def target(self, at: Path) -> _Target:
-        """Follow the ref of the ``Tied`` at ``at`` through any views it passes (iteratively)."""
+        Returns the node it lands on (a leaf, a ``Tied`` or a subtree) and the
+        transform to apply to the value found there.
+        """
         if at in self.targets:
             return self.targets[at]
         t = self.tied_at[at]
@@ -168,80 +144,60 @@ class _Resolver:
                 "be its own buffer. Fix: refer to a path outside it that holds the array."
             )
         ref, post, seen = t.ref, [t.transform], [at]
-        while True:
-            if ref in self.slot_of:
-                kind = "leaf"
-            elif ref in self.tied_at:
-                kind = "tied"
-            elif ref in self.nodes:
-                kind = "node"
-            else:
-                prefix = next(
-                    (
-                        ref[:k]
-                        for k in range(len(ref) - 1, 0, -1)
-                        if ref[:k] in self.nodes
-                        or ref[:k] in self.slot_of
-                        or ref[:k] in self.tied_at
-                    ),
-                    None,
-                )
-                if prefix is not None and prefix in self.tied_at:
-                    # a path through a view: look it up in that view's buffer
-                    if prefix in seen:
-                        raise _cycle_error([*seen[seen.index(prefix) :], prefix])
-                    seen.append(prefix)
-                    inner = self.tied_at[prefix]
-                    post.append(inner.transform)
-                    ref = inner.ref + ref[len(prefix) :]
-                    continue
+        while ref not in self.nodes:
+            prefix = next(
+                (ref[:k] for k in range(len(ref) - 1, 0, -1) if ref[:k] in self.nodes), None
+            )
+            if prefix is None or prefix not in self.tied_at:
                 raise self._missing(at, t, ref, prefix)
-            break
+            # a path through a view: look it up in that view's buffer
+            if prefix in seen:
+                raise _cycle_error([*seen[seen.index(prefix) :], prefix])
+            seen.append(prefix)
+            inner = self.tied_at[prefix]
+            post.append(inner.transform)
+            ref = inner.ref + ref[len(prefix) :]
         # ``post`` lists transforms outermost first: the value is post[0](post[1](...(x)))
-        target = _Target(kind, ref, chain(*reversed(post)))
-        self.targets[at] = target
-        return target
+        self.targets[at] = (ref, chain(*reversed(post)))
+        return self.targets[at]
 
     def _missing(self, at: Path, t: Tied, ref: Path, prefix: Path | None) -> TieError:
-        written = f"ref {path_str(t.ref)!r}"
+        head = f"Tied at {path_str(at)!r}: ref {path_str(t.ref)!r}"
         if ref != t.ref:
-            written += f" (followed through views to {path_str(ref)!r})"
-        if prefix is not None and prefix in self.slot_of:
+            head += f" (followed through views to {path_str(ref)!r})"
+        if prefix in self.buffer_paths:
             return TieError(
-                f"Tied at {path_str(at)!r}: {written} goes below the leaf "
-                f"{path_str(prefix)!r}, which has no children. Fix: refer to "
-                f"{path_str(prefix)!r} itself and select with a transform (st.fn)."
+                f"{head} goes below the leaf {path_str(prefix)!r}, which has no children. "
+                f"Fix: refer to {path_str(prefix)!r} itself and select with a transform (st.fn)."
             )
         empty = [x for x in _nodes_at(self.placeholder, ref) if not jtu.tree_leaves(x)]
         if empty:
             return TieError(
-                f"Tied at {path_str(at)!r}: {written} is {empty[0]!r}, a subtree "
-                "with no leaves: there is no value to share. Fix: point the ref at a leaf or "
-                "a subtree that holds arrays."
+                f"{head} is {empty[0]!r}, a subtree with no leaves: there is no value to share. "
+                "Fix: point the ref at a leaf or a subtree that holds arrays."
             )
-        candidates = [path_str(p) for p in self.nodes if p != at]
+        hint = closest(path_str(ref), (path_str(p) for p in self.nodes if p != at))
         return TieError(
-            f"Tied at {path_str(at)!r}: {written} does not exist in the tree; "
-            f"{closest(path_str(ref), candidates)}. Fix: point the ref at an existing "
-            "leaf or subtree (paths are '/'-joined dict keys, indices and attribute names)."
+            f"{head} does not exist in the tree; {hint}. Fix: point the ref at an existing leaf "
+            "or subtree (paths are '/'-joined dict keys, indices and attribute names)."
         )
 
     # -- resolving, depth first with an explicit stack ---------------------
 
     def deps(self, at: Path) -> list[Path]:
         """The ``Tied`` positions whose resolution the ``Tied`` at ``at`` needs first."""
-        target = self.target(at)
-        if target.kind == "tied":
-            return [target.path]
-        if target.kind == "node":
-            n = len(target.path)
-            return [p for p in self.tied_at if p[:n] == target.path]
-        return []
+        path = self.target(at)[0]
+        if path in self.memo or path in self.tied_at:  # a leaf (always in memo) or a Tied
+            return [path]
+        return [p for p in self.tied_at if p[: len(path)] == path]
 
-    def resolve(self, start: Path) -> Any:
-        """The template (a ``_Ref`` or a subtree of them) of the ``Tied`` at ``start``."""
+    def resolve(self, start: Path) -> None:
+        """Put the template of the ``Tied`` at ``start`` (a ``_Ref`` or a subtree of them) in memo.
+
+        Every ``Tied`` it needs is resolved first.
+        """
         if start in self.memo:
-            return self.memo[start]
+            return
         stack: list[tuple[Path, Any]] = [(start, iter(self.deps(start)))]
         on_stack = {start: 0}
         while stack:
@@ -256,28 +212,22 @@ class _Resolver:
             stack.pop()
             del on_stack[at]
             self.memo[at] = self.build(at)
-        return self.memo[start]
 
     def build(self, at: Path) -> Any:
-        target = self.target(at)
-        if target.kind == "leaf":
-            return _Ref(self.slot_of[target.path], target.transform)
-        if target.kind == "tied":
-            return _compose(self.memo[target.path], target.transform)
-        found = _nodes_at(self.placeholder, target.path)
+        path, t = self.target(at)
+        if path in self.memo:  # a leaf or a resolved Tied
+            return _compose(self.memo[path], t)
+        found = _nodes_at(self.placeholder, path)
         if len(found) != 1:
             raise TieError(
-                f"path {path_str(target.path)!r} is ambiguous: {len(found)} nodes have that "
+                f"path {path_str(path)!r} is ambiguous: {len(found)} nodes have that "
                 "name. Fix: rename one of the keys so that every path names one node."
             )
-        n = target.path
 
         def visit(kp: Any, x: Any) -> Any:
-            if isinstance(x, Tied):
-                return self.memo[n + keypath_to_path(kp)]
-            return _Ref(x.i, identity)
+            return self.memo[path + keypath_to_path(kp)] if isinstance(x, Tied) else x
 
-        return _compose(jtu.tree_map_with_path(visit, found[0], is_leaf=is_tied), target.transform)
+        return _compose(jtu.tree_map_with_path(visit, found[0], is_leaf=is_tied), t)
 
 
 def _nodes_at(tree: Any, path: Path) -> list[Any]:
@@ -305,20 +255,15 @@ def structure_of(treedef: Any) -> Structure:
         >>> s.buffer_paths, s.views
         ((('a',),), (ViewLeaf(buffer=0, transform=T, path=('b',), tie=('b',)),))
     """
-    n = treedef.num_leaves
-    placeholder = jtu.tree_unflatten(treedef, [_Slot(i) for i in range(n)])
+    placeholder = jtu.tree_unflatten(
+        treedef, [_Ref(i, identity) for i in range(treedef.num_leaves)]
+    )
     if isinstance(placeholder, Tied):
         raise TieError(
             f"the root of the tree is {placeholder!r}: a tie must sit inside a tree, "
             "next to the buffer it refers to. Fix: call materialize on the enclosing tree."
         )
     res = _Resolver(placeholder)
-    buffer_paths: list[Path] = [()] * n
-    for path, i in res.slot_of.items():
-        buffer_paths[i] = path
-    if not res.tied_at:
-        leaves = tuple(Leaf(i, None, buffer_paths[i], None) for i in range(n))
-        return Structure(treedef, tuple(buffer_paths), {}, treedef, leaves)
     for at in res.tied_at:
         res.resolve(at)
 
@@ -331,8 +276,8 @@ def structure_of(treedef: Any) -> Structure:
 
     expanded = jtu.tree_map_with_path(expand, placeholder, is_leaf=is_tied)
     flat, expanded_treedef = jtu.tree_flatten_with_path(expanded)
-    spec = [
-        Leaf(x.i, None, path, None) if isinstance(x, _Slot) else Leaf(x.i, x.transform, path, x.via)
-        for path, x in ((keypath_to_path(kp), x) for kp, x in flat)
-    ]
-    return Structure(treedef, tuple(buffer_paths), dict(res.tied_at), expanded_treedef, tuple(spec))
+    spec = tuple(
+        Leaf(x.i, None if x.via is None else x.transform, keypath_to_path(kp), x.via)
+        for kp, x in flat
+    )
+    return Structure(treedef, res.buffer_paths, res.tied_at, expanded_treedef, spec)

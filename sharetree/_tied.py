@@ -70,9 +70,7 @@ class Tied:
 
     def __repr__(self) -> str:
         ref = repr(path_str(self.ref)) if not any("/" in k for k in self.ref) else repr(self.ref)
-        if self.transform == identity:
-            return f"Tied({ref})"
-        return f"Tied({ref}, {self.transform!r})"
+        return f"Tied({ref})" if self.transform == identity else f"Tied({ref}, {self.transform!r})"
 
 
 def is_tied(x: Any) -> bool:
@@ -84,9 +82,6 @@ def _is_path(ref: Any) -> bool:
     return isinstance(ref, tuple) and bool(ref) and all(isinstance(k, str) and k for k in ref)
 
 
-jax.tree_util.register_pytree_with_keys(
-    Tied,
-    lambda t: ((), (t.ref, t.transform)),
-    lambda aux, children: Tied(*aux),
-    flatten_func=lambda t: ((), (t.ref, t.transform)),
+jax.tree_util.register_pytree_node(
+    Tied, lambda t: ((), (t.ref, t.transform)), lambda aux, children: Tied(*aux)
 )
