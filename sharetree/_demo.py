@@ -153,8 +153,7 @@ def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
     total = 0.0
     for w in windows:
         logits = _window_logits(cfg, params, w[:-1])
-        logits -= logits.max(-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
         total += -logp[np.arange(len(w) - 1), w[1:]].mean()
     return total / len(windows)
 
@@ -233,11 +232,10 @@ def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) ->
 
     initial_eval = evaluate(params, eval_windows, cfg)
     t0 = time.perf_counter()
-    with tqdm(total=steps, desc="training", unit="step", file=sys.stderr, disable=quiet) as bar:
-        for i in range(steps):
-            params, opt_state, loss = step(params, opt_state, np.int32(i))
-            bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
-            bar.update(1)
+    bar = tqdm(range(steps), desc="training", unit="step", file=sys.stderr, disable=quiet)
+    for i in bar:
+        params, opt_state, loss = step(params, opt_state, np.int32(i))
+        bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
     seconds = time.perf_counter() - t0
     final_eval = evaluate(params, eval_windows, cfg)
     print(

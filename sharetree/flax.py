@@ -65,14 +65,13 @@ def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
     """Partition names of ``t(x)`` for an ``x`` with ``names``; ``None`` if ``t`` mixes axes."""
     out = tuple(names)
     for part in t.parts if isinstance(t, _Chain) else (t,):
-        if part.spec_name in ("identity", "astype", "scale"):
-            continue
-        if not isinstance(part, _Transpose):
+        if isinstance(part, _Transpose):
+            axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
+            if len(axes) != len(out):
+                return None
+            out = tuple(out[a] for a in axes)
+        elif part.spec_name not in ("identity", "astype", "scale"):
             return None  # reshape, fn: no axis of the view is an axis of the buffer
-        axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
-        if len(axes) != len(out):
-            return None
-        out = tuple(out[a] for a in axes)
     return out
 
 
@@ -236,8 +235,7 @@ class TiedModule:
         Returns:
             The variables; ``variables["params"]`` is a canonical tree.
         """
-        variables = self.module.init(rngs, *args, **kwargs)
-        return self._tie_variables(variables, "init")
+        return self._tie_variables(self.module.init(rngs, *args, **kwargs), "init")
 
     def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """``module.init_with_output``, with the ``"params"`` collection tied."""

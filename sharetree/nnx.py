@@ -184,11 +184,11 @@ def split(
             (owner,) = owners
             alias_entries += [(owner_state[owner], r, owner) for r in raws if r != owner]
     alias_entries.sort(key=lambda e: _str_path(e[1]))
-    aliases = {_str_path(a): (i, _str_path(o)) for i, a, o in alias_entries}
+    graph_aliases = tuple((i, _str_path(a), _str_path(o)) for i, a, o in alias_entries)
+    aliases = {a: (i, o) for i, a, o in graph_aliases}
 
     # Where each Variable lives: str path -> state index (owners and aliases).
-    where: dict[Path, int] = {_str_path(r): i for r, i in owner_state.items()}
-    where.update({a: i for a, (i, _) in aliases.items()})
+    where = {_str_path(r): i for r, i in owner_state.items()} | {a: i for i, a, _ in graph_aliases}
     nodes = node_paths(where)
 
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
@@ -238,8 +238,7 @@ def split(
             except TieError as e:
                 raise TieError(f"sharetree.nnx.split: {e}") from None
         out.append(state)
-    aliases_out = tuple((i, _str_path(a), _str_path(o)) for i, a, o in alias_entries)
-    return (GraphDef(graphdef, aliases_out, len(states)), *out)
+    return (GraphDef(graphdef, graph_aliases, len(states)), *out)
 
 
 def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
