@@ -29,24 +29,20 @@ class _Parser(argparse.ArgumentParser):
         """Print ``message`` on one line of stderr and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
+    def add_count(self, flag: str, metavar: str, minimum: int, default: int, what: str) -> None:
+        """Add the option ``flag``: an integer of at least ``minimum`` (``what`` is its help)."""
 
-def _add_count(
-    parser: argparse.ArgumentParser, flag: str, metavar: str, minimum: int, default: int, what: str
-) -> None:
-    """Add the option ``flag``: an integer of at least ``minimum`` (``what`` is its help)."""
+        def parse(text: str) -> int:
+            try:
+                n = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            if n < minimum:
+                raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+            return n
 
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
-        return n
-
-    parser.add_argument(
-        flag, type=parse, default=default, metavar=metavar, help=f"{what} (default {default})"
-    )
+        doc = f"{what} (default {default})"
+        self.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
 
 
 def _parser() -> _Parser:
@@ -63,10 +59,10 @@ def _parser() -> _Parser:
         "second block is Tied('block_0'). Prints the sharing summary and generated text; "
         "--out saves a checkpoint.",
     )
-    _add_count(demo, "--steps", "N", 1, 500, "training steps")
+    demo.add_count("--steps", "N", 1, 500, "training steps")
     demo.add_argument("--out", metavar="FILE", help="save the trained tree (.safetensors)")
-    _add_count(demo, "--seed", "S", 0, 0, "random seed")
-    _add_count(demo, "--sample", "N", 0, 200, "characters to generate after training")
+    demo.add_count("--seed", "S", 0, 0, "random seed")
+    demo.add_count("--sample", "N", 0, 200, "characters to generate after training")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=functools.partial(_demo, demo))  # its errors name the command
     inspect = sub.add_parser(
@@ -76,7 +72,7 @@ def _parser() -> _Parser:
         "bytes) of a checkpoint written by sharetree.save. Runs no code from the file.",
     )
     inspect.add_argument("file", metavar="FILE", help="the checkpoint (.safetensors)")
-    _add_count(inspect, "--max-rows", "N", 1, 50, "rows per table before cutting")
+    inspect.add_count("--max-rows", "N", 1, 50, "rows per table before cutting")
     inspect.set_defaults(run=functools.partial(_inspect, inspect))
     return parser
 
