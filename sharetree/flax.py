@@ -311,10 +311,7 @@ class TiedModule:
         if kwargs.get("mutable", False) is False or COLLECTION not in result[1]:
             return result  # (linen returns (out, updated) exactly when mutable is not False)
         out, updated = result
-        params = self._recanonicalize(canonical, materialized[COLLECTION], updated[COLLECTION])
-        return out, _with_params(updated, params)
-
-    def _recanonicalize(self, canonical: Any, passed: Any, returned: Any) -> Any:
+        passed, returned = materialized[COLLECTION], updated[COLLECTION]
         structure = structure_of(jtu.tree_structure(canonical))
         before = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(passed)[0]}
         after = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(returned)[0]}
@@ -326,7 +323,7 @@ class TiedModule:
                     f"{path_str(via)!r}) of buffer {path_str(structure.buffer_paths[i])!r}; the "
                     "write would be lost. Fix: write the buffer instead, or untie that parameter."
                 )
-        return tie(returned, structure.ties, check=False)
+        return out, _with_params(updated, tie(returned, structure.ties, check=False))
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names that are not fields or methods of TiedModule.
