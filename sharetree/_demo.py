@@ -126,15 +126,13 @@ def loss_fn(model: TiedModule, params: Any, tokens: jax.Array) -> jax.Array:
     ``tokens`` is ``(batch, window + 1)``: the model reads the first ``window``
     characters of each row and is scored on the next one at every position.
     """
-    logits = model.apply({"params": params}, tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits)
+    logp = jax.nn.log_softmax(model.apply({"params": params}, tokens[:, :-1]))
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _logits(cfg: Config, params: Any, tokens: jax.Array) -> jax.Array:
-    vocab_size = params["embed"]["embedding"].shape[0]
-    return make_model(vocab_size, cfg).apply({"params": params}, tokens)
+    return make_model(params["embed"]["embedding"].shape[0], cfg).apply({"params": params}, tokens)
 
 
 def _window_logits(cfg: Config, params: Any, ids: np.ndarray | list[int]) -> np.ndarray:
@@ -152,9 +150,8 @@ def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
     """Mean next-character cross-entropy on ``windows`` of ``cfg.context + 1`` ids."""
     total = 0.0
     for w in windows:
-        logits = _window_logits(cfg, params, w[:-1])
-        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-        total += -logp[np.arange(len(w) - 1), w[1:]].mean()
+        logits = _window_logits(cfg, params, w[:-1])  # log-probabilities: minus logsumexp
+        total -= (logits[np.arange(len(w) - 1), w[1:]] - np.logaddexp.reduce(logits, -1)).mean()
     return total / len(windows)
 
 
@@ -219,11 +216,10 @@ def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) ->
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
     opt_state = opt.init(params)
-    base_key = jax.random.key(seed)
 
     @jax.jit
     def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
-        key = jax.random.fold_in(base_key, i)
+        key = jax.random.fold_in(jax.random.key(seed), i)
         idx = jax.random.randint(key, (cfg.batch,), 0, train_data.shape[0] - window)
         tokens = jax.vmap(lambda j: jax.lax.dynamic_slice(train_data, (j,), (window,)))(idx)
         loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, params, tokens)

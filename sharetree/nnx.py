@@ -125,12 +125,7 @@ def _strip_value(path: Path, variables: Mapping[Path, Any]) -> Path:
     return path
 
 
-def split(
-    model: Any,
-    ties: TieMap | None = None,
-    *filters: Any,
-    check: bool = True,
-) -> Any:
+def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = True) -> Any:
     """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
 
     Args:
@@ -196,11 +191,10 @@ def split(
         path = _strip_value(to_path(target, "tie target"), where)
         t = ref if isinstance(ref, Tied) else Tied(ref)
         t = Tied(_strip_value(t.ref, where), t.transform)
-        checks = (
+        for p, what in (
             (path, f"tie target {path_str(path)!r}"),
             (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
-        )
-        for p, what in checks:
+        ):
             if p not in nodes:
                 raise TieError(
                     f"sharetree.nnx.split: {what} does not exist in the NNX state; "
