@@ -115,9 +115,8 @@ def init_params(seed: int, vocab_size: int, cfg: Config) -> dict[str, Any]:
         >>> st.materialize(p)["head"]["kernel"].shape
         (8, 10)
     """
-    tokens = jnp.zeros((1, cfg.context), jnp.int32)
     init = jax.jit(make_model(vocab_size, cfg).init)  # one compilation, not one per op
-    return init(jax.random.key(seed), tokens)["params"]
+    return init(jax.random.key(seed), jnp.zeros((1, cfg.context), jnp.int32))["params"]
 
 
 def loss_fn(model: TiedModule, params: Any, tokens: jax.Array) -> jax.Array:

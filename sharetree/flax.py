@@ -129,8 +129,9 @@ def _with_params(variables: Any, params: Any) -> Any:
     return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
 
-def _rebox(canonical: Any, materialized: Any, where: str) -> Any:
-    """Give each partition box that a view copied from its buffer the view's own names."""
+def _materialized(canonical: Any, where: str) -> Any:
+    """Materialize ``canonical``; each box a view copied from its buffer gets the view's names."""
+    materialized = materialize(canonical)
     structure = structure_of(jtu.tree_structure(canonical))
     own = _boxes(canonical)  # boxes that hold a Tied value keep their own names
     copied = _boxes(materialized)
@@ -288,9 +289,8 @@ class TiedModule:
         """
         if COLLECTION not in variables:
             return variables
-        canonical = variables[COLLECTION]
         where = self._where("materialize")
-        return _with_params(variables, _rebox(canonical, materialize(canonical), where))
+        return _with_params(variables, _materialized(variables[COLLECTION], where))
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """Materialize ``variables["params"]`` and call ``module.apply``.
@@ -305,14 +305,13 @@ class TiedModule:
         """
         if COLLECTION not in variables:
             return self.module.apply(variables, *args, **kwargs)
-        canonical = variables[COLLECTION]
         materialized = self.materialize(variables)
         result = self.module.apply(materialized, *args, **kwargs)
         if kwargs.get("mutable", False) is False or COLLECTION not in result[1]:
             return result  # (linen returns (out, updated) exactly when mutable is not False)
         out, updated = result
         passed, returned = materialized[COLLECTION], updated[COLLECTION]
-        structure = structure_of(jtu.tree_structure(canonical))
+        structure = structure_of(jtu.tree_structure(variables[COLLECTION]))
         before = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(passed)[0]}
         after = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(returned)[0]}
         for i, _, path, via in structure.views:
