@@ -120,9 +120,8 @@ def _flat(state: Any) -> list[tuple[RawPath, Any]]:
 
 
 def _strip_value(path: Path, variables: Mapping[Path, Any]) -> Path:
-    if len(path) > 1 and path[-1] == "value" and path[:-1] in variables:
-        return path[:-1]
-    return path
+    """``path`` without a last ``"value"`` key after a Variable's path (``"dec/kernel/value"``)."""
+    return path[:-1] if len(path) > 1 and path[-1] == "value" and path[:-1] in variables else path
 
 
 def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = True) -> Any:
