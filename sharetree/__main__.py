@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
@@ -29,18 +29,20 @@ class _Parser(argparse.ArgumentParser):
         """Print ``message`` on one line of stderr and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
+    def add_count(self, flag: str, metavar: str, minimum: int, default: int, what: str) -> None:
+        """Add the option ``flag``: an integer of at least ``minimum`` (``what`` is its help)."""
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
-        return n
+        def parse(text: str) -> int:
+            try:
+                n = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            if n < minimum:
+                raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+            return n
 
-    return parse
+        doc = f"{what} (default {default})"
+        self.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
 
 
 def _parser() -> _Parser:
@@ -57,20 +59,10 @@ def _parser() -> _Parser:
         "second block is Tied('block_0'). Prints the sharing summary and generated text; "
         "--out saves a checkpoint.",
     )
-    demo.add_argument(
-        "--steps", type=_at_least(1), default=500, metavar="N", help="training steps (default 500)"
-    )
+    demo.add_count("--steps", "N", 1, 500, "training steps")
     demo.add_argument("--out", metavar="FILE", help="save the trained tree (.safetensors)")
-    demo.add_argument(
-        "--seed", type=_at_least(0), default=0, metavar="S", help="random seed (default 0)"
-    )
-    demo.add_argument(
-        "--sample",
-        type=_at_least(0),
-        default=200,
-        metavar="N",
-        help="characters to generate after training (default 200)",
-    )
+    demo.add_count("--seed", "S", 0, 0, "random seed")
+    demo.add_count("--sample", "N", 0, 200, "characters to generate after training")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=functools.partial(_demo, demo))  # its errors name the command
     inspect = sub.add_parser(
@@ -80,13 +72,7 @@ def _parser() -> _Parser:
         "bytes) of a checkpoint written by sharetree.save. Runs no code from the file.",
     )
     inspect.add_argument("file", metavar="FILE", help="the checkpoint (.safetensors)")
-    inspect.add_argument(
-        "--max-rows",
-        type=_at_least(1),
-        default=50,
-        metavar="N",
-        help="rows per table before cutting (default 50)",
-    )
+    inspect.add_count("--max-rows", "N", 1, 50, "rows per table before cutting")
     inspect.set_defaults(run=functools.partial(_inspect, inspect))
     return parser
 
@@ -104,14 +90,13 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--out {out!r}: the directory {parent!r} does not exist")
         if not os.access(parent, os.W_OK):
             parser.error(f"--out {out!r}: the directory {parent!r} is not writable")
-    import sharetree as st
-    from sharetree import _demo
+    from sharetree import _demo, save
     from sharetree._display import format_bytes
 
-    result = _demo.run(args.steps, seed=args.seed, sample=args.sample, quiet=args.quiet)
+    params = _demo.run(args.steps, seed=args.seed, sample=args.sample, quiet=args.quiet)
     if out is not None:
         try:
-            st.save(out, result.params)
+            save(out, params)
         except OSError as e:
             parser.error(f"cannot write {out!r}: {e}")
         print()
@@ -119,15 +104,9 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(f"            see it with: python -m sharetree inspect {out}")
 
 
-def _inspect_text(path: str, max_rows: int) -> str:
-    """What ``inspect`` prints: the file's size and sharing graph, read without running its code."""
-    from sharetree._io import describe
-
-    return describe(path, max_rows=max_rows)
-
-
 def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from sharetree import TieError
+    from sharetree._io import describe  # size and sharing graph, running none of the file's code
 
     path = args.file
     if not os.path.exists(path):
@@ -137,7 +116,7 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            text = _inspect_text(path, args.max_rows)
+            text = describe(path, max_rows=args.max_rows)
         except (TieError, OSError) as e:
             parser.error(f"cannot read {path!r}: {e}")
     for w in caught:

@@ -19,7 +19,7 @@ import functools
 import importlib.resources
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -31,22 +31,11 @@ from sharetree._display import format_bytes, saved_percent
 from sharetree._lm import HEAD_TIE, TinyLM, block_ties
 from sharetree.flax import TiedModule, tied
 
-__all__ = [
-    "Config",
-    "Vocab",
-    "load_corpus",
-    "make_model",
-    "init_params",
-    "loss_fn",
-    "evaluate",
-    "train",
-    "generate",
-    "TrainResult",
-    "run",
-]
-
 PROMPT = "The well "
 """What the demo's sample starts with."""
+
+TEMPERATURE = 0.8
+"""Sampling temperature of the demo's sample."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +115,8 @@ def init_params(seed: int, vocab_size: int, cfg: Config) -> dict[str, Any]:
         >>> st.materialize(p)["head"]["kernel"].shape
         (8, 10)
     """
-    tokens = jnp.zeros((1, cfg.context), jnp.int32)
     init = jax.jit(make_model(vocab_size, cfg).init)  # one compilation, not one per op
-    return init(jax.random.key(seed), tokens)["params"]
+    return init(jax.random.key(seed), jnp.zeros((1, cfg.context), jnp.int32))["params"]
 
 
 def loss_fn(model: TiedModule, params: Any, tokens: jax.Array) -> jax.Array:
@@ -137,94 +125,85 @@ def loss_fn(model: TiedModule, params: Any, tokens: jax.Array) -> jax.Array:
     ``tokens`` is ``(batch, window + 1)``: the model reads the first ``window``
     characters of each row and is scored on the next one at every position.
     """
-    logits = model.apply({"params": params}, tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits)
+    logp = jax.nn.log_softmax(model.apply({"params": params}, tokens[:, :-1]))
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _logits(cfg: Config, params: Any, tokens: jax.Array) -> jax.Array:
-    vocab_size = params["embed"]["embedding"].shape[0]
-    return make_model(vocab_size, cfg).apply({"params": params}, tokens)
+    return make_model(params["embed"]["embedding"].shape[0], cfg).apply({"params": params}, tokens)
+
+
+def _window_logits(cfg: Config, params: Any, ids: np.ndarray | list[int]) -> np.ndarray:
+    """Float64 logits ``(context, vocab)`` of one window of ``ids``, zero-padded to ``context``.
+
+    Causal: the logits up to the last id ignore the padding. Evaluation and
+    :func:`generate` share this one compiled forward pass of shape ``(1, context)``.
+    """
+    window = np.zeros((1, cfg.context), np.int32)
+    window[0, : len(ids)] = ids
+    return np.asarray(_logits(cfg, params, jnp.asarray(window)), np.float64)[0]
 
 
 def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
-    """Mean next-character cross-entropy on ``windows`` of ``cfg.context + 1`` ids.
-
-    One window at a time, so that evaluation and :func:`generate` share one
-    compiled forward pass of shape ``(1, context)``.
-    """
+    """Mean next-character cross-entropy on ``windows`` of ``cfg.context + 1`` ids."""
     total = 0.0
     for w in windows:
-        logits = np.asarray(_logits(cfg, params, jnp.asarray(w[None, :-1])), np.float64)[0]
-        logits -= logits.max(-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        total += -logp[np.arange(len(w) - 1), w[1:]].mean()
+        logits = _window_logits(cfg, params, w[:-1])  # log-probabilities: minus logsumexp
+        total -= (logits[np.arange(len(w) - 1), w[1:]] - np.logaddexp.reduce(logits, -1)).mean()
     return total / len(windows)
 
 
-@dataclasses.dataclass
-class TrainResult:
-    """What :func:`train` returns.
+def generate(params: Any, vocab: Vocab, cfg: Config, prompt: str, length: int, seed: int) -> str:
+    """Sample ``length`` characters after ``prompt`` at ``TEMPERATURE`` (prompt not repeated).
 
-    Attributes:
-        params: the trained canonical tree (``Tied`` nodes in place).
-        vocab: the character vocabulary.
-        cfg: the configuration used.
-        losses: the training loss at every step.
-        initial_eval: loss on a fixed held-out batch before training.
-        final_eval: the same after training.
-        seconds: wall time of the training loop (compilation included).
-        opt_state_size: number of floats in the optimizer state.
+    Example:
+        >>> from sharetree._demo import Config, Vocab, generate, init_params
+        >>> cfg = Config(context=8, d_model=8, heads=2)
+        >>> vocab = Vocab("abc ")
+        >>> out = generate(init_params(0, len(vocab), cfg), vocab, cfg, "ab", 5, seed=0)
+        >>> len(out), set(out) <= set("abc ")
+        (5, True)
     """
+    rng = np.random.default_rng(seed)
+    ids = list(vocab.encode(prompt)) or [0]
+    out: list[int] = []
+    for _ in range(length):
+        context = (ids + out)[-cfg.context :]
+        z = _window_logits(cfg, params, context)[len(context) - 1] / TEMPERATURE
+        p = np.exp(z - z.max())
+        out.append(int(rng.choice(len(p), p=p / p.sum())))
+    return vocab.decode(out)
 
-    params: Any
-    vocab: Vocab
-    cfg: Config
-    losses: list[float]
-    initial_eval: float
-    final_eval: float
-    seconds: float
-    opt_state_size: int
 
+def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) -> Any:
+    """Train the demo model with optax Adam on the canonical tree; print what sharing saved.
 
-def train(
-    steps: int,
-    *,
-    seed: int = 0,
-    cfg: Config | None = None,
-    text: str | None = None,
-    progress: Callable[[int, float], None] | None = None,
-) -> TrainResult:
-    """Train the demo model with optax Adam on the canonical tree.
+    A tqdm progress bar on stderr; on stdout the held-out loss before and
+    after (the last 10% of the corpus is held out), the sharing summary, the
+    parameter and optimizer-state counts, and a sample.
 
     Args:
         steps: optimisation steps.
-        seed: seed of the initialisation and of the batches.
-        cfg: hyperparameters (``Config()`` by default).
-        text: the corpus (the shipped one by default). The last 10% is held
-            out for ``initial_eval`` / ``final_eval``.
-        progress: called after each step with ``(step, loss)``.
+        seed: seed of the initialisation, the batches and the sample.
+        sample: characters to generate after training (0: none).
+        quiet: no progress bar.
 
     Returns:
-        A :class:`TrainResult`.
-
-    Raises:
-        ValueError: a corpus too short for the held-out split and one window.
+        The trained canonical tree (``Tied`` nodes in place): what ``--out`` saves.
     """
     import optax
+    from tqdm import tqdm
 
-    cfg = cfg or Config()
-    text = load_corpus() if text is None else text
+    cfg, text = Config(), load_corpus()
+    print("sharetree demo: a character-level transformer language model with tied weights")
+    print(f"  corpus   {len(text):,} characters of sharetree/data/corpus.txt")
+    print("  ties     head/kernel = Tied('embed/embedding', T)   output layer = embedding.T")
+    print("           block_1     = Tied('block_0')              one block applied twice")
+    sys.stdout.flush()  # before the bar starts on stderr
     vocab = Vocab(text)
     data = vocab.encode(text)
-    window = cfg.context + 1
-    split = int(len(data) * 0.9)
-    if split - window < 1 or len(data) - split < window:
-        raise ValueError(
-            f"the corpus has {len(data)} characters; it needs at least "
-            f"{10 * (window + 1)} for windows of {window}"
-        )
+    window, split = cfg.context + 1, int(len(data) * 0.9)
     train_data, held_out = jnp.asarray(data[:split]), data[split:]
     starts = np.linspace(0, len(held_out) - window, num=16).astype(int)
     eval_windows = np.stack([held_out[s : s + window] for s in starts])
@@ -236,11 +215,10 @@ def train(
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
     opt_state = opt.init(params)
-    base_key = jax.random.key(seed)
 
     @jax.jit
     def step(params: Any, opt_state: Any, i: jax.Array) -> tuple[Any, Any, jax.Array]:
-        key = jax.random.fold_in(base_key, i)
+        key = jax.random.fold_in(jax.random.key(seed), i)
         idx = jax.random.randint(key, (cfg.batch,), 0, train_data.shape[0] - window)
         tokens = jax.vmap(lambda j: jax.lax.dynamic_slice(train_data, (j,), (window,)))(idx)
         loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, params, tokens)
@@ -248,104 +226,32 @@ def train(
         return optax.apply_updates(params, updates), opt_state, loss
 
     initial_eval = evaluate(params, eval_windows, cfg)
-    losses: list[float] = []
     t0 = time.perf_counter()
-    for i in range(steps):
+    bar = tqdm(range(steps), desc="training", unit="step", file=sys.stderr, disable=quiet)
+    for i in bar:
         params, opt_state, loss = step(params, opt_state, np.int32(i))
-        losses.append(float(loss))
-        if progress is not None:
-            progress(i, losses[-1])
+        bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
     seconds = time.perf_counter() - t0
     final_eval = evaluate(params, eval_windows, cfg)
-    state_size = sum(x.size for x in jax.tree.leaves(opt_state) if jnp.ndim(x) > 0)
-    return TrainResult(params, vocab, cfg, losses, initial_eval, final_eval, seconds, state_size)
-
-
-def generate(
-    params: Any,
-    vocab: Vocab,
-    cfg: Config,
-    prompt: str,
-    length: int,
-    *,
-    seed: int = 0,
-    temperature: float = 0.8,
-) -> str:
-    """Sample ``length`` characters after ``prompt`` (the prompt is not repeated).
-
-    Example:
-        >>> from sharetree._demo import Config, Vocab, generate, init_params
-        >>> cfg = Config(context=8, d_model=8, heads=2)
-        >>> vocab = Vocab("abc ")
-        >>> out = generate(init_params(0, len(vocab), cfg), vocab, cfg, "ab", 5)
-        >>> len(out), set(out) <= set("abc ")
-        (5, True)
-    """
-    c = cfg.context
-    rng = np.random.default_rng(seed)
-    ids = list(vocab.encode(prompt)) or [0]
-    out: list[int] = []
-    for _ in range(length):
-        context = (ids + out)[-c:]
-        window = np.zeros((1, c), np.int32)
-        window[0, : len(context)] = context  # causal: positions after the last are ignored
-        logits = np.asarray(_logits(cfg, params, jnp.asarray(window)), np.float64)
-        z = logits[0, len(context) - 1] / temperature
-        p = np.exp(z - z.max())
-        out.append(int(rng.choice(len(p), p=p / p.sum())))
-    return vocab.decode(out)
-
-
-def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) -> TrainResult:
-    """Train with a tqdm progress bar on stderr; print the sharing summary and a sample.
-
-    Args:
-        steps: optimisation steps.
-        seed: seed of the initialisation, the batches and the sample.
-        sample: characters to generate after training (0: none).
-        quiet: no progress bar.
-
-    Returns:
-        The :class:`TrainResult` (its ``params`` are what ``--out`` saves).
-    """
-    from tqdm import tqdm
-
-    cfg = Config()
-    text = load_corpus()
-    print("sharetree demo: a character-level transformer language model with tied weights")
-    print(f"  corpus   {len(text):,} characters of sharetree/data/corpus.txt")
-    print("  ties     head/kernel = Tied('embed/embedding', T)   output layer = embedding.T")
-    print("           block_1     = Tied('block_0')              one block applied twice")
-    sys.stdout.flush()  # before the bar starts on stderr
-    with tqdm(total=steps, desc="training", unit="step", file=sys.stderr, disable=quiet) as bar:
-
-        def progress(i: int, loss: float) -> None:
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            bar.update(1)
-
-        result = train(steps, seed=seed, cfg=cfg, text=text, progress=progress)
     print(
-        f"held-out loss {result.initial_eval:.3f} -> {result.final_eval:.3f} nats/char "
-        f"after {steps} steps ({result.seconds:.1f} s, compilation included)"
+        f"held-out loss {initial_eval:.3f} -> {final_eval:.3f} nats/char "
+        f"after {steps} steps ({seconds:.1f} s, compilation included)\n"
     )
-    print()
-    g = st.canonicalize(result.params)
-    print(st.summary(g))
-    print()
+    g = st.canonicalize(params)
+    print(st.summary(g), end="\n\n")
     saved = g.size_expanded - g.size_unique
     print(
         f"parameters: {g.size_unique:,} unique vs {g.size_expanded:,} expanded: sharing saves "
         f"{saved:,} parameters ({saved_percent(g.size_unique, g.size_expanded):.1f}%), "
         f"{format_bytes(g.nbytes_expanded - g.nbytes_unique)} of float32"
     )
+    state_size = sum(x.size for x in jax.tree.leaves(opt_state) if jnp.ndim(x) > 0)
     print(
-        f"optimizer:  Adam holds {result.opt_state_size:,} floats (2 per unique parameter), "
+        f"optimizer:  Adam holds {state_size:,} floats (2 per unique parameter), "
         f"not {2 * g.size_expanded:,}"
     )
     if sample:
-        text = PROMPT + generate(result.params, result.vocab, cfg, PROMPT, sample, seed=seed)
-        print()
-        print("sample (temperature 0.8):")
-        for line in text.splitlines() or [""]:
-            print(f"  {line}")
-    return result
+        text = PROMPT + generate(params, vocab, cfg, PROMPT, sample, seed)
+        print(f"\nsample (temperature {TEMPERATURE}):")
+        print("\n".join(f"  {line}" for line in text.splitlines()))
+    return params

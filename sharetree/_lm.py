@@ -114,10 +114,9 @@ class TinyLM(nn.Module):
                 f"TinyLM: a window of {window} tokens is longer than context={self.context}. "
                 f"Fix: feed at most {self.context} tokens, or build a model with a longer context."
             )
-        embed = nn.Embed(
-            self.vocab, self.d_model, embedding_init=nn.initializers.normal(0.02), name="embed"
-        )
-        pos = self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))
+        init = nn.initializers.normal(0.02)
+        embed = nn.Embed(self.vocab, self.d_model, embedding_init=init, name="embed")
+        pos = self.param("pos", init, (self.context, self.d_model))
         h = embed(tokens) + pos[:window]
         mask = nn.make_causal_mask(tokens)
         for i in range(self.layers):

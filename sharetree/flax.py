@@ -38,7 +38,7 @@ import jax.tree_util as jtu
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
 from sharetree._paths import Path, TieMap, keypath_to_path, path_str, to_path
-from sharetree._resolve import structure_of
+from sharetree._resolve import _nodes_at, structure_of
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, _Chain, _Transpose
@@ -55,35 +55,24 @@ def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
             f"{type(ties).__name__}. Fix: tied(model, "
             "{'head/kernel': st.Tied('embed/embedding', st.T)})."
         )
-    out = []
-    for target, ref in ties.items():
-        path = to_path(target, "tie target")
-        out.append((path, ref if isinstance(ref, Tied) else Tied(ref)))
-    return tuple(out)
+    return tuple(
+        (to_path(target, "tie target"), ref if isinstance(ref, Tied) else Tied(ref))
+        for target, ref in ties.items()
+    )
 
 
 def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
     """Partition names of ``t(x)`` for an ``x`` with ``names``; ``None`` if ``t`` mixes axes."""
     out = tuple(names)
     for part in t.parts if isinstance(t, _Chain) else (t,):
-        if part.spec_name in ("identity", "astype", "scale"):
-            continue
-        if not isinstance(part, _Transpose):
+        if isinstance(part, _Transpose):
+            axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
+            if len(axes) != len(out):
+                return None
+            out = tuple(out[a] for a in axes)
+        elif part.spec_name not in ("identity", "astype", "scale"):
             return None  # reshape, fn: no axis of the view is an axis of the buffer
-        axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
-        if len(axes) != len(out):
-            return None
-        out = tuple(out[a] for a in axes)
     return out
-
-
-def _node_at(tree: Any, path: Path) -> Any:
-    """The node at ``path`` of a nested mapping (``None`` if there is none)."""
-    for key in path:
-        if not isinstance(tree, Mapping) or key not in tree:
-            return None
-        tree = tree[key]
-    return tree
 
 
 def _boxes(tree: Any) -> dict[Path, Any]:
@@ -103,12 +92,9 @@ def _value_fix(target: Path, t: Tied) -> str:
 def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, where: str) -> None:
     """A tie that names a partition box must give the view the target's own partition names."""
     for target, t in ties:
-        box = _node_at(params, target)
-        if not isinstance(box, meta.AxisMetadata):
-            continue
-        ref = _node_at(params, t.ref)
-        if ref is None:
-            continue  # st.tie names the missing ref and the closest paths
+        box, ref = (next(iter(_nodes_at(params, p)), None) for p in (target, t.ref))
+        if not isinstance(box, meta.AxisMetadata) or ref is None:
+            continue  # not a box; or a missing ref, which st.tie names with the closest paths
         if not isinstance(box, meta.Partitioned) or type(ref) is not type(box):
             raise TieError(
                 f"{where}: the tie {path_str(target)!r} -> {t!r} joins a "
@@ -137,11 +123,16 @@ def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, 
             )
 
 
-def _rebox(canonical: Any, materialized: Any, where: str) -> Any:
-    """Give each partition box that a view copied from its buffer the view's own names."""
+def _with_params(variables: Any, params: Any) -> Any:
+    """``variables`` with ``params`` as its ``"params"`` collection (a ``FrozenDict`` stays one)."""
+    out = {**variables, COLLECTION: params}
+    return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+
+
+def _materialized(canonical: Any, where: str) -> Any:
+    """Materialize ``canonical``; each box a view copied from its buffer gets the view's names."""
+    materialized = materialize(canonical)
     structure = structure_of(jtu.tree_structure(canonical))
-    if not structure.ties:
-        return materialized
     own = _boxes(canonical)  # boxes that hold a Tied value keep their own names
     copied = _boxes(materialized)
     fixed: dict[Path, Any] = {}
@@ -159,8 +150,6 @@ def _rebox(canonical: Any, materialized: Any, where: str) -> Any:
                 "of its own."
             )
         fixed[at] = copied[at].replace(names=names)
-    if not fixed:
-        return materialized
     return jtu.tree_map_with_path(
         lambda kp, x: fixed.get(keypath_to_path(kp), x),
         materialized,
@@ -226,11 +215,15 @@ class TiedModule:
             >>> model.tie(params)
             {'bias': Tied('kernel', reshape(3)), 'kernel': array([[1., 1., 1.]], dtype=float32)}
         """
-        _check_boxes(params, self.ties, self.check, self._where("tie"))
+        return self._tie(params, "tie")
+
+    def _tie(self, params: Any, method: str) -> Any:
+        where = self._where(method)
+        _check_boxes(params, self.ties, self.check, where)
         try:
             return tie(params, dict(self.ties), check=self.check)
         except TieError as e:
-            raise TieError(f"{self._where('tie')}: in the {COLLECTION!r} collection: {e}") from None
+            raise TieError(f"{where}: in the {COLLECTION!r} collection: {e}") from None
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init``, with the ``"params"`` collection tied.
@@ -243,8 +236,7 @@ class TiedModule:
         Returns:
             The variables; ``variables["params"]`` is a canonical tree.
         """
-        variables = self.module.init(rngs, *args, **kwargs)
-        return self._tie_variables(variables, "init")
+        return self._tie_variables(self.module.init(rngs, *args, **kwargs), "init")
 
     def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """``module.init_with_output``, with the ``"params"`` collection tied."""
@@ -261,15 +253,7 @@ class TiedModule:
                 f"{[path_str(p) for p, _ in self.ties]} have nothing to tie. "
                 "Fix: initialise with the method that creates the parameters."
             )
-        _check_boxes(variables[COLLECTION], self.ties, self.check, self._where(method))
-        try:
-            params = tie(variables[COLLECTION], dict(self.ties), check=self.check)
-        except TieError as e:
-            where = self._where(method)
-            raise TieError(f"{where}: in the {COLLECTION!r} collection: {e}") from None
-        out = dict(variables)
-        out[COLLECTION] = params
-        return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+        return _with_params(variables, self._tie(variables[COLLECTION], method))
 
     def materialize(self, variables: Any) -> Any:
         """The variables with the ``"params"`` collection materialized (every view computed).
@@ -305,10 +289,8 @@ class TiedModule:
         """
         if COLLECTION not in variables:
             return variables
-        out = dict(variables)
-        canonical = variables[COLLECTION]
-        out[COLLECTION] = _rebox(canonical, materialize(canonical), self._where("materialize"))
-        return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+        where = self._where("materialize")
+        return _with_params(variables, _materialized(variables[COLLECTION], where))
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """Materialize ``variables["params"]`` and call ``module.apply``.
@@ -323,24 +305,13 @@ class TiedModule:
         """
         if COLLECTION not in variables:
             return self.module.apply(variables, *args, **kwargs)
-        canonical = variables[COLLECTION]
         materialized = self.materialize(variables)
         result = self.module.apply(materialized, *args, **kwargs)
-        mutable = kwargs.get("mutable", False)
-        if mutable is False or not isinstance(result, tuple) or len(result) != 2:
-            return result
+        if kwargs.get("mutable", False) is False or COLLECTION not in result[1]:
+            return result  # (linen returns (out, updated) exactly when mutable is not False)
         out, updated = result
-        if COLLECTION not in updated:
-            return result
-        params = self._recanonicalize(canonical, materialized[COLLECTION], updated[COLLECTION])
-        new = dict(updated)
-        new[COLLECTION] = params
-        return out, (FrozenDict(new) if isinstance(updated, FrozenDict) else new)
-
-    def _recanonicalize(self, canonical: Any, passed: Any, returned: Any) -> Any:
-        structure = structure_of(jtu.tree_structure(canonical))
-        if not structure.ties:
-            return returned
+        passed, returned = materialized[COLLECTION], updated[COLLECTION]
+        structure = structure_of(jtu.tree_structure(variables[COLLECTION]))
         before = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(passed)[0]}
         after = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(returned)[0]}
         for i, _, path, via in structure.views:
@@ -351,7 +322,7 @@ class TiedModule:
                     f"{path_str(via)!r}) of buffer {path_str(structure.buffer_paths[i])!r}; the "
                     "write would be lost. Fix: write the buffer instead, or untie that parameter."
                 )
-        return tie(returned, structure.ties, check=False)
+        return out, _with_params(updated, tie(returned, structure.ties, check=False))
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names that are not fields or methods of TiedModule.
@@ -364,9 +335,7 @@ class TiedModule:
         return f"tied({self.module!r}, {{{ties}}})"
 
 
-def tied(
-    module: nn.Module, ties: TieMap, *, check: bool = True
-) -> TiedModule:
+def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:
     """Wrap a linen module so that its ``"params"`` collection is tied.
 
     ``.init`` returns the module's variables with ``"params"`` canonical (the

@@ -16,6 +16,7 @@ Import it explicitly (``import sharetree.nnx``); ``import sharetree`` never need
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -118,18 +119,12 @@ def _flat(state: Any) -> list[tuple[RawPath, Any]]:
     return list(nnx.to_flat_state(state if isinstance(state, nnx.State) else nnx.State(state)))
 
 
-def _strip_value(path: Path, variables: set[Path]) -> Path:
-    if len(path) > 1 and path[-1] == "value" and path[:-1] in variables:
-        return path[:-1]
-    return path
+def _strip_value(path: Path, variables: Mapping[Path, Any]) -> Path:
+    """``path`` without a last ``"value"`` key after a Variable's path (``"dec/kernel/value"``)."""
+    return path[:-1] if len(path) > 1 and path[-1] == "value" and path[:-1] in variables else path
 
 
-def split(
-    model: Any,
-    ties: TieMap | None = None,
-    *filters: Any,
-    check: bool = True,
-) -> Any:
+def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = True) -> Any:
     """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
 
     Args:
@@ -173,111 +168,79 @@ def split(
     """
     graphdef, *states = nnx.split(model, *filters)
     flats = [_flat(s) for s in states]
-    owner_state: dict[RawPath, int] = {}
-    for i, flat in enumerate(flats):
-        for raw, _ in flat:
-            owner_state[raw] = i
+    owner_state = {raw: i for i, flat in enumerate(flats) for raw, _ in flat}
 
     # Variable objects the model holds in more than one place: identity ties.
     alias_entries: list[tuple[int, RawPath, RawPath]] = []
     for raws in _variable_positions(model).values():
         owners = [r for r in raws if r in owner_state]
-        if len(raws) < 2 or len(owners) != 1:
-            continue
-        for r in raws:
-            if r != owners[0]:
-                alias_entries.append((owner_state[owners[0]], r, owners[0]))
+        if len(owners) == 1:
+            (owner,) = owners
+            alias_entries += [(owner_state[owner], r, owner) for r in raws if r != owner]
     alias_entries.sort(key=lambda e: _str_path(e[1]))
-    aliases = {_str_path(a): (i, _str_path(o)) for i, a, o in alias_entries}
+    graph_aliases = tuple((i, _str_path(a), _str_path(o)) for i, a, o in alias_entries)
+    aliases = {a: (i, o) for i, a, o in graph_aliases}
 
     # Where each Variable lives: str path -> state index (owners and aliases).
-    where: dict[Path, int] = {_str_path(r): i for r, i in owner_state.items()}
-    where.update({a: i for a, (i, _) in aliases.items()})
-    variables = set(where)
-    nodes = node_paths(variables)
+    where = {_str_path(r): i for r, i in owner_state.items()} | {a: i for i, a, _ in graph_aliases}
+    nodes = node_paths(where)
 
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for target, ref in (ties or {}).items():
-        path, t = _check_tie(target, ref, where, variables, nodes, aliases)
-        if path is not None:
-            per_state[_state_of(path, where)][path] = t
+        path = _strip_value(to_path(target, "tie target"), where)
+        t = ref if isinstance(ref, Tied) else Tied(ref)
+        t = Tied(_strip_value(t.ref, where), t.transform)
+        for p, what in (
+            (path, f"tie target {path_str(path)!r}"),
+            (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
+        ):
+            if p not in nodes:
+                raise TieError(
+                    f"sharetree.nnx.split: {what} does not exist in the NNX state; "
+                    f"{closest(path_str(p), map(path_str, nodes))}. Fix: write the path as NNX "
+                    "prints the state ('/'-joined attribute names and list indices, naming the "
+                    "Variable, e.g. 'dec/kernel')."
+                )
+        spans = {i for p, i in where.items() if p[: len(path)] == path or p[: len(t.ref)] == t.ref}
+        if len(spans) > 1:
+            raise TieError(
+                f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r} spans states "
+                f"{sorted(spans)} of the filters given to split; a view and its buffer "
+                "must be in the same state. Fix: change the filters, or tie within one state."
+            )
+        if path in aliases and t == Tied(aliases[path][1]):
+            continue  # already this identity tie
+        for a, (_, owner) in aliases.items():
+            if a[: len(path)] == path or path[: len(a)] == a:
+                raise TieError(
+                    f"sharetree.nnx.split: cannot tie {path_str(path)!r} <- {t!r}: in the model "
+                    f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r} (an "
+                    f"identity tie). Fix: tie {path_str(owner)!r} instead, or build the model "
+                    "without sharing that Variable."
+                )
+        per_state[spans.pop()][path] = t
 
     out = []
-    for i, state in enumerate(states):
-        mine = [(a, o) for a, (j, o) in aliases.items() if j == i]
-        if mine:
-            raw_of = {_str_path(r): r for _, r, _ in alias_entries}
-            flat = [(r, x) for r, x in _flat(state)] + [(raw_of[a], Tied(o)) for a, o in mine]
-            state = nnx.from_flat_state(flat)
+    for i, (state, flat) in enumerate(zip(states, flats)):
+        extra = [(a, Tied(_str_path(o))) for j, a, o in alias_entries if j == i]
+        if extra:
+            state = nnx.from_flat_state(flat + extra)
         if per_state[i]:
             try:
                 state = tie(state, per_state[i], check=check)
             except TieError as e:
                 raise TieError(f"sharetree.nnx.split: {e}") from None
         out.append(state)
-    return (
-        GraphDef(
-            graphdef,
-            tuple((i, _str_path(a), _str_path(o)) for i, a, o in alias_entries),
-            len(states),
-        ),
-        *out,
-    )
+    return (GraphDef(graphdef, graph_aliases, len(states)), *out)
 
 
-def _state_of(path: Path, where: dict[Path, int]) -> int:
-    n = len(path)
-    return {i for p, i in where.items() if p[:n] == path}.pop()
+def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
+    """``[nnx.GraphDef, *plain NNX states]`` of canonical states (views computed, aliases dropped).
 
-
-def _check_tie(
-    target: Any,
-    ref: Any,
-    where: dict[Path, int],
-    variables: set[Path],
-    nodes: set[Path],
-    aliases: dict[Path, tuple[int, Path]],
-) -> tuple[Path | None, Tied]:
-    path = _strip_value(to_path(target, "tie target"), variables)
-    t = ref if isinstance(ref, Tied) else Tied(ref)
-    t = Tied(_strip_value(t.ref, variables), t.transform)
-    names = [path_str(p) for p in nodes]
-    checks = (
-        (path, f"tie target {path_str(path)!r}"),
-        (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
-    )
-    for p, what in checks:
-        if p not in nodes:
-            raise TieError(
-                f"sharetree.nnx.split: {what} does not exist in the NNX state; "
-                f"{closest(path_str(p), names)}. Fix: write the path as NNX prints the state "
-                "('/'-joined attribute names and list indices, naming the Variable, e.g. "
-                "'dec/kernel')."
-            )
-    n = len(path)
-    states = {i for p, i in where.items() if p[:n] == path}
-    ref_states = {i for p, i in where.items() if p[: len(t.ref)] == t.ref}
-    if len(states | ref_states) > 1:
-        raise TieError(
-            f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r} spans states "
-            f"{sorted(states | ref_states)} of the filters given to split; a view and its buffer "
-            "must be in the same state. Fix: change the filters, or tie within one state."
-        )
-    for a, (_, owner) in aliases.items():
-        if a == path and t == Tied(owner):
-            return None, t  # already this identity tie
-        if a[:n] == path or path[: len(a)] == a:
-            raise TieError(
-                f"sharetree.nnx.split: cannot tie {path_str(path)!r} <- {t!r}: in the model "
-                f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r} (an "
-                f"identity tie). Fix: tie {path_str(owner)!r} instead, or build the model "
-                "without sharing that Variable."
-            )
-    return path, t
-
-
-def _to_nnx_states(graphdef: GraphDef, states: tuple[Any, ...]) -> list[Any]:
-    """Canonical states -> plain NNX states (views computed, alias positions dropped)."""
+    A plain ``nnx.GraphDef`` stands for a :class:`GraphDef` without aliases.
+    """
+    if not isinstance(graphdef, GraphDef):
+        graphdef = GraphDef(graphdef, (), len(states))
     if len(states) != graphdef.num_states:
         raise TieError(
             f"sharetree.nnx.merge: expected {graphdef.num_states} state(s), as split returned, "
@@ -296,20 +259,16 @@ def _to_nnx_states(graphdef: GraphDef, states: tuple[Any, ...]) -> list[Any]:
                     f"Variable at {path_str(o)!r} there too, so it must be Tied({path_str(o)!r}). "
                     "Fix: keep the identity ties that split put in the state."
                 )
-        if not structure.ties:
-            out.append(state)
-            continue
-        views = list(structure.ties)
         flat = []
         for raw, x in _flat(materialize(state)):
             path = _str_path(raw)
             if path in aliases:
                 continue  # the graphdef already holds the same object there
-            if isinstance(x, nnx.Variable) and any(path[: len(v)] == v for v in views):
+            if isinstance(x, nnx.Variable) and any(path[: len(v)] == v for v in structure.ties):
                 x = x.get_raw_value()  # recreated by nnx.merge from the graphdef's own metadata
             flat.append((raw, x))
         out.append(nnx.from_flat_state(flat))
-    return out
+    return [graphdef.graphdef, *out]
 
 
 def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
@@ -346,9 +305,7 @@ def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
         >>> grads["dec"]["kernel"], grads["enc"]["kernel"].shape  # one gradient, both uses
         (Tied('enc/kernel', T), (4, 2))
     """
-    if not isinstance(graphdef, GraphDef):
-        graphdef = GraphDef(graphdef, (), len(states))
-    return nnx.merge(graphdef.graphdef, *_to_nnx_states(graphdef, states))
+    return nnx.merge(*_to_nnx(graphdef, states))
 
 
 def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
@@ -376,6 +333,4 @@ def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
         >>> model.dec.kernel.shape, float(model.dec.kernel[...].sum())  # enc.kernel.T, all ones
         ((2, 4), 8.0)
     """
-    if not isinstance(graphdef, GraphDef):
-        graphdef = GraphDef(graphdef, (), len(states))
-    nnx.update(model, *_to_nnx_states(graphdef, states))
+    nnx.update(model, *_to_nnx(graphdef, states)[1:])
