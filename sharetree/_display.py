@@ -10,7 +10,7 @@ escaped before it goes into HTML, SVG or DOT.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from html import escape
 from typing import Any, NamedTuple
 
@@ -20,7 +20,7 @@ from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
 from sharetree._materialize import leaves_and_structure
 from sharetree._paths import format_aval, path_str, plural
-from sharetree._report import SharingGraph, View, canonicalize
+from sharetree._report import SharingGraph, canonicalize
 from sharetree._tied import Tied
 from sharetree._transforms import identity
 
@@ -57,12 +57,8 @@ def format_bytes(n: int) -> str:
     """
     if n < 1024:
         return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024.0
-        if value < 1024.0 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
+    k = min((int(n).bit_length() - 1) // 10, 4)  # the largest unit that is at most n
+    return f"{n / 1024**k:.1f} {'KMGT'[k - 1]}iB"
 
 
 def saved_percent(unique: int, expanded: int) -> float:
@@ -76,18 +72,25 @@ def saved_percent(unique: int, expanded: int) -> float:
     return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
+def _more(total: int, shown: int, what: str) -> str:
+    """The ``... and K more WHAT`` line of a table or drawing cut after ``shown`` of ``total``."""
+    return f"... and {total - shown:,} more {what}" if total > shown else ""
+
+
+def _first(names: Sequence[str], n: int) -> str:
+    """The first ``n`` of ``names``, comma-separated, then ``, ... (K more)``."""
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
 class _Section(NamedTuple):
-    """One table of a summary: its title, header, the rows shown and how many are left out."""
+    """One table of a summary: its title, header, the rows shown and the ``... more`` line."""
 
     title: str
     header: tuple[str, ...]
     rows: Sequence[tuple[str, ...]]
-    more: int
+    more: str  # the "... and K more" line, or ""
     none: str  # the text shown when there are no rows
     numeric: frozenset[int]  # columns aligned right in HTML
-
-    def more_text(self) -> str:
-        return f"... and {self.more:,} more {self.title}" if self.more else ""
 
 
 def _shape_str(shape: tuple[int, ...] | None) -> str:
@@ -103,13 +106,11 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     the interesting ones), but rows keep flatten order.
     """
     buffers, views = g.buffers, list(g.views.values())
-    shared = [i for i, b in enumerate(buffers) if b.num_views][:max_rows]
-    kept = set(shared)
-    others = [i for i in range(len(buffers)) if i not in kept][: max_rows - len(shared)]
+    shared_first = sorted(range(len(buffers)), key=lambda i: not buffers[i].num_views)
     dtype = lambda d: "-" if d is None else str(d)  # noqa: E731
     b_rows = [
         (b.path, _shape_str(b.shape), dtype(b.dtype), format_bytes(b.nbytes), str(b.num_views))
-        for b in (buffers[i] for i in sorted(kept.union(others)))
+        for b in (buffers[i] for i in sorted(shared_first[:max_rows]))
     ]
     v_rows = [
         (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), dtype(v.dtype))
@@ -117,9 +118,9 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     ]
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
-                 len(buffers) - len(b_rows), "(none)", frozenset({3, 4})),
+                 _more(len(buffers), len(b_rows), "buffers"), "(none)", frozenset({3, 4})),
         _Section("views", ("path", "buffer", "transform", "shape", "dtype"), v_rows,
-                 len(views) - len(v_rows), "(none: nothing is shared)", frozenset()),
+                 _more(len(views), len(v_rows), "views"), "(none: nothing is shared)", frozenset()),
     ]  # fmt: skip
 
 
@@ -204,7 +205,7 @@ def summary(
     lines = [_headline(g), *_table(_TOTALS, _totals(g))]
     for sec in _sections(g, max_rows):
         body = _table(sec.header, sec.rows) if sec.rows else ["  " + sec.none]
-        lines += [f"{sec.title}:", *body, *(["  " + sec.more_text()] if sec.more else [])]
+        lines += [f"{sec.title}:", *body, *(["  " + sec.more] if sec.more else [])]
     if grads_by_use is not None:
         from sharetree._grad_report import grad_report  # it renders with this module's tables
 
@@ -238,6 +239,23 @@ def _html_table(
     return (
         f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
         f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _page(kind: str, headline: str, parts: Iterable[str]) -> str:
+    """An HTML block of class ``kind``: a bold ``headline``, then ``parts`` (inline styles only)."""
+    return (
+        f'<div class="{kind}" style="{_MONO}font-size:12px;line-height:1.35;">'
+        f"<div><b>{escape(headline)}</b></div>{''.join(parts)}</div>"
+    )
+
+
+def _svg(width: float, height: float, font_px: int, body: Iterable[str]) -> str:
+    """An inline ``<svg>`` element of the given size holding ``body``."""
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:{font_px}px;">'
+        f"{''.join(body)}</svg>"
     )
 
 
@@ -276,40 +294,32 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         >>> svg.startswith("<svg") and ">T</text>" in svg
         True
     """
-    views = g.views
-    if not views:
+    if not g.views:
         return ""
-    by_buffer: dict[str, list[View]] = {}
-    for v in itertools.islice(views.values(), max_rows):
-        by_buffer.setdefault(v.buffer, []).append(v)
-    more = len(views) - sum(len(vs) for vs in by_buffer.values())
-    groups = [(b.path, by_buffer[b.path]) for b in g.buffers if b.path in by_buffer]
-
+    order = {b.path: i for i, b in enumerate(g.buffers)}
+    shown = sorted(itertools.islice(g.views.values(), max_rows), key=lambda v: order[v.buffer])
+    more = _more(len(g.views), len(shown), "views")
     char_w, row_h, clip, top = 7.0, 26, 36, 12
-    shown = [v for _, vs in groups for v in vs]
     labels = [_clip(repr(v.transform), 28) for v in shown]
-    left_w = max(len(_clip(b, clip)) for b, _ in groups) * char_w + 2 * _PAD
+    left_w = max(len(_clip(v.buffer, clip)) for v in shown) * char_w + 2 * _PAD
     right_w = max(len(_clip(v.path, clip)) for v in shown) * char_w + 2 * _PAD
-    label_w = max(len(s) for s in labels) * char_w
+    label_w = max(map(len, labels)) * char_w
     gap = max(70.0, label_w + 90)
-    x_left, x_right = 4.0, 4.0 + left_w + gap
-    x0, x1 = x_left + left_w, x_right  # where the edges start and end
-    more_text = f"... and {more:,} more views" if more else ""
+    x0, x1 = 4.0 + left_w, 4.0 + left_w + gap  # where the edges start and end (the views' left)
     height = top + len(shown) * row_h + 4 + (row_h if more else 0)
-    width = max(x_right + right_w, x_right + len(more_text) * char_w) + 4
+    width = max(x1 + right_w, x1 + len(more) * char_w) + 4
     mid = f"stm{next(_svg_ids)}"
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:12px;">',
         f'<defs><marker id="{mid}" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" '
         f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
         f'fill="#6b7280"/></marker></defs>',
     ]
     row = 0
-    for buf, vs in groups:
+    for buf, group in itertools.groupby(shown, key=lambda v: v.buffer):
+        vs = list(group)
         ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
         by = sum(ys) / len(ys)
-        out.append(_box(f"buffer {buf}", x_left, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
+        out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
         for v, y, label in zip(vs, ys, labels[row:], strict=False):
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
@@ -322,15 +332,14 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                     f'fill="#374151">{escape(label)}</text>'
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
-            out.append(_box(title, x_right, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
+            out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
         row += len(vs)
     if more:
         out.append(
-            f'<text x="{x_right}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
-            f"{escape(more_text)}</text>"
+            f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
+            f"{escape(more)}</text>"
         )
-    out.append("</svg>")
-    return "".join(out)
+    return _svg(width, height, 12, out)
 
 
 def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
@@ -349,23 +358,21 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """
     buffers, views = _sections(g, max_rows)
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
-    return "".join(
+    return _page(
+        "sharetree-graph",
+        _headline(g),
         [
-            f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
-            f"<div><b>{escape(_headline(g))}</b></div>",
             _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
             *(
                 f"<div><b>{sec.title}</b></div>"
-                + _html_table(sec.header, sec.rows, sec.numeric, sec.more_text())
+                + _html_table(sec.header, sec.rows, sec.numeric, sec.more)
                 for sec in ((buffers, views) if views.rows else (buffers,))
             ),
-            graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS,
-            "</div>",
-        ]
+            graph_svg(g, max_rows=max_rows)
+            if views.rows
+            else "<div><i>no views: nothing is shared</i></div>",
+        ],
     )
-
-
-_NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
 
 
 # ---------------------------------------------------------------------------
@@ -397,13 +404,14 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
     """
     index = {b.path: i for i, b in enumerate(g.buffers)}
     views = list(g.views.values())
-    used = {v.buffer for v in views}
     label = lambda x: _dot_str(f"{x.path}\n{format_aval(x.aval)}")  # noqa: E731
-    lines = ["digraph sharing {\n  rankdir=LR;", _DOT_NODE]
+    lines = [
+        'digraph sharing {\n  rankdir=LR;\n  node [shape=box, fontname="monospace", fontsize=10];'
+    ]
     lines += [
         f'  b{i} [label={label(b)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
         for i, b in enumerate(g.buffers)
-        if include_unshared or b.path in used
+        if include_unshared or b.num_views
     ]
     lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(views)]
     lines += [
@@ -411,9 +419,6 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
         for j, v in enumerate(views)
     ]
     return "\n".join([*lines, "}"])
-
-
-_DOT_NODE = '  node [shape=box, fontname="monospace", fontsize=10];'
 
 
 # ---------------------------------------------------------------------------
@@ -515,10 +520,8 @@ class MaterializedDisplay:
                 note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
                 marked.append(_Mark(x, f"[view of {buf}{how}]", note, _color(buf)))
             elif i in uses:
-                n = len(uses[i])
-                first = ", ".join(uses[i][:3]) + (f", ... ({n - 3} more)" if n > 3 else "")
-                badge = f"[buffer: {plural(n, 'view')}]"
-                marked.append(_Mark(x, badge, f"shared with {first}", _color(buf)))
+                badge = f"[buffer: {plural(len(uses[i]), 'view')}]"
+                marked.append(_Mark(x, badge, f"shared with {_first(uses[i], 3)}", _color(buf)))
             else:
                 marked.append(x)
         return jtu.tree_unflatten(structure.expanded_treedef, marked)
