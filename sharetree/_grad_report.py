@@ -16,16 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sharetree._display import (
-    _CELL,
-    MAX_ROWS,
-    _first,
-    _html_table,
-    _more,
-    _page,
-    _svg,
-    _table,
-)
+from sharetree._display import _CELL, MAX_ROWS, _first, _html_table, _more, _page, _svg, _table
 from sharetree._errors import TieError
 from sharetree._paths import plural
 
@@ -110,14 +101,9 @@ def _buffer_uses(path: str, uses: Any) -> BufferUses:
         )
     total = sum(vecs.values())
     norms = {u: float(np.linalg.norm(v)) for u, v in vecs.items()}
-    denominator = sum(norms.values())
+    denominator = sum(norms.values()) or math.nan  # every share is nan when every use is zero
     rows = tuple(
-        Use(
-            u,
-            norms[u],
-            norms[u] / denominator if denominator > 0 else math.nan,
-            None if len(vecs) == 1 else _cos(v, total - v),
-        )
+        Use(u, norms[u], norms[u] / denominator, None if len(vecs) == 1 else _cos(v, total - v))
         for u, v in vecs.items()
     )
     cosines = tuple(tuple(_cos(a, b) for b in vecs.values()) for a in vecs.values())
