@@ -18,7 +18,6 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
-from sharetree._materialize import leaves_and_structure
 from sharetree._paths import format_aval, path_str, plural
 from sharetree._report import SharingGraph, canonicalize
 from sharetree._tied import Tied
@@ -358,21 +357,15 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """
     buffers, views = _sections(g, max_rows)
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
-    return _page(
-        "sharetree-graph",
-        _headline(g),
-        [
-            _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
-            *(
-                f"<div><b>{sec.title}</b></div>"
-                + _html_table(sec.header, sec.rows, sec.numeric, sec.more)
-                for sec in ((buffers, views) if views.rows else (buffers,))
-            ),
-            graph_svg(g, max_rows=max_rows)
-            if views.rows
-            else "<div><i>no views: nothing is shared</i></div>",
-        ],
-    )
+    parts = [_html_table(_TOTALS, _totals(g), numeric={1, 2, 3})]
+    for sec in (buffers, views) if views.rows else (buffers,):
+        parts.append(f"<div><b>{sec.title}</b></div>")
+        parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more))
+    parts.append(graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS)
+    return _page("sharetree-graph", _headline(g), parts)
+
+
+_NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
 
 
 # ---------------------------------------------------------------------------
@@ -442,13 +435,7 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
     from treescope import rendering_parts as rp
 
     ref = path_str(tied.ref)
-    line = rp.siblings(
-        rp.maybe_qualified_type_name(Tied),
-        "(",
-        repr(tied.ref) if any("/" in k for k in tied.ref) else repr(ref),
-        *(() if tied.transform == identity else (", ", repr(tied.transform))),
-        ")",
-    )
+    line = rp.siblings(rp.maybe_qualified_type_name(Tied), repr(tied).removeprefix("Tied"))
     node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
     how = "" if tied.transform == identity else f" via {tied.transform!r}"
     note = f"  # \u2192 view of {ref}{how}"
@@ -500,19 +487,17 @@ class MaterializedDisplay:
     """
 
     def __init__(self, tree: Any) -> None:
-        leaves, structure = leaves_and_structure(tree)
-        self.tree, self.graph = tree, SharingGraph(structure, leaves)
-        self._leaves, self._structure = leaves, structure
+        self.tree, self.graph = tree, canonicalize(tree)
 
     def marked_tree(self) -> Any:
         """The materialized tree whose buffer and view leaves are wrapped with their notes."""
-        structure = self._structure
+        structure = self.graph.structure
         uses: dict[int, list[str]] = {}
         for view in structure.views:
             uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
         for (i, t, p, at), x in zip(
-            structure.expanded, _expand_leaves(structure, self._leaves), strict=True
+            structure.expanded, _expand_leaves(structure, self.graph._leaves), strict=True
         ):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:

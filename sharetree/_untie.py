@@ -56,11 +56,8 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
                     f"({structure.ties[inside]!r}), which is tied as a whole. "
                     f"Fix: untie {path_str(inside)!r}, then tie the parts you want shared again."
                 )
-            hint = (
-                closest(path_str(p), [path_str(q) for q in ties])
-                if ties
-                else "the tree has no ties at all"
-            )
+            names = [path_str(q) for q in ties]
+            hint = closest(path_str(p), names) if ties else "the tree has no ties at all"
             raise TieError(
                 f"untie: {path_str(p)!r} is not a view and has no view under it; {hint}. "
                 "Fix: pass the path of a Tied (or of a subtree holding some); buffers "
@@ -76,7 +73,7 @@ def _untie_positions(tree: PyTree, chosen: list[Path]) -> PyTree:
     flat, _ = jtu.tree_flatten_with_path(
         materialize(tree), is_leaf=lambda kp, _: keypath_to_path(kp) in at, is_leaf_takes_path=True
     )
-    found = dict((keypath_to_path(kp), node) for kp, node in flat)
+    found = {keypath_to_path(kp): node for kp, node in flat}
     # an identity view is the buffer object itself: copy it, so that no two
     # positions hold one array (donation, in-place NumPy updates)
     copy = lambda x: x.copy() if id(x) in buffers else x  # noqa: E731
@@ -126,11 +123,8 @@ def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> P
         >>> st.tie(untied, {"dec": tree["dec"]})["dec"]
         Tied('enc', T)
     """
-    _, structure = leaves_and_structure(tree)
-    chosen = _selected(structure, paths)
-    if not chosen:
-        return tree
-    return _untie_positions(tree, chosen)
+    chosen = _selected(leaves_and_structure(tree)[1], paths)
+    return _untie_positions(tree, chosen) if chosen else tree
 
 
 def _moves_elements(t: Transform) -> bool:
@@ -258,8 +252,7 @@ def untie_state(
                 "before untying it; for a state that holds optax.MaskedNode (optax.masked, "
                 "multi_transform), initialize a fresh state for the untied tree."
             )
-        part_leaves = jtu.tree_leaves(x)
-        for path, s, y in zip(structure.buffer_paths, shapes, part_leaves, strict=True):
+        for path, s, y in zip(structure.buffer_paths, shapes, jtu.tree_leaves(x), strict=True):
             if np.shape(y) != s:
                 raise TieError(
                     f"untie_state: the part {where!r} of the optimizer state has shape "
