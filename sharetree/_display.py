@@ -19,9 +19,9 @@ import jax.tree_util as jtu
 from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
 from sharetree._paths import format_aval, path_str, plural
-from sharetree._report import SharingGraph, canonicalize
+from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tied import Tied
-from sharetree._transforms import identity
+from sharetree._transforms import Transform, identity
 
 __all__ = [
     "summary",
@@ -92,10 +92,11 @@ class _Section(NamedTuple):
     numeric: frozenset[int]  # columns aligned right in HTML
 
 
-def _shape_str(shape: tuple[int, ...] | None) -> str:
-    if shape is None:
-        return "static"
-    return "(" + ", ".join(map(str, shape)) + (",)" if len(shape) == 1 else ")")
+def _shape_dtype(x: Buffer | View) -> tuple[str, str]:
+    """Its shape and dtype cells: ``(2, 3)`` and ``float32``, or ``static`` and ``-``."""
+    if x.shape is None:
+        return "static", "-"
+    return "(" + ", ".join(map(str, x.shape)) + (",)" if len(x.shape) == 1 else ")"), str(x.dtype)
 
 
 def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
@@ -106,15 +107,11 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     """
     buffers, views = g.buffers, list(g.views.values())
     shared_first = sorted(range(len(buffers)), key=lambda i: not buffers[i].num_views)
-    dtype = lambda d: "-" if d is None else str(d)  # noqa: E731
     b_rows = [
-        (b.path, _shape_str(b.shape), dtype(b.dtype), format_bytes(b.nbytes), str(b.num_views))
+        (b.path, *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
         for b in (buffers[i] for i in sorted(shared_first[:max_rows]))
     ]
-    v_rows = [
-        (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), dtype(v.dtype))
-        for v in views[:max_rows]
-    ]
+    v_rows = [(v.path, v.buffer, repr(v.transform), *_shape_dtype(v)) for v in views[:max_rows]]
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
                  _more(len(buffers), len(b_rows), "buffers"), "(none)", frozenset({3, 4})),
@@ -299,10 +296,9 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     shown = sorted(itertools.islice(g.views.values(), max_rows), key=lambda v: order[v.buffer])
     more = _more(len(g.views), len(shown), "views")
     char_w, row_h, clip, top = 7.0, 26, 36, 12
-    labels = [_clip(repr(v.transform), 28) for v in shown]
     left_w = max(len(_clip(v.buffer, clip)) for v in shown) * char_w + 2 * _PAD
     right_w = max(len(_clip(v.path, clip)) for v in shown) * char_w + 2 * _PAD
-    label_w = max(map(len, labels)) * char_w
+    label_w = max(len(_clip(repr(v.transform), 28)) for v in shown) * char_w
     gap = max(70.0, label_w + 90)
     x0, x1 = 4.0 + left_w, 4.0 + left_w + gap  # where the edges start and end (the views' left)
     height = top + len(shown) * row_h + 4 + (row_h if more else 0)
@@ -319,7 +315,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
         by = sum(ys) / len(ys)
         out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
-        for v, y, label in zip(vs, ys, labels[row:], strict=False):
+        for v, y in zip(vs, ys, strict=True):
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
@@ -328,7 +324,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
             if v.transform != identity:
                 out.append(
                     f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
-                    f'fill="#374151">{escape(label)}</text>'
+                    f'fill="#374151">{escape(_clip(repr(v.transform), 28))}</text>'
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
             out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
@@ -424,6 +420,10 @@ def _color(buffer: str) -> str:
     return formatting_util.color_from_string(buffer)
 
 
+def _via(t: Transform) -> str:
+    return "" if t == identity else f" via {t!r}"
+
+
 def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> Any:
     """The treescope rendering of a ``Tied``: ``Tied('enc/w', T)  # view of enc/w``.
 
@@ -437,8 +437,7 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
     ref = path_str(tied.ref)
     line = rp.siblings(rp.maybe_qualified_type_name(Tied), repr(tied).removeprefix("Tied"))
     node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
-    how = "" if tied.transform == identity else f" via {tied.transform!r}"
-    note = f"  # \u2192 view of {ref}{how}"
+    note = f"  # \u2192 view of {ref}{_via(tied.transform)}"
     return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
 
 
@@ -501,9 +500,8 @@ class MaterializedDisplay:
         ):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
-                how = "" if t == identity else f" via {t!r}"
                 note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
-                marked.append(_Mark(x, f"[view of {buf}{how}]", note, _color(buf)))
+                marked.append(_Mark(x, f"[view of {buf}{_via(t)}]", note, _color(buf)))
             elif i in uses:
                 badge = f"[buffer: {plural(len(uses[i]), 'view')}]"
                 marked.append(_Mark(x, badge, f"shared with {_first(uses[i], 3)}", _color(buf)))
