@@ -42,10 +42,8 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
     ties = list(structure.ties)
     if paths is None:
         return ties
-    if isinstance(paths, (str, tuple)):
-        paths = [paths]
     chosen: set[Path] = set()
-    for given in paths:
+    for given in [paths] if isinstance(paths, (str, tuple)) else paths:
         p = to_path(given, "untie path")
         under = [q for q in ties if q[: len(p)] == p]
         if not under:
