@@ -68,19 +68,15 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
 def _untie_positions(tree: PyTree, chosen: list[Path]) -> PyTree:
     at = set(chosen)
     buffers = {id(x) for x in jtu.tree_leaves(tree) if isinstance(x, (np.ndarray, jax.Array))}
-    flat, _ = jtu.tree_flatten_with_path(
-        materialize(tree), is_leaf=lambda kp, _: keypath_to_path(kp) in at, is_leaf_takes_path=True
-    )
-    found = {keypath_to_path(kp): node for kp, node in flat}
     # an identity view is the buffer object itself: copy it, so that no two
     # positions hold one array (donation, in-place NumPy updates)
     copy = lambda x: x.copy() if id(x) in buffers else x  # noqa: E731
 
-    def replace(kp: Any, x: Any) -> Any:
-        path = keypath_to_path(kp)
-        return jtu.tree_map(copy, found[path]) if path in at else x
+    def replace(kp: Any, x: Any, value: Any) -> Any:
+        return jtu.tree_map(copy, value) if keypath_to_path(kp) in at else x
 
-    return jtu.tree_map_with_path(replace, tree, is_leaf=is_tied)
+    # the tree, with its ties as leaves, is a prefix of the materialized tree
+    return jtu.tree_map_with_path(replace, tree, materialize(tree), is_leaf=is_tied)
 
 
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
