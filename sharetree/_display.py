@@ -431,7 +431,7 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
     gives the buffer at that path, and a comment names the ref and transform.
     Used by ``Tied.__treescope_repr__``.
     """
-    del subtree_renderer  # ref and transform are static text, not subtrees
+    # subtree_renderer is not needed: ref and transform are static text, not subtrees
     from treescope import rendering_parts as rp
 
     ref = path_str(tied.ref)

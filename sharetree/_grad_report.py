@@ -74,8 +74,7 @@ def _host(x: Any, where: str) -> np.ndarray:
             f"({type(e).__name__}); a report needs values. Fix: call st.grad_report outside "
             "jit (the dict that st.grad_by_use returns under jit can be passed out of it)."
         ) from None
-    wide = np.complex128 if np.iscomplexobj(a) else np.float64
-    return a.astype(wide).ravel()
+    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64).ravel()
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -141,10 +140,7 @@ class GradReport:
 
     def __getitem__(self, path: str) -> BufferUses:
         """The uses of the buffer at ``path``."""
-        for b in self.buffers:
-            if b.path == path:
-                return b
-        raise KeyError(path)
+        return {b.path: b for b in self.buffers}[path]
 
     def _headline(self) -> str:
         n, k = len(self.buffers), len(self.shared)

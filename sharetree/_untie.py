@@ -214,10 +214,9 @@ def untie_state(
         return opt_state
     at = set(chosen)
     for leaf in structure.views:
-        t = leaf.transform
-        if leaf.tie in at and not _moves_elements(t):
+        if leaf.tie in at and not _moves_elements(leaf.transform):
             raise TieError(
-                f"untie_state: the view {path_str(leaf.path)!r} is {t!r} of "
+                f"untie_state: the view {path_str(leaf.path)!r} is {leaf.transform!r} of "
                 f"{path_str(structure.buffer_paths[leaf.buffer])!r}; optimizer moments are "
                 "carried over only through transforms that move elements (transpose, "
                 "reshape): the state does not say which part is a first moment and which a "
@@ -226,8 +225,7 @@ def untie_state(
                 "st.untie and initialize a fresh optimizer state for it, or untie only views "
                 "that are transposes or reshapes."
             )
-    treedef = structure.treedef
-    top = _top(tree)
+    treedef, top = structure.treedef, _top(tree)
     shapes = [np.shape(x) for x in leaves]
 
     def params_like(x: Any) -> bool:
