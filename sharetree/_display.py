@@ -392,7 +392,6 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
         }
     """
     index = {b.path: i for i, b in enumerate(g.buffers)}
-    views = list(g.views.values())
     label = lambda x: _dot_str(f"{x.path}\n{format_aval(x.aval)}")  # noqa: E731
     lines = [
         'digraph sharing {\n  rankdir=LR;\n  node [shape=box, fontname="monospace", fontsize=10];'
@@ -402,10 +401,10 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
         for i, b in enumerate(g.buffers)
         if include_unshared or b.num_views
     ]
-    lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(views)]
+    lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(g.views.values())]
     lines += [
         f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];"
-        for j, v in enumerate(views)
+        for j, v in enumerate(g.views.values())
     ]
     return "\n".join([*lines, "}"])
 

@@ -37,11 +37,11 @@ __all__ = ["untie", "untie_state"]
 PyTree = Any
 
 
-def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None) -> list[Path]:
-    """The ``Tied`` positions at or under ``paths`` (all of them for ``None``), flatten order."""
+def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None) -> set[Path]:
+    """The ``Tied`` positions at or under ``paths`` (all of them for ``None``)."""
     ties = list(structure.ties)
     if paths is None:
-        return ties
+        return set(ties)
     chosen: set[Path] = set()
     for given in [paths] if isinstance(paths, (str, tuple)) else paths:
         p = to_path(given, "untie path")
@@ -62,11 +62,10 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
                 "are untied already."
             )
         chosen.update(under)
-    return [q for q in ties if q in chosen]
+    return chosen
 
 
-def _untie_positions(tree: PyTree, chosen: list[Path]) -> PyTree:
-    at = set(chosen)
+def _untie_positions(tree: PyTree, at: set[Path]) -> PyTree:
     buffers = {id(x) for x in jtu.tree_leaves(tree) if isinstance(x, (np.ndarray, jax.Array))}
     # an identity view is the buffer object itself: copy it, so that no two
     # positions hold one array (donation, in-place NumPy updates)
@@ -209,10 +208,9 @@ def untie_state(
         ((3, 2), Array(0, dtype=int32))
     """
     leaves, structure = leaves_and_structure(tree)
-    chosen = _selected(structure, paths)
-    if not chosen:
+    at = _selected(structure, paths)
+    if not at:
         return opt_state
-    at = set(chosen)
     for leaf in structure.views:
         if leaf.tie in at and not _moves_elements(leaf.transform):
             raise TieError(
@@ -252,6 +250,6 @@ def untie_state(
                     f"{s}; only elementwise states (such as Adam's mu and nu) can be untied. "
                     "Fix: initialize a fresh optimizer state for the untied tree."
                 )
-        return _untie_positions(x, chosen)
+        return _untie_positions(x, at)
 
     return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)
