@@ -494,9 +494,8 @@ class MaterializedDisplay:
         for view in structure.views:
             uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
-        for (i, t, p, at), x in zip(
-            structure.expanded, _expand_leaves(structure, self.graph._leaves), strict=True
-        ):
+        values = _expand_leaves(structure, self.graph._leaves)
+        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
                 note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
