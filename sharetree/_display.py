@@ -512,11 +512,9 @@ class MaterializedDisplay:
 
         g = self.graph
         saved = saved_percent(g.nbytes_unique, g.nbytes_expanded)
-        head = rp.comment_color(
-            rp.text(f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)")
-        )
+        head = f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)"
         body = subtree_renderer(self.marked_tree(), path=path)
-        return rp.siblings_with_annotations(head, rp.text("\n"), body)
+        return rp.siblings_with_annotations(rp.comment_color(rp.text(head)), rp.text("\n"), body)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         # Not ``_repr_html_``: treescope embeds any object that has one, which would recurse.
