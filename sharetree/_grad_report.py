@@ -154,7 +154,7 @@ class GradReport:
     def _blocks(self) -> Iterator[tuple[BufferUses, str, list[tuple[str, ...]], str]]:
         """Per buffer shown: it, its title after the path, its table rows, its ``... more`` line."""
         for b in self.shared[: self.max_rows]:
-            rows = [
+            rows: list[tuple[str, ...]] = [
                 (u.path, _fmt(u.norm, ".4g"), _fmt(u.share, ".1%"), _fmt(u.cos_rest, "+.3f"))
                 for u in b.uses[: self.max_rows]
             ]
