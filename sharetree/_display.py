@@ -141,12 +141,11 @@ def _headline(g: SharingGraph) -> str:
 # text
 
 
-def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
+    """The lines of a text table (indented, columns padded), then the ``more`` line if any."""
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    return [
-        ("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True))).rstrip()
-        for r in [header, *rows]
-    ]
+    lines = [("  " + "  ".join(map(str.ljust, r, widths))).rstrip() for r in [header, *rows]]
+    return lines + (["  " + more] if more else [])
 
 
 def summary(
@@ -200,8 +199,8 @@ def summary(
         )
     lines = [_headline(g), *_table(_TOTALS, _totals(g))]
     for sec in _sections(g, max_rows):
-        body = _table(sec.header, sec.rows) if sec.rows else ["  " + sec.none]
-        lines += [f"{sec.title}:", *body, *(["  " + sec.more] if sec.more else [])]
+        body = _table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
+        lines += [f"{sec.title}:", *body]
     if grads_by_use is not None:
         from sharetree._grad_report import grad_report  # it renders with this module's tables
 

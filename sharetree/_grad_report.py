@@ -171,8 +171,8 @@ class GradReport:
         lines = [self._headline()]
         for b, title, rows, more in self._blocks():
             bars = ("" if math.isnan(u.share) else "\u2588" * round(_BAR * u.share) for u in b.uses)
-            table = _table((*_HEADER, ""), [(*r, bar) for r, bar in zip(rows, bars)])
-            lines += [b.path + title, *table, *(["  " + more] if more else [])]
+            table = _table((*_HEADER, ""), [(*r, bar) for r, bar in zip(rows, bars)], more)
+            lines += [b.path + title, *table]
         more = _more(len(self.shared), self.max_rows, "buffers used in several places")
         lines += [line for line in (more, self._single()) if line]
         return "\n".join(line.rstrip() for line in lines)
