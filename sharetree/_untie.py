@@ -224,7 +224,6 @@ def untie_state(
                 "that are transposes or reshapes."
             )
     treedef, top = structure.treedef, _top(tree)
-    shapes = [np.shape(x) for x in leaves]
 
     def params_like(x: Any) -> bool:
         x_top = None if top is None else _top(x)  # (a treedef does not compare with None)
@@ -242,13 +241,13 @@ def untie_state(
                 "before untying it; for a state that holds optax.MaskedNode (optax.masked, "
                 "multi_transform), initialize a fresh state for the untied tree."
             )
-        for path, s, y in zip(structure.buffer_paths, shapes, jtu.tree_leaves(x), strict=True):
-            if np.shape(y) != s:
+        for path, b, y in zip(structure.buffer_paths, leaves, jtu.tree_leaves(x), strict=True):
+            if np.shape(y) != np.shape(b):
                 raise TieError(
                     f"untie_state: the part {where!r} of the optimizer state has shape "
                     f"{np.shape(y)} at {path_str(path)!r}, where the tree's buffer has shape "
-                    f"{s}; only elementwise states (such as Adam's mu and nu) can be untied. "
-                    "Fix: initialize a fresh optimizer state for the untied tree."
+                    f"{np.shape(b)}; only elementwise states (such as Adam's mu and nu) can be "
+                    "untied. Fix: initialize a fresh optimizer state for the untied tree."
                 )
         return _untie_positions(x, at)
 
