@@ -10,7 +10,7 @@ escaped before it goes into HTML, SVG or DOT.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from html import escape
 from typing import Any, NamedTuple
 
@@ -18,11 +18,10 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
-from sharetree._materialize import leaves_and_structure
 from sharetree._paths import format_aval, path_str, plural
-from sharetree._report import SharingGraph, View, canonicalize
+from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tied import Tied
-from sharetree._transforms import identity
+from sharetree._transforms import Transform, identity
 
 __all__ = [
     "summary",
@@ -57,12 +56,8 @@ def format_bytes(n: int) -> str:
     """
     if n < 1024:
         return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024.0
-        if value < 1024.0 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
+    k = min((int(n).bit_length() - 1) // 10, 4)  # the largest unit that is at most n
+    return f"{n / 1024**k:.1f} {'KMGT'[k - 1]}iB"
 
 
 def saved_percent(unique: int, expanded: int) -> float:
@@ -76,24 +71,32 @@ def saved_percent(unique: int, expanded: int) -> float:
     return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
+def _more(total: int, shown: int, what: str) -> str:
+    """The ``... and K more WHAT`` line of a table or drawing cut after ``shown`` of ``total``."""
+    return f"... and {total - shown:,} more {what}" if total > shown else ""
+
+
+def _first(names: Sequence[str], n: int) -> str:
+    """The first ``n`` of ``names``, comma-separated, then ``, ... (K more)``."""
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
 class _Section(NamedTuple):
-    """One table of a summary: its title, header, the rows shown and how many are left out."""
+    """One table of a summary: its title, header, the rows shown and the ``... more`` line."""
 
     title: str
     header: tuple[str, ...]
     rows: Sequence[tuple[str, ...]]
-    more: int
+    more: str  # the "... and K more" line, or ""
     none: str  # the text shown when there are no rows
     numeric: frozenset[int]  # columns aligned right in HTML
 
-    def more_text(self) -> str:
-        return f"... and {self.more:,} more {self.title}" if self.more else ""
 
-
-def _shape_str(shape: tuple[int, ...] | None) -> str:
-    if shape is None:
-        return "static"
-    return "(" + ", ".join(map(str, shape)) + (",)" if len(shape) == 1 else ")")
+def _shape_dtype(x: Buffer | View) -> tuple[str, str]:
+    """Its shape and dtype cells: ``(2, 3)`` and ``float32``, or ``static`` and ``-``."""
+    if x.shape is None:
+        return "static", "-"
+    return "(" + ", ".join(map(str, x.shape)) + (",)" if len(x.shape) == 1 else ")"), str(x.dtype)
 
 
 def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
@@ -103,23 +106,17 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     the interesting ones), but rows keep flatten order.
     """
     buffers, views = g.buffers, list(g.views.values())
-    shared = [i for i, b in enumerate(buffers) if b.num_views][:max_rows]
-    kept = set(shared)
-    others = [i for i in range(len(buffers)) if i not in kept][: max_rows - len(shared)]
-    dtype = lambda d: "-" if d is None else str(d)  # noqa: E731
+    shared_first = sorted(range(len(buffers)), key=lambda i: not buffers[i].num_views)
     b_rows = [
-        (b.path, _shape_str(b.shape), dtype(b.dtype), format_bytes(b.nbytes), str(b.num_views))
-        for b in (buffers[i] for i in sorted(kept.union(others)))
+        (b.path, *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
+        for b in (buffers[i] for i in sorted(shared_first[:max_rows]))
     ]
-    v_rows = [
-        (v.path, v.buffer, repr(v.transform), _shape_str(v.shape), dtype(v.dtype))
-        for v in views[:max_rows]
-    ]
+    v_rows = [(v.path, v.buffer, repr(v.transform), *_shape_dtype(v)) for v in views[:max_rows]]
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
-                 len(buffers) - len(b_rows), "(none)", frozenset({3, 4})),
+                 _more(len(buffers), len(b_rows), "buffers"), "(none)", frozenset({3, 4})),
         _Section("views", ("path", "buffer", "transform", "shape", "dtype"), v_rows,
-                 len(views) - len(v_rows), "(none: nothing is shared)", frozenset()),
+                 _more(len(views), len(v_rows), "views"), "(none: nothing is shared)", frozenset()),
     ]  # fmt: skip
 
 
@@ -144,12 +141,11 @@ def _headline(g: SharingGraph) -> str:
 # text
 
 
-def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
+    """The lines of a text table (indented, columns padded), then the ``more`` line if any."""
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    return [
-        ("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True))).rstrip()
-        for r in [header, *rows]
-    ]
+    lines = [("  " + "  ".join(map(str.ljust, r, widths))).rstrip() for r in [header, *rows]]
+    return lines + (["  " + more] if more else [])
 
 
 def summary(
@@ -203,8 +199,8 @@ def summary(
         )
     lines = [_headline(g), *_table(_TOTALS, _totals(g))]
     for sec in _sections(g, max_rows):
-        body = _table(sec.header, sec.rows) if sec.rows else ["  " + sec.none]
-        lines += [f"{sec.title}:", *body, *(["  " + sec.more_text()] if sec.more else [])]
+        body = _table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
+        lines += [f"{sec.title}:", *body]
     if grads_by_use is not None:
         from sharetree._grad_report import grad_report  # it renders with this module's tables
 
@@ -238,6 +234,23 @@ def _html_table(
     return (
         f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
         f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _page(kind: str, headline: str, parts: Iterable[str]) -> str:
+    """An HTML block of class ``kind``: a bold ``headline``, then ``parts`` (inline styles only)."""
+    return (
+        f'<div class="{kind}" style="{_MONO}font-size:12px;line-height:1.35;">'
+        f"<div><b>{escape(headline)}</b></div>{''.join(parts)}</div>"
+    )
+
+
+def _svg(width: float, height: float, font_px: int, body: Iterable[str]) -> str:
+    """An inline ``<svg>`` element of the given size holding ``body``."""
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:{font_px}px;">'
+        f"{''.join(body)}</svg>"
     )
 
 
@@ -276,41 +289,32 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         >>> svg.startswith("<svg") and ">T</text>" in svg
         True
     """
-    views = g.views
-    if not views:
+    if not g.views:
         return ""
-    by_buffer: dict[str, list[View]] = {}
-    for v in itertools.islice(views.values(), max_rows):
-        by_buffer.setdefault(v.buffer, []).append(v)
-    more = len(views) - sum(len(vs) for vs in by_buffer.values())
-    groups = [(b.path, by_buffer[b.path]) for b in g.buffers if b.path in by_buffer]
-
+    order = {b.path: i for i, b in enumerate(g.buffers)}
+    shown = sorted(itertools.islice(g.views.values(), max_rows), key=lambda v: order[v.buffer])
+    more = _more(len(g.views), len(shown), "views")
     char_w, row_h, clip, top = 7.0, 26, 36, 12
-    shown = [v for _, vs in groups for v in vs]
-    labels = [_clip(repr(v.transform), 28) for v in shown]
-    left_w = max(len(_clip(b, clip)) for b, _ in groups) * char_w + 2 * _PAD
+    left_w = max(len(_clip(v.buffer, clip)) for v in shown) * char_w + 2 * _PAD
     right_w = max(len(_clip(v.path, clip)) for v in shown) * char_w + 2 * _PAD
-    label_w = max(len(s) for s in labels) * char_w
+    label_w = max(len(_clip(repr(v.transform), 28)) for v in shown) * char_w
     gap = max(70.0, label_w + 90)
-    x_left, x_right = 4.0, 4.0 + left_w + gap
-    x0, x1 = x_left + left_w, x_right  # where the edges start and end
-    more_text = f"... and {more:,} more views" if more else ""
+    x0, x1 = 4.0 + left_w, 4.0 + left_w + gap  # where the edges start and end (the views' left)
     height = top + len(shown) * row_h + 4 + (row_h if more else 0)
-    width = max(x_right + right_w, x_right + len(more_text) * char_w) + 4
+    width = max(x1 + right_w, x1 + len(more) * char_w) + 4
     mid = f"stm{next(_svg_ids)}"
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:12px;">',
         f'<defs><marker id="{mid}" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" '
         f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
         f'fill="#6b7280"/></marker></defs>',
     ]
     row = 0
-    for buf, vs in groups:
+    for buf, group in itertools.groupby(shown, key=lambda v: v.buffer):
+        vs = list(group)
         ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
         by = sum(ys) / len(ys)
-        out.append(_box(f"buffer {buf}", x_left, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
-        for v, y, label in zip(vs, ys, labels[row:], strict=False):
+        out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
+        for v, y in zip(vs, ys, strict=True):
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
@@ -319,18 +323,17 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
             if v.transform != identity:
                 out.append(
                     f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
-                    f'fill="#374151">{escape(label)}</text>'
+                    f'fill="#374151">{escape(_clip(repr(v.transform), 28))}</text>'
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
-            out.append(_box(title, x_right, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
+            out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
         row += len(vs)
     if more:
         out.append(
-            f'<text x="{x_right}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
-            f"{escape(more_text)}</text>"
+            f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
+            f"{escape(more)}</text>"
         )
-    out.append("</svg>")
-    return "".join(out)
+    return _svg(width, height, 12, out)
 
 
 def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
@@ -349,20 +352,12 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """
     buffers, views = _sections(g, max_rows)
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
-    return "".join(
-        [
-            f'<div class="sharetree-graph" style="{_MONO}font-size:12px;line-height:1.35;">',
-            f"<div><b>{escape(_headline(g))}</b></div>",
-            _html_table(_TOTALS, _totals(g), numeric={1, 2, 3}),
-            *(
-                f"<div><b>{sec.title}</b></div>"
-                + _html_table(sec.header, sec.rows, sec.numeric, sec.more_text())
-                for sec in ((buffers, views) if views.rows else (buffers,))
-            ),
-            graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS,
-            "</div>",
-        ]
-    )
+    parts = [_html_table(_TOTALS, _totals(g), numeric={1, 2, 3})]
+    for sec in (buffers, views) if views.rows else (buffers,):
+        parts.append(f"<div><b>{sec.title}</b></div>")
+        parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more))
+    parts.append(graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS)
+    return _page("sharetree-graph", _headline(g), parts)
 
 
 _NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
@@ -396,24 +391,21 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
         }
     """
     index = {b.path: i for i, b in enumerate(g.buffers)}
-    views = list(g.views.values())
-    used = {v.buffer for v in views}
     label = lambda x: _dot_str(f"{x.path}\n{format_aval(x.aval)}")  # noqa: E731
-    lines = ["digraph sharing {\n  rankdir=LR;", _DOT_NODE]
+    lines = [
+        'digraph sharing {\n  rankdir=LR;\n  node [shape=box, fontname="monospace", fontsize=10];'
+    ]
     lines += [
         f'  b{i} [label={label(b)}, style="filled", fillcolor="{_BUFFER_FILL}"];'
         for i, b in enumerate(g.buffers)
-        if include_unshared or b.path in used
+        if include_unshared or b.num_views
     ]
-    lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(views)]
+    lines += [f'  v{j} [label={label(v)}, style="dashed"];' for j, v in enumerate(g.views.values())]
     lines += [
         f"  b{index[v.buffer]} -> v{j} [label={_dot_str(repr(v.transform))}];"
-        for j, v in enumerate(views)
+        for j, v in enumerate(g.views.values())
     ]
     return "\n".join([*lines, "}"])
-
-
-_DOT_NODE = '  node [shape=box, fontname="monospace", fontsize=10];'
 
 
 # ---------------------------------------------------------------------------
@@ -426,6 +418,10 @@ def _color(buffer: str) -> str:
     return formatting_util.color_from_string(buffer)
 
 
+def _via(t: Transform) -> str:
+    return "" if t == identity else f" via {t!r}"
+
+
 def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> Any:
     """The treescope rendering of a ``Tied``: ``Tied('enc/w', T)  # view of enc/w``.
 
@@ -433,20 +429,13 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
     gives the buffer at that path, and a comment names the ref and transform.
     Used by ``Tied.__treescope_repr__``.
     """
-    del subtree_renderer  # ref and transform are static text, not subtrees
+    # subtree_renderer is not needed: ref and transform are static text, not subtrees
     from treescope import rendering_parts as rp
 
     ref = path_str(tied.ref)
-    line = rp.siblings(
-        rp.maybe_qualified_type_name(Tied),
-        "(",
-        repr(tied.ref) if any("/" in k for k in tied.ref) else repr(ref),
-        *(() if tied.transform == identity else (", ", repr(tied.transform))),
-        ")",
-    )
+    line = rp.siblings(rp.maybe_qualified_type_name(Tied), repr(tied).removeprefix("Tied"))
     node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
-    how = "" if tied.transform == identity else f" via {tied.transform!r}"
-    note = f"  # \u2192 view of {ref}{how}"
+    note = f"  # \u2192 view of {ref}{_via(tied.transform)}"
     return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
 
 
@@ -495,30 +484,24 @@ class MaterializedDisplay:
     """
 
     def __init__(self, tree: Any) -> None:
-        leaves, structure = leaves_and_structure(tree)
-        self.tree, self.graph = tree, SharingGraph(structure, leaves)
-        self._leaves, self._structure = leaves, structure
+        self.tree, self.graph = tree, canonicalize(tree)
 
     def marked_tree(self) -> Any:
         """The materialized tree whose buffer and view leaves are wrapped with their notes."""
-        structure = self._structure
+        structure = self.graph.structure
         uses: dict[int, list[str]] = {}
         for view in structure.views:
             uses.setdefault(view.buffer, []).append(path_str(view.path))
         marked = []
-        for (i, t, p, at), x in zip(
-            structure.expanded, _expand_leaves(structure, self._leaves), strict=True
-        ):
+        values = _expand_leaves(structure, self.graph._leaves)
+        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
             buf = path_str(structure.buffer_paths[i])
             if t is not None:
-                how = "" if t == identity else f" via {t!r}"
                 note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
-                marked.append(_Mark(x, f"[view of {buf}{how}]", note, _color(buf)))
+                marked.append(_Mark(x, f"[view of {buf}{_via(t)}]", note, _color(buf)))
             elif i in uses:
-                n = len(uses[i])
-                first = ", ".join(uses[i][:3]) + (f", ... ({n - 3} more)" if n > 3 else "")
-                badge = f"[buffer: {plural(n, 'view')}]"
-                marked.append(_Mark(x, badge, f"shared with {first}", _color(buf)))
+                badge = f"[buffer: {plural(len(uses[i]), 'view')}]"
+                marked.append(_Mark(x, badge, f"shared with {_first(uses[i], 3)}", _color(buf)))
             else:
                 marked.append(x)
         return jtu.tree_unflatten(structure.expanded_treedef, marked)
@@ -528,11 +511,9 @@ class MaterializedDisplay:
 
         g = self.graph
         saved = saved_percent(g.nbytes_unique, g.nbytes_expanded)
-        head = rp.comment_color(
-            rp.text(f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)")
-        )
+        head = f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)"
         body = subtree_renderer(self.marked_tree(), path=path)
-        return rp.siblings_with_annotations(head, rp.text("\n"), body)
+        return rp.siblings_with_annotations(rp.comment_color(rp.text(head)), rp.text("\n"), body)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         # Not ``_repr_html_``: treescope embeds any object that has one, which would recurse.

@@ -26,18 +26,6 @@ ByUse = dict[str, dict[str, Any]]
 """``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns."""
 
 
-def _check_argnums(argnums: Any) -> int:
-    if isinstance(argnums, bool) or not isinstance(argnums, int) or argnums < 0:
-        raise TieError(
-            f"grad_by_use: argnums must be one non-negative int, the position of the tied "
-            f"tree among the positional arguments, found {type(argnums).__name__} {argnums!r}. "
-            "The uses of a buffer live in one tree, so gradients by use are taken with respect "
-            "to one argument. Fix: pass argnums=0 (or the tree's index), and put several trees "
-            "into one dict if they share buffers."
-        )
-    return argnums
-
-
 def grad_by_use(
     fun: Callable[..., Any], argnums: int = 0, *, has_aux: bool = False
 ) -> Callable[..., Any]:
@@ -91,7 +79,14 @@ def grad_by_use(
         >>> {use: g.tolist() for use, g in by_use["enc"].items()}
         {'dec': [[3.0, 4.0]], 'enc': [[3.0, 4.0]]}
     """
-    argnums = _check_argnums(argnums)
+    if isinstance(argnums, bool) or not isinstance(argnums, int) or argnums < 0:
+        raise TieError(
+            f"grad_by_use: argnums must be one non-negative int, the position of the tied "
+            f"tree among the positional arguments, found {type(argnums).__name__} {argnums!r}. "
+            "The uses of a buffer live in one tree, so gradients by use are taken with respect "
+            "to one argument. Fix: pass argnums=0 (or the tree's index), and put several trees "
+            "into one dict if they share buffers."
+        )
     if not callable(fun):
         raise TieError(
             f"grad_by_use: fun must be callable, found {type(fun).__name__} {fun!r}. "
@@ -106,23 +101,20 @@ def grad_by_use(
                 f"but only {len(args)} positional argument(s) were passed. Fix: pass the "
                 "tied tree positionally, e.g. grad_by_use(loss)(tree, batch)."
             )
-        tree = args[argnums]
-        leaves, structure = leaves_and_structure(tree)
-        values = expand_leaves(structure, leaves)
+        leaves, structure = leaves_and_structure(args[argnums])
 
         def on_materialized(flat: list[Any]) -> Any:
             m = jax.tree_util.tree_unflatten(structure.expanded_treedef, flat)
             return fun(*args[:argnums], m, *args[argnums + 1 :], **kwargs)
 
         # one gradient w.r.t. every position of the materialized tree (the untied gradient)
-        out = jax.grad(on_materialized, has_aux=has_aux)(values)
+        out = jax.grad(on_materialized, has_aux=has_aux)(expand_leaves(structure, leaves))
         grads, aux = out if has_aux else (out, None)
         by_use: ByUse = {path_str(p): {} for p in structure.buffer_paths}
         for leaf, g in zip(structure.expanded, grads, strict=True):
-            buffer = leaves[leaf.buffer]
             t = leaf.transform
             if t is not None and t != identity:
-                _, vjp = jax.vjp(t, buffer)
+                _, vjp = jax.vjp(t, leaves[leaf.buffer])
                 (g,) = vjp(g)
             by_use[path_str(structure.buffer_paths[leaf.buffer])][path_str(leaf.path)] = g
         return (by_use, aux) if has_aux else by_use

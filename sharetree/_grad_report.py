@@ -9,14 +9,14 @@ the sum of those norms, and the cosine between uses (near 1 they agree, below
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from html import escape
 from typing import Any
 
 import numpy as np
 
-from sharetree._display import _CELL, _MONO, MAX_ROWS, _html_table, _table
+from sharetree._display import _CELL, MAX_ROWS, _first, _html_table, _more, _page, _svg, _table
 from sharetree._errors import TieError
 from sharetree._paths import plural
 
@@ -74,8 +74,7 @@ def _host(x: Any, where: str) -> np.ndarray:
             f"({type(e).__name__}); a report needs values. Fix: call st.grad_report outside "
             "jit (the dict that st.grad_by_use returns under jit can be passed out of it)."
         ) from None
-    wide = np.complex128 if np.iscomplexobj(a) else np.float64
-    return a.astype(wide).ravel()
+    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64).ravel()
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -93,8 +92,7 @@ def _buffer_uses(path: str, uses: Any) -> BufferUses:
             "Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
     vecs = {u: _host(g, f"{u!r} (buffer {path!r})") for u, g in uses.items()}
-    sizes = {v.size for v in vecs.values()}
-    if len(sizes) != 1:
+    if len({v.size for v in vecs.values()}) != 1:
         raise TieError(
             f"grad_report: the uses of buffer {path!r} have different sizes "
             f"({', '.join(f'{u!r}: {v.size}' for u, v in vecs.items())}); every contribution "
@@ -102,31 +100,21 @@ def _buffer_uses(path: str, uses: Any) -> BufferUses:
         )
     total = sum(vecs.values())
     norms = {u: float(np.linalg.norm(v)) for u, v in vecs.items()}
-    denominator = sum(norms.values())
-    names = list(vecs)
-    rows = []
-    for u in names:
-        rest = None if len(names) == 1 else _cos(vecs[u], total - vecs[u])
-        share = norms[u] / denominator if denominator > 0 else math.nan
-        rows.append(Use(u, norms[u], share, rest))
-    cosines = tuple(tuple(_cos(vecs[a], vecs[b]) for b in names) for a in names)
-    return BufferUses(path, tuple(rows), float(np.linalg.norm(total)), cosines)
+    denominator = sum(norms.values()) or math.nan  # every share is nan when every use is zero
+    rows = tuple(
+        Use(u, norms[u], norms[u] / denominator, None if len(vecs) == 1 else _cos(v, total - v))
+        for u, v in vecs.items()
+    )
+    cosines = tuple(tuple(_cos(a, b) for b in vecs.values()) for a in vecs.values())
+    return BufferUses(path, rows, float(np.linalg.norm(total)), cosines)
 
 
-def _num(x: float | None) -> str:
-    if x is None or math.isnan(x):
-        return "-"
-    return f"{x:.4g}"
+def _fmt(x: float | None, spec: str) -> str:
+    """``x`` formatted with ``spec``; ``-`` for ``None`` and ``nan``."""
+    return "-" if x is None or math.isnan(x) else format(x, spec)
 
 
-def _cos_text(x: float | None) -> str:
-    if x is None or math.isnan(x):
-        return "-"
-    return f"{x:+.3f}"
-
-
-def _pct(x: float) -> str:
-    return "-" if math.isnan(x) else f"{100 * x:.1f}%"
+_HEADER = ("use", "norm", "share", "cos(rest)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +140,7 @@ class GradReport:
 
     def __getitem__(self, path: str) -> BufferUses:
         """The uses of the buffer at ``path``."""
-        for b in self.buffers:
-            if b.path == path:
-                return b
-        raise KeyError(path)
+        return {b.path: b for b in self.buffers}[path]
 
     def _headline(self) -> str:
         n, k = len(self.buffers), len(self.shared)
@@ -166,97 +151,62 @@ class GradReport:
             )
         return f"gradient by use: {k:,} of {plural(n, 'buffer')} used in several places"
 
-    def _rows(self, b: BufferUses) -> list[tuple[str, ...]]:
-        return [
-            (
-                u.path,
-                _num(u.norm),
-                _pct(u.share),
-                _cos_text(u.cos_rest),
-                "" if math.isnan(u.share) else "\u2588" * round(_BAR * u.share),
-            )
-            for u in b.uses[: self.max_rows]
-        ]
+    def _blocks(self) -> Iterator[tuple[BufferUses, str, list[tuple[str, ...]], str]]:
+        """Per buffer shown: it, its title after the path, its table rows, its ``... more`` line."""
+        for b in self.shared[: self.max_rows]:
+            rows: list[tuple[str, ...]] = [
+                (u.path, _fmt(u.norm, ".4g"), _fmt(u.share, ".1%"), _fmt(u.cos_rest, "+.3f"))
+                for u in b.uses[: self.max_rows]
+            ]
+            title = f": {len(b.uses)} uses, norm of their sum {_fmt(b.norm, '.4g')}"
+            yield b, title, rows, _more(len(b.uses), len(rows), "uses")
 
     def _single(self) -> str:
         single = [b.path for b in self.buffers if len(b.uses) == 1]
         if not single or not self.shared:
             return ""
-        shown = ", ".join(single[:5]) + (
-            f", ... ({len(single) - 5} more)" if len(single) > 5 else ""
-        )
-        return f"{plural(len(single), 'buffer')} with one use each: {shown}"
+        return f"{plural(len(single), 'buffer')} with one use each: {_first(single, 5)}"
 
     def __str__(self) -> str:
         lines = [self._headline()]
-        for b in self.shared[: self.max_rows]:
-            lines.append(f"{b.path}: {len(b.uses)} uses, norm of their sum {_num(b.norm)}")
-            lines += _table(("use", "norm", "share", "cos(rest)", ""), self._rows(b))
-            if len(b.uses) > self.max_rows:
-                lines.append(f"  ... and {len(b.uses) - self.max_rows:,} more uses")
-        more = len(self.shared) - self.max_rows
-        if more > 0:
-            lines.append(f"... and {more:,} more buffers used in several places")
-        if self._single():
-            lines.append(self._single())
+        for b, title, rows, more in self._blocks():
+            bars = ("" if math.isnan(u.share) else "\u2588" * round(_BAR * u.share) for u in b.uses)
+            table = _table((*_HEADER, ""), [(*r, bar) for r, bar in zip(rows, bars)], more)
+            lines += [b.path + title, *table]
+        more = _more(len(self.shared), self.max_rows, "buffers used in several places")
+        lines += [line for line in (more, self._single()) if line]
         return "\n".join(line.rstrip() for line in lines)
 
     __repr__ = __str__
 
-    def _svg(self, b: BufferUses) -> str:
-        e = html.escape
-        uses = b.uses[: self.max_rows]
-        label_w = 7 * max(len(u.path) for u in uses) + 12
-        row_h, top = 18, 4
-        width = label_w + _BAR_PX + 150
-        height = top + row_h * len(uses) + 4
-        out = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" style="{_MONO}font-size:11px;">'
-        ]
-        for k, u in enumerate(uses):
-            y = top + k * row_h
-            share = 0.0 if math.isnan(u.share) else u.share
-            fight = u.cos_rest is not None and not math.isnan(u.cos_rest) and u.cos_rest < 0
-            fill = _FIGHT if fight else _AGREE
+    def _svg(self, b: BufferUses, rows: list[tuple[str, ...]]) -> str:
+        label_w = 7 * max(len(r[0]) for r in rows) + 12
+        out = []
+        for k, (u, (path, norm, pct, cos)) in enumerate(zip(b.uses, rows)):
+            y = 4 + k * 18
+            width = 0.0 if math.isnan(u.share) else u.share * _BAR_PX
+            fill = _FIGHT if u.cos_rest is not None and u.cos_rest < 0 else _AGREE
             out.append(
-                f"<g><title>{e(u.path)}: norm {_num(u.norm)}, share {_pct(u.share)}, "
-                f"cos(rest) {_cos_text(u.cos_rest)}</title>"
-                f'<text x="0" y="{y + 12}">{e(u.path)}</text>'
-                f'<rect x="{label_w}" y="{y + 2}" width="{share * _BAR_PX:.1f}" height="12" '
-                f'fill="{fill}"/>'
-                f'<text x="{label_w + share * _BAR_PX + 6:.1f}" y="{y + 12}" fill="#374151">'
-                f"{e(_pct(u.share))} cos {e(_cos_text(u.cos_rest))}</text></g>"
+                f"<g><title>{escape(path)}: norm {norm}, share {pct}, cos(rest) {cos}</title>"
+                f'<text x="0" y="{y + 12}">{escape(path)}</text>'
+                f'<rect x="{label_w}" y="{y + 2}" width="{width:.1f}" height="12" fill="{fill}"/>'
+                f'<text x="{label_w + width + 6:.1f}" y="{y + 12}" fill="#374151">'
+                f"{pct} cos {cos}</text></g>"
             )
-        out.append("</svg>")
-        return "".join(out)
+        return _svg(label_w + _BAR_PX + 150, 4 + 18 * len(rows) + 4, 11, out)
 
     def _repr_html_(self) -> str:
-        e = html.escape
-        parts = [
-            f'<div class="sharetree-grad-report" style="{_MONO}font-size:12px;line-height:1.35;">',
-            f"<div><b>{e(self._headline())}</b></div>",
-        ]
-        for b in self.shared[: self.max_rows]:
-            more = len(b.uses) - self.max_rows
+        parts = []
+        for b, title, rows, more in self._blocks():
             parts += [
-                f"<div><b>{e(b.path)}</b>: {len(b.uses)} uses, norm of their sum "
-                f"{e(_num(b.norm))}</div>",
-                _html_table(
-                    ("use", "norm", "share", "cos(rest)"),
-                    [r[:4] for r in self._rows(b)],
-                    numeric={1, 2, 3},
-                    more=f"... and {more:,} more uses" if more > 0 else "",
-                ),
-                self._svg(b),
+                f"<div><b>{escape(b.path)}</b>{escape(title)}</div>",
+                _html_table(_HEADER, rows, numeric={1, 2, 3}, more=more),
+                self._svg(b, rows),
             ]
-        more = len(self.shared) - self.max_rows
-        if more > 0:
-            parts.append(f'<div style="{_CELL}">... and {more:,} more buffers</div>')
-        if self._single():
-            parts.append(f"<div>{e(self._single())}</div>")
-        parts.append("</div>")
-        return "".join(parts)
+        more = _more(len(self.shared), self.max_rows, "buffers")
+        parts += [f'<div style="{_CELL}">{more}</div>'] if more else []
+        parts += [f"<div>{escape(self._single())}</div>"] if self._single() else []
+        return _page("sharetree-grad-report", self._headline(), parts)
 
 
 def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_ROWS) -> GradReport:

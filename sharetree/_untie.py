@@ -9,11 +9,11 @@ way, so every new buffer starts from a copy of the shared moments.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -37,15 +37,13 @@ __all__ = ["untie", "untie_state"]
 PyTree = Any
 
 
-def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None) -> list[Path]:
-    """The ``Tied`` positions at or under ``paths`` (all of them for ``None``), flatten order."""
+def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None) -> set[Path]:
+    """The ``Tied`` positions at or under ``paths`` (all of them for ``None``)."""
     ties = list(structure.ties)
     if paths is None:
-        return ties
-    if isinstance(paths, (str, tuple)):
-        paths = [paths]
+        return set(ties)
     chosen: set[Path] = set()
-    for given in paths:
+    for given in [paths] if isinstance(paths, (str, tuple)) else paths:
         p = to_path(given, "untie path")
         under = [q for q in ties if q[: len(p)] == p]
         if not under:
@@ -56,51 +54,28 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
                     f"({structure.ties[inside]!r}), which is tied as a whole. "
                     f"Fix: untie {path_str(inside)!r}, then tie the parts you want shared again."
                 )
-            hint = (
-                closest(path_str(p), [path_str(q) for q in ties])
-                if ties
-                else "the tree has no ties at all"
-            )
+            names = [path_str(q) for q in ties]
+            hint = closest(path_str(p), names) if ties else "the tree has no ties at all"
             raise TieError(
                 f"untie: {path_str(p)!r} is not a view and has no view under it; {hint}. "
                 "Fix: pass the path of a Tied (or of a subtree holding some); buffers "
                 "are untied already."
             )
         chosen.update(under)
-    return [q for q in ties if q in chosen]
+    return chosen
 
 
-def _copy(x: Any) -> Any:
-    """An independent copy of a concrete array (tracers and non-arrays are returned as they are)."""
-    if isinstance(x, np.ndarray):
-        return x.copy()
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        return jnp.array(x, copy=True)
-    return x
-
-
-def _untie_positions(tree: PyTree, structure: Structure, chosen: list[Path]) -> PyTree:
-    at = set(chosen)
-    materialized = materialize(tree)
+def _untie_positions(tree: PyTree, at: set[Path]) -> PyTree:
     buffers = {id(x) for x in jtu.tree_leaves(tree) if isinstance(x, (np.ndarray, jax.Array))}
+    # an identity view is the buffer object itself: copy it, so that no two
+    # positions hold one array (donation, in-place NumPy updates)
+    copy = lambda x: x.copy() if id(x) in buffers else x  # noqa: E731
 
-    def stop(kp: Any, _x: Any) -> bool:
-        return keypath_to_path(kp) in at
+    def replace(kp: Any, x: Any, value: Any) -> Any:
+        return jtu.tree_map(copy, value) if keypath_to_path(kp) in at else x
 
-    found: dict[Path, Any] = {}
-    flat, _ = jtu.tree_flatten_with_path(materialized, is_leaf=stop, is_leaf_takes_path=True)
-    for kp, node in flat:
-        path = keypath_to_path(kp)
-        if path in at:
-            # an identity view is the buffer object itself: copy it, so that no two
-            # positions hold one array (donation, in-place NumPy updates)
-            found[path] = jtu.tree_map(lambda x: _copy(x) if id(x) in buffers else x, node)
-
-    def replace(kp: Any, x: Any) -> Any:
-        path = keypath_to_path(kp)
-        return found[path] if path in at else x
-
-    return jtu.tree_map_with_path(replace, tree, is_leaf=is_tied)
+    # the tree, with its ties as leaves, is a prefix of the materialized tree
+    return jtu.tree_map_with_path(replace, tree, materialize(tree), is_leaf=is_tied)
 
 
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
@@ -141,11 +116,8 @@ def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> P
         >>> st.tie(untied, {"dec": tree["dec"]})["dec"]
         Tied('enc', T)
     """
-    _, structure = leaves_and_structure(tree)
-    chosen = _selected(structure, paths)
-    if not chosen:
-        return tree
-    return _untie_positions(tree, structure, chosen)
+    chosen = _selected(leaves_and_structure(tree)[1], paths)
+    return _untie_positions(tree, chosen) if chosen else tree
 
 
 def _moves_elements(t: Transform) -> bool:
@@ -160,14 +132,9 @@ def _top(x: Any) -> Any:
     Only containers with named children (dicts, named tuples, dataclasses) count:
     a plain tuple of two states looks like any tuple of two parameters.
     """
-    if is_tied(x):
-        return None
     children, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    if jtu.treedef_is_leaf(treedef):
-        return None
-    if all(isinstance(kp[0], jtu.SequenceKey) for kp, _ in children):
-        return None
-    return treedef
+    named = any(kp and not isinstance(kp[0], jtu.SequenceKey) for kp, _ in children)
+    return treedef if named else None
 
 
 def _first_difference(part: Any, tree: PyTree) -> str:
@@ -179,21 +146,15 @@ def _first_difference(part: Any, tree: PyTree) -> str:
             for kp, x in jtu.tree_leaves_with_path(t, is_leaf=is_tied)
         ]
 
-    a, b = entries(part), entries(tree)
-    for k in range(max(len(a), len(b))):
-        pa, sa = a[k] if k < len(a) else (None, "nothing")
-        pb, sb = b[k] if k < len(b) else (None, "nothing")
-        if pa != pb or sa.startswith("Tied") or sb.startswith("Tied"):
-            if (pa, sa) == (pb, sb):
-                continue
-            first: Path | None
-            if pa is not None and pb is not None and pa != pb:
-                first = min(pa, pb)
-                sa, sb = (sa if first == pa else "nothing"), (sb if first == pb else "nothing")
-            else:
-                first = pa if pa is not None else pb
-            assert first is not None
-            return f"at {path_str(first)!r} the tree has {sb}, the state has {sa}"
+    pairs = itertools.zip_longest(entries(part), entries(tree), fillvalue=(None, "nothing"))
+    for (pa, sa), (pb, sb) in pairs:
+        if pa == pb and (sa == sb or not (sa.startswith("Tied") or sb.startswith("Tied"))):
+            continue
+        first = min(p for p in (pa, pb) if p is not None)
+        return (
+            f"at {path_str(first)!r} the tree has {sb if first == pb else 'nothing'}, "
+            f"the state has {sa if first == pa else 'nothing'}"
+        )
     return "the node types differ below the top level"
 
 
@@ -247,16 +208,13 @@ def untie_state(
         ((3, 2), Array(0, dtype=int32))
     """
     leaves, structure = leaves_and_structure(tree)
-    chosen = _selected(structure, paths)
-    if not chosen:
+    at = _selected(structure, paths)
+    if not at:
         return opt_state
-    at = set(chosen)
     for leaf in structure.views:
-        under = next((q for q in at if leaf.path[: len(q)] == q), None)
-        t = leaf.transform
-        if under is not None and t is not None and not _moves_elements(t):
+        if leaf.tie in at and not _moves_elements(leaf.transform):
             raise TieError(
-                f"untie_state: the view {path_str(leaf.path)!r} is {t!r} of "
+                f"untie_state: the view {path_str(leaf.path)!r} is {leaf.transform!r} of "
                 f"{path_str(structure.buffer_paths[leaf.buffer])!r}; optimizer moments are "
                 "carried over only through transforms that move elements (transpose, "
                 "reshape): the state does not say which part is a first moment and which a "
@@ -265,15 +223,11 @@ def untie_state(
                 "st.untie and initialize a fresh optimizer state for it, or untie only views "
                 "that are transposes or reshapes."
             )
-    treedef = structure.treedef
-    top = _top(tree)
-    shapes = [np.shape(x) for x in leaves]
+    treedef, top = structure.treedef, _top(tree)
 
     def params_like(x: Any) -> bool:
-        if jtu.tree_structure(x) == treedef:
-            return True
-        x_top = _top(x)
-        return top is not None and x_top is not None and x_top == top
+        x_top = None if top is None else _top(x)  # (a treedef does not compare with None)
+        return jtu.tree_structure(x) == treedef or (x_top is not None and x_top == top)
 
     def visit(kp: Any, x: Any) -> Any:
         if not params_like(x):
@@ -287,15 +241,14 @@ def untie_state(
                 "before untying it; for a state that holds optax.MaskedNode (optax.masked, "
                 "multi_transform), initialize a fresh state for the untied tree."
             )
-        part_leaves = jtu.tree_leaves(x)
-        for path, s, y in zip(structure.buffer_paths, shapes, part_leaves, strict=True):
-            if np.shape(y) != s:
+        for path, b, y in zip(structure.buffer_paths, leaves, jtu.tree_leaves(x), strict=True):
+            if np.shape(y) != np.shape(b):
                 raise TieError(
                     f"untie_state: the part {where!r} of the optimizer state has shape "
                     f"{np.shape(y)} at {path_str(path)!r}, where the tree's buffer has shape "
-                    f"{s}; only elementwise states (such as Adam's mu and nu) can be untied. "
-                    "Fix: initialize a fresh optimizer state for the untied tree."
+                    f"{np.shape(b)}; only elementwise states (such as Adam's mu and nu) can be "
+                    "untied. Fix: initialize a fresh optimizer state for the untied tree."
                 )
-        return _untie_positions(x, structure, chosen)
+        return _untie_positions(x, at)
 
     return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)
