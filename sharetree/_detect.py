@@ -9,9 +9,9 @@ import jax
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, path_str
-from sharetree._tie import _positions, bit_equal, tie
-from sharetree._tied import Tied
+from sharetree._paths import Path, leaves_with_paths, path_str
+from sharetree._tie import bit_equal, tie
+from sharetree._tied import Tied, is_tied
 from sharetree._transforms import (
     T,
     Transform,
@@ -46,7 +46,7 @@ def tie_identical(tree: Any) -> Any:
     """
     first: dict[int, Path] = {}
     ties: dict[Path, Tied] = {}
-    for path, x in _positions(tree):
+    for path, x in leaves_with_paths(tree, is_tied):
         if isinstance(x, (jax.Array, np.ndarray)):
             if id(x) in first:
                 ties[path] = Tied(first[id(x)])
@@ -153,7 +153,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
     # of the same shape and dtype whose fingerprints match its own.
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
-    for path, x in _positions(tree):
+    for path, x in leaves_with_paths(tree, is_tied):
         if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
             continue
         a = np.asarray(x)

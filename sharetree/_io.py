@@ -28,7 +28,7 @@ from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
 from sharetree._materialize import abstract_expanded, leaves_and_structure, transform_error
-from sharetree._paths import Path, TieMap, format_aval, key_name, keypath_to_path, path_str
+from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
@@ -861,17 +861,14 @@ _VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _by_path(tree: Any, is_leaf: Callable[[Any], bool] = is_tied) -> dict[Path, Any]:
-    """Every leaf of ``tree`` (``Tied`` nodes included) by its path, in flatten order."""
-    return {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(tree, is_leaf)[0]}
-
-
 def _place(path: str, tree: Any, shardings: Any) -> Any:
     """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
     from jax.sharding import Sharding
 
-    want = _by_path(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
-    got = _by_path(tree)
+    want = dict(
+        leaves_with_paths(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
+    )
+    got = dict(leaves_with_paths(tree, is_tied))
     missing, extra = _only({p for p, x in got.items() if _is_array(x)}, want), _only(want, got)
     if missing != "none" or extra != "none":
         raise TieError(
@@ -924,8 +921,7 @@ def _describe_leaf(x: Any) -> str:
 
 
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
-    got = _by_path(tree)
-    tmpl = [(keypath_to_path(kp), t) for kp, t in jtu.tree_flatten_with_path(like, is_tied)[0]]
+    got, tmpl = dict(leaves_with_paths(tree, is_tied)), leaves_with_paths(like, is_tied)
     if got.keys() != dict(tmpl).keys():
         raise TieError(
             f"load: the template (like=) does not match {path!r}: paths only in the file: "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -26,6 +26,7 @@ __all__ = [
     "path_str",
     "key_name",
     "keypath_to_path",
+    "leaves_with_paths",
     "prefixes",
     "node_paths",
     "is_array_leaf",
@@ -125,6 +126,21 @@ def key_name(key: Any) -> str:
 def keypath_to_path(keypath: Sequence[Any]) -> Path:
     """Convert a ``jax.tree_util`` key path to a sharetree path."""
     return tuple(key_name(k) for k in keypath)
+
+
+def leaves_with_paths(
+    tree: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> list[tuple[Path, Any]]:
+    """Every leaf of ``tree`` with its path, in flatten order (``is_leaf`` as in ``jax.tree_util``).
+
+    Example:
+        >>> from sharetree._paths import leaves_with_paths
+        >>> leaves_with_paths({"a": [1.0, 2.0], "b": None, "c": (3.0,)})
+        [(('a', '0'), 1.0), (('a', '1'), 2.0), (('c', '0'), 3.0)]
+        >>> leaves_with_paths({"a": (1.0, 2.0)}, is_leaf=lambda x: isinstance(x, tuple))
+        [(('a',), (1.0, 2.0))]
+    """
+    return [(keypath_to_path(kp), x) for kp, x in jtu.tree_leaves_with_path(tree, is_leaf)]
 
 
 def prefixes(path: Path) -> list[Path]:
