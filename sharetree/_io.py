@@ -27,7 +27,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
-from sharetree._materialize import abstract_expanded, leaves_and_structure, transform_error
+from sharetree._materialize import abstract_expanded, leaves_and_structure
 from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
@@ -511,18 +511,7 @@ def load(
 class _FileGraph(SharingGraph):
     """The sharing graph of a file: ``st.fn`` views are named, never called."""
 
-    @functools.cached_property
-    def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
-        out: list[jax.ShapeDtypeStruct | None] = []
-        for view in self.structure.views:
-            aval = self._avals[view.buffer]
-            if aval is not None and not _is_described(view.transform):
-                try:
-                    aval = view.transform.abstract(aval)
-                except Exception as e:  # a built-in transform that does not fit its buffer
-                    raise transform_error(self.structure, view, aval, e) from e
-            out.append(None if _is_described(view.transform) else aval)  # st.fn: never called
-        return out
+    _uncalled = staticmethod(_is_described)
 
 
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
