@@ -32,7 +32,7 @@ from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_pa
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import Transform, transform_from_spec
+from sharetree._transforms import Transform, _is_int, _is_real, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
 
 __all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
@@ -793,14 +793,6 @@ class _Builder:
                 what = f"key data {format_aval(want)} does not fit {impl} keys ({one_line(e)})"
                 raise self.bad(path, what) from e
         return a[()] if scalar else a
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _is_key_list(v: Any) -> bool:
