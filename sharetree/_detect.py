@@ -15,11 +15,11 @@ from sharetree._tied import Tied, is_tied
 from sharetree._transforms import (
     T,
     Transform,
-    _Chain,
     _Reshape,
     _Transpose,
     check_transform,
     identity,
+    parts_of,
 )
 
 __all__ = ["tie_identical", "find_ties"]
@@ -115,11 +115,10 @@ class _View(NamedTuple):
 
 def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
     """``t(a)``: a NumPy view (no copy) for axis permutations and reshapes, else computed."""
-    parts = t.parts if isinstance(t, _Chain) else (t,)
     try:
-        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts):
+        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts_of(t)):
             return np.asarray(t(a))
-        for p in parts:
+        for p in parts_of(t):
             if isinstance(p, _Transpose):
                 a = np.transpose(a, p.axes)
             elif isinstance(p, _Reshape):

@@ -32,7 +32,7 @@ from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_pa
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import Transform, _is_int, _is_real, transform_from_spec
+from sharetree._transforms import Transform, _is_int, _is_real, parts_of, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
 
 __all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
@@ -371,9 +371,8 @@ class _AnyFunction(dict[str, Any]):
         return _Unresolved(name)
 
 
-def _is_described(t: Transform | None) -> bool:
-    parts = getattr(t, "parts", (t,))
-    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts)
+def _is_described(t: Transform) -> bool:
+    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts_of(t))
 
 
 def load(
