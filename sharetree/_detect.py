@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, leaves_with_paths, path_str
+from sharetree._paths import Path, leaves_with_paths, path_key
 from sharetree._tie import bit_equal, tie
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import (
@@ -170,4 +170,4 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
                 continue
             view = _View(path, t, value, _sample(value))
             seen.setdefault(_key(value, view.sample, atol), []).append(view)
-    return {(p if any("/" in k for k in p) else path_str(p)): t for p, t in found.items()}
+    return {path_key(p): t for p, t in found.items()}

@@ -24,6 +24,7 @@ __all__ = [
     "TieMap",
     "to_path",
     "path_str",
+    "path_key",
     "key_name",
     "keypath_to_path",
     "leaves_with_paths",
@@ -96,9 +97,19 @@ def path_str(path: Path) -> str:
     """
     if not path:
         return "<root>"
-    if any("/" in k for k in path):
-        return repr(path)
-    return "/".join(path)
+    key = path_key(path)
+    return key if isinstance(key, str) else repr(key)
+
+
+def path_key(path: Path) -> str | Path:
+    """A path as a result's key: ``/``-joined, or the tuple itself when a key contains ``/``.
+
+    Example:
+        >>> from sharetree._paths import path_key
+        >>> path_key(("a", "b", "0")), path_key(("a/b", "c"))
+        ('a/b/0', ('a/b', 'c'))
+    """
+    return path if any("/" in k for k in path) else "/".join(path)
 
 
 def key_name(key: Any) -> str:

@@ -58,3 +58,9 @@ def test_leaves_with_paths_keeps_flatten_order_and_stops_at_is_leaf():
     assert got == [(_paths.keypath_to_path(kp), x) for kp, x in flat]
     assert got == [(("a",), "s"), (("b", "0"), 1.0), (("b", "1"), tie)]
     assert [p for p, _ in _paths.leaves_with_paths(tree)] == [("a",), ("b", "0")]
+
+
+def test_path_key_is_the_string_path_str_shows_unless_a_key_has_a_slash():
+    assert _paths.path_key(("a", "0")) == _paths.path_str(("a", "0")) == "a/0"
+    assert _paths.path_key(("a/b", "c")) == ("a/b", "c")
+    assert _paths.path_str(("a/b", "c")) == repr(("a/b", "c"))
