@@ -9,17 +9,17 @@ import jax
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, path_str
-from sharetree._tie import _positions, bit_equal, tie
-from sharetree._tied import Tied
+from sharetree._paths import Path, leaves_with_paths, path_key
+from sharetree._tie import bit_equal, tie
+from sharetree._tied import Tied, is_tied
 from sharetree._transforms import (
     T,
     Transform,
-    _Chain,
     _Reshape,
     _Transpose,
     check_transform,
     identity,
+    parts_of,
 )
 
 __all__ = ["tie_identical", "find_ties"]
@@ -46,7 +46,7 @@ def tie_identical(tree: Any) -> Any:
     """
     first: dict[int, Path] = {}
     ties: dict[Path, Tied] = {}
-    for path, x in _positions(tree):
+    for path, x in leaves_with_paths(tree, is_tied):
         if isinstance(x, (jax.Array, np.ndarray)):
             if id(x) in first:
                 ties[path] = Tied(first[id(x)])
@@ -115,11 +115,10 @@ class _View(NamedTuple):
 
 def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
     """``t(a)``: a NumPy view (no copy) for axis permutations and reshapes, else computed."""
-    parts = t.parts if isinstance(t, _Chain) else (t,)
     try:
-        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts):
+        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts_of(t)):
             return np.asarray(t(a))
-        for p in parts:
+        for p in parts_of(t):
             if isinstance(p, _Transpose):
                 a = np.transpose(a, p.axes)
             elif isinstance(p, _Reshape):
@@ -153,7 +152,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
     # of the same shape and dtype whose fingerprints match its own.
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
-    for path, x in _positions(tree):
+    for path, x in leaves_with_paths(tree, is_tied):
         if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
             continue
         a = np.asarray(x)
@@ -171,4 +170,4 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
                 continue
             view = _View(path, t, value, _sample(value))
             seen.setdefault(_key(value, view.sample, atol), []).append(view)
-    return {(p if any("/" in k for k in p) else path_str(p)): t for p, t in found.items()}
+    return {path_key(p): t for p, t in found.items()}

@@ -27,12 +27,12 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
 from sharetree._foreign import load_foreign
-from sharetree._materialize import abstract_expanded, leaves_and_structure, transform_error
-from sharetree._paths import Path, TieMap, format_aval, key_name, keypath_to_path, path_str
+from sharetree._materialize import abstract_expanded, leaves_and_structure
+from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import Transform, transform_from_spec
+from sharetree._transforms import Transform, _is_int, _is_real, parts_of, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
 
 __all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
@@ -371,9 +371,8 @@ class _AnyFunction(dict[str, Any]):
         return _Unresolved(name)
 
 
-def _is_described(t: Transform | None) -> bool:
-    parts = getattr(t, "parts", (t,))
-    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts)
+def _is_described(t: Transform) -> bool:
+    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts_of(t))
 
 
 def load(
@@ -511,18 +510,7 @@ def load(
 class _FileGraph(SharingGraph):
     """The sharing graph of a file: ``st.fn`` views are named, never called."""
 
-    @functools.cached_property
-    def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
-        out: list[jax.ShapeDtypeStruct | None] = []
-        for view in self.structure.views:
-            aval = self._avals[view.buffer]
-            if aval is not None and not _is_described(view.transform):
-                try:
-                    aval = view.transform.abstract(aval)
-                except Exception as e:  # a built-in transform that does not fit its buffer
-                    raise transform_error(self.structure, view, aval, e) from e
-            out.append(None if _is_described(view.transform) else aval)  # st.fn: never called
-        return out
+    _uncalled = staticmethod(_is_described)
 
 
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
@@ -806,14 +794,6 @@ class _Builder:
         return a[()] if scalar else a
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _is_key_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
 
@@ -861,17 +841,14 @@ _VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _by_path(tree: Any, is_leaf: Callable[[Any], bool] = is_tied) -> dict[Path, Any]:
-    """Every leaf of ``tree`` (``Tied`` nodes included) by its path, in flatten order."""
-    return {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(tree, is_leaf)[0]}
-
-
 def _place(path: str, tree: Any, shardings: Any) -> Any:
     """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
     from jax.sharding import Sharding
 
-    want = _by_path(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
-    got = _by_path(tree)
+    want = dict(
+        leaves_with_paths(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
+    )
+    got = dict(leaves_with_paths(tree, is_tied))
     missing, extra = _only({p for p, x in got.items() if _is_array(x)}, want), _only(want, got)
     if missing != "none" or extra != "none":
         raise TieError(
@@ -924,8 +901,7 @@ def _describe_leaf(x: Any) -> str:
 
 
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
-    got = _by_path(tree)
-    tmpl = [(keypath_to_path(kp), t) for kp, t in jtu.tree_flatten_with_path(like, is_tied)[0]]
+    got, tmpl = dict(leaves_with_paths(tree, is_tied)), leaves_with_paths(like, is_tied)
     if got.keys() != dict(tmpl).keys():
         raise TieError(
             f"load: the template (like=) does not match {path!r}: paths only in the file: "

@@ -17,8 +17,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, closest, keypath_to_path, path_str, prefixes
-from sharetree._tie import _positions
+from sharetree._paths import Path, closest, keypath_to_path, leaves_with_paths, path_str, prefixes
 from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
@@ -54,7 +53,7 @@ def _rules(
 
 
 def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
-    ties = [(p, x) for p, x in _positions(tree) if is_tied(x)]
+    ties = [(p, x) for p, x in leaves_with_paths(tree, is_tied) if is_tied(x)]
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
     nodes = {n for p in leaf_paths for n in _prefixes(p)} | {path_str(p) for p, _ in ties}
     why = (

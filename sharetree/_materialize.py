@@ -14,7 +14,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._paths import Path, aval_of, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
-from sharetree._transforms import Transform, _Chain, _Fn, identity
+from sharetree._transforms import Transform, _Fn, identity, parts_of
 
 __all__ = [
     "materialize",
@@ -100,7 +100,7 @@ def _concrete_array(x: Any) -> bool:
 
 def _has_fn(t: Transform) -> bool:
     """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
-    return any(isinstance(p, _Fn) for p in (t.parts if isinstance(t, _Chain) else (t,)))
+    return any(isinstance(p, _Fn) for p in parts_of(t))
 
 
 class _Plan(NamedTuple):

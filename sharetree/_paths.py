@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -24,8 +24,10 @@ __all__ = [
     "TieMap",
     "to_path",
     "path_str",
+    "path_key",
     "key_name",
     "keypath_to_path",
+    "leaves_with_paths",
     "prefixes",
     "node_paths",
     "is_array_leaf",
@@ -95,9 +97,19 @@ def path_str(path: Path) -> str:
     """
     if not path:
         return "<root>"
-    if any("/" in k for k in path):
-        return repr(path)
-    return "/".join(path)
+    key = path_key(path)
+    return key if isinstance(key, str) else repr(key)
+
+
+def path_key(path: Path) -> str | Path:
+    """A path as a result's key: ``/``-joined, or the tuple itself when a key contains ``/``.
+
+    Example:
+        >>> from sharetree._paths import path_key
+        >>> path_key(("a", "b", "0")), path_key(("a/b", "c"))
+        ('a/b/0', ('a/b', 'c'))
+    """
+    return path if any("/" in k for k in path) else "/".join(path)
 
 
 def key_name(key: Any) -> str:
@@ -125,6 +137,21 @@ def key_name(key: Any) -> str:
 def keypath_to_path(keypath: Sequence[Any]) -> Path:
     """Convert a ``jax.tree_util`` key path to a sharetree path."""
     return tuple(key_name(k) for k in keypath)
+
+
+def leaves_with_paths(
+    tree: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> list[tuple[Path, Any]]:
+    """Every leaf of ``tree`` with its path, in flatten order (``is_leaf`` as in ``jax.tree_util``).
+
+    Example:
+        >>> from sharetree._paths import leaves_with_paths
+        >>> leaves_with_paths({"a": [1.0, 2.0], "b": None, "c": (3.0,)})
+        [(('a', '0'), 1.0), (('a', '1'), 2.0), (('c', '0'), 3.0)]
+        >>> leaves_with_paths({"a": (1.0, 2.0)}, is_leaf=lambda x: isinstance(x, tuple))
+        [(('a',), (1.0, 2.0))]
+    """
+    return [(keypath_to_path(kp), x) for kp, x in jtu.tree_leaves_with_path(tree, is_leaf)]
 
 
 def prefixes(path: Path) -> list[Path]:

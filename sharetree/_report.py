@@ -90,6 +90,9 @@ class SharingGraph:
         View('b' <- 'a', T, float32[3, 2])
     """
 
+    _uncalled = staticmethod(lambda t: False)
+    """Whether a view's transform is never called (its shape and dtype shown as unknown)."""
+
     def __init__(self, structure: Structure, leaves: list[Any]) -> None:
         self.structure = structure
         self._leaves = leaves
@@ -117,7 +120,7 @@ class SharingGraph:
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
         out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
-            aval = self._avals[view.buffer]
+            aval = None if self._uncalled(view.transform) else self._avals[view.buffer]
             try:
                 out.append(None if aval is None else view.transform.abstract(aval))
             except Exception as e:

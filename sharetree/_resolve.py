@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, closest, keypath_to_path, node_paths, path_str
+from sharetree._paths import Path, closest, keypath_to_path, leaves_with_paths, node_paths, path_str
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
 
@@ -108,8 +108,7 @@ class _Resolver:
         self.tied_at: dict[Path, Tied] = {}
         # the templates: canonical leaves (``_Ref``) by path, then each resolved ``Tied``
         self.memo: dict[Path, Any] = {}
-        for kp, x in jtu.tree_flatten_with_path(placeholder, is_leaf=is_tied)[0]:
-            path = keypath_to_path(kp)
+        for path, x in leaves_with_paths(placeholder, is_tied):
             if path in self.memo or path in self.tied_at:
                 raise TieError(
                     f"two positions share the path {path_str(path)!r} (keys that differ only in "

@@ -24,6 +24,7 @@ from sharetree._paths import (
     closest,
     format_aval,
     keypath_to_path,
+    leaves_with_paths,
     path_str,
     prefixes,
     to_path,
@@ -221,15 +222,9 @@ def bit_equal(a: Any, b: Any) -> bool:
     return bool(np.array_equal(x.view(width), y.view(width)))
 
 
-def _positions(tree: Any) -> list[tuple[Path, Any]]:
-    """Every leaf of ``tree`` with its path, a ``Tied`` counting as one leaf."""
-    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    return [(keypath_to_path(kp), x) for kp, x in flat]
-
-
 def _old_values(old_tree: Any, new: dict[Path, Tied]) -> dict[Path, Any]:
     """The values the ties replace, by path (materialized only if some of them are views)."""
-    under = {p: x for p, x in _positions(old_tree) if _under(p, new) is not None}
+    under = {p: x for p, x in leaves_with_paths(old_tree, is_tied) if _under(p, new) is not None}
     if any(is_tied(x) for x in under.values()):
         with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
             return expanded_by_path(old_tree)

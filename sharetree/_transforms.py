@@ -594,7 +594,7 @@ def chain(*parts: Transform) -> Transform:
     out: list[Transform] = []
     for p in parts:
         check_transform(p)
-        rest = p.parts if isinstance(p, _Chain) else (p,)
+        rest = parts_of(p)
         for i, q in enumerate(rest):
             if _push(out, q) and i + 1 < len(rest):
                 out.extend(rest[i + 1 :])  # q was kept as is: its neighbours in p do not fold
@@ -602,6 +602,18 @@ def chain(*parts: Transform) -> Transform:
     if len(out) < 2:
         return out[0] if out else identity
     return _Chain(tuple(out))
+
+
+def parts_of(t: Transform) -> tuple[Transform, ...]:
+    """The transforms a chain applies, in order; ``(t,)`` for a transform that is not a chain.
+
+    Example:
+        >>> import sharetree as st
+        >>> from sharetree._transforms import parts_of
+        >>> parts_of(st.T >> st.reshape(6)), parts_of(st.T)
+        ((T, reshape(6)), (T,))
+    """
+    return t.parts if isinstance(t, _Chain) else (t,)
 
 
 def _push(stack: list[Transform], t: Transform) -> bool:

@@ -8,6 +8,7 @@ import pytest
 
 import sharetree as st
 from sharetree import _paths
+from sharetree._tied import is_tied
 
 
 def test_key_names_match_jax_simple_keystr_for_every_container():
@@ -47,3 +48,19 @@ def test_closest_and_plural():
     assert "'enc/w'" in _paths.closest("enc/v", ["enc/w", "zzz"], n=1)
     assert _paths.closest("x", []) == "the tree has no paths at all"
     assert (_paths.plural(1, "view"), _paths.plural(2_000, "view")) == ("1 view", "2,000 views")
+
+
+def test_leaves_with_paths_keeps_flatten_order_and_stops_at_is_leaf():
+    tie = st.Tied("a")
+    tree = {"b": [1.0, tie], "a": "s", "n": None}
+    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
+    got = _paths.leaves_with_paths(tree, is_leaf=is_tied)
+    assert got == [(_paths.keypath_to_path(kp), x) for kp, x in flat]
+    assert got == [(("a",), "s"), (("b", "0"), 1.0), (("b", "1"), tie)]
+    assert [p for p, _ in _paths.leaves_with_paths(tree)] == [("a",), ("b", "0")]
+
+
+def test_path_key_is_the_string_path_str_shows_unless_a_key_has_a_slash():
+    assert _paths.path_key(("a", "0")) == _paths.path_str(("a", "0")) == "a/0"
+    assert _paths.path_key(("a/b", "c")) == ("a/b", "c")
+    assert _paths.path_str(("a/b", "c")) == repr(("a/b", "c"))
