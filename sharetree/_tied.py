@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from sharetree._paths import PathLike, path_str, to_path
+from sharetree._paths import PathLike, path_key, path_str, to_path
 from sharetree._transforms import Transform, check_transform, identity
 
 __all__ = ["Tied", "is_tied"]
@@ -69,7 +69,7 @@ class Tied:
         return tied_treescope_repr(self, path, subtree_renderer)
 
     def __repr__(self) -> str:
-        ref = repr(path_str(self.ref)) if not any("/" in k for k in self.ref) else repr(self.ref)
+        ref = repr(path_key(self.ref))
         return f"Tied({ref})" if self.transform == identity else f"Tied({ref}, {self.transform!r})"
 
 

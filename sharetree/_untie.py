@@ -25,12 +25,13 @@ from sharetree._paths import (
     closest,
     format_aval,
     keypath_to_path,
+    leaves_with_paths,
     path_str,
     to_path,
 )
 from sharetree._resolve import Structure
 from sharetree._tied import is_tied
-from sharetree._transforms import Transform
+from sharetree._transforms import Transform, _Identity, _Reshape, _Transpose, parts_of
 
 __all__ = ["untie", "untie_state"]
 
@@ -122,8 +123,7 @@ def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> P
 
 def _moves_elements(t: Transform) -> bool:
     """Whether ``t`` only moves elements (a transpose or reshape, or a chain of them)."""
-    parts = getattr(t, "parts", (t,))
-    return all(type(p).__name__ in ("_Transpose", "_Reshape", "_Identity") for p in parts)
+    return all(isinstance(p, (_Transpose, _Reshape, _Identity)) for p in parts_of(t))
 
 
 def _top(x: Any) -> Any:
@@ -142,8 +142,8 @@ def _first_difference(part: Any, tree: PyTree) -> str:
 
     def entries(t: Any) -> list[tuple[Path, str]]:
         return [
-            (keypath_to_path(kp), repr(x) if is_tied(x) else f"a leaf ({format_aval(x)})")
-            for kp, x in jtu.tree_leaves_with_path(t, is_leaf=is_tied)
+            (p, repr(x) if is_tied(x) else f"a leaf ({format_aval(x)})")
+            for p, x in leaves_with_paths(t, is_tied)
         ]
 
     pairs = itertools.zip_longest(entries(part), entries(tree), fillvalue=(None, "nothing"))

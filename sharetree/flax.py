@@ -37,11 +37,11 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, keypath_to_path, path_str, to_path
+from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str, to_path
 from sharetree._resolve import _nodes_at, structure_of
 from sharetree._tie import tie
 from sharetree._tied import Tied
-from sharetree._transforms import Transform, _Chain, _Transpose
+from sharetree._transforms import Transform, _Transpose, parts_of
 
 __all__ = ["TiedModule", "tied"]
 
@@ -64,7 +64,7 @@ def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
 def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
     """Partition names of ``t(x)`` for an ``x`` with ``names``; ``None`` if ``t`` mixes axes."""
     out = tuple(names)
-    for part in t.parts if isinstance(t, _Chain) else (t,):
+    for part in parts_of(t):
         if isinstance(part, _Transpose):
             axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
             if len(axes) != len(out):
@@ -77,8 +77,8 @@ def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
 
 def _boxes(tree: Any) -> dict[Path, Any]:
     """Every partition box of a tree, by path."""
-    flat = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))[0]
-    return {keypath_to_path(kp): x for kp, x in flat if isinstance(x, meta.AxisMetadata)}
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    return {p: x for p, x in leaves_with_paths(tree, is_box) if is_box(x)}
 
 
 def _value_fix(target: Path, t: Tied) -> str:
@@ -312,8 +312,7 @@ class TiedModule:
         out, updated = result
         passed, returned = materialized[COLLECTION], updated[COLLECTION]
         structure = structure_of(jtu.tree_structure(variables[COLLECTION]))
-        before = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(passed)[0]}
-        after = {keypath_to_path(kp): x for kp, x in jtu.tree_flatten_with_path(returned)[0]}
+        before, after = dict(leaves_with_paths(passed)), dict(leaves_with_paths(returned))
         for i, _, path, via in structure.views:
             if after.get(path) is not before.get(path):
                 raise TieError(
