@@ -313,12 +313,13 @@ class TiedModule:
         passed, returned = materialized[COLLECTION], updated[COLLECTION]
         structure = structure_of(jtu.tree_structure(variables[COLLECTION]))
         before, after = dict(leaves_with_paths(passed)), dict(leaves_with_paths(returned))
-        for i, _, path, via in structure.views:
-            if after.get(path) is not before.get(path):
+        for view in structure.views:
+            if after.get(view.path) is not before.get(view.path):
+                buffer = structure.buffer_paths[view.buffer]
                 raise TieError(
                     f"{self._where('apply')}: the module wrote a new value to "
-                    f"{COLLECTION}/{path_str(path)}, a view ({structure.ties[via]!r} at "
-                    f"{path_str(via)!r}) of buffer {path_str(structure.buffer_paths[i])!r}; the "
+                    f"{COLLECTION}/{path_str(view.path)}, a view ({structure.ties[view.tie]!r} at "
+                    f"{path_str(view.tie)!r}) of buffer {path_str(buffer)!r}; the "
                     "write would be lost. Fix: write the buffer instead, or untie that parameter."
                 )
         return out, _with_params(updated, tie(returned, structure.ties, check=False))
