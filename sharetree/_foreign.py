@@ -21,7 +21,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._materialize import abstract_expanded
 from sharetree._paths import closest
-from sharetree._safetensors import Reader
+from sharetree._safetensors import DuplicateKey, Reader, unique_pairs
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import T, Transform, _Transpose, identity
@@ -96,7 +96,7 @@ def _readers(path: str) -> list[Reader]:
             "the file itself."
         )
     if os.path.isfile(single):
-        return [Reader(single)]
+        return _not_sharetree(path, [Reader(single)])
     if not os.path.isfile(index):
         raise TieError(
             f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
@@ -138,23 +138,24 @@ def _readers(path: str) -> list[Reader]:
                 f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
                 "it (it is in no shard). Fix: save the checkpoint again."
             )
+    return _not_sharetree(path, readers)
+
+
+def _not_sharetree(path: str, readers: list[Reader]) -> list[Reader]:
+    """``readers``, unless one was written by ``st.save`` (as a state dict it would lose ties)."""
+    for reader in readers:
+        if KEY_VERSION in reader.metadata:
+            raise TieError(
+                f"load: the directory {path!r} holds {os.path.basename(reader.path)!r}, a file "
+                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
+                f"it would lose its tree and ties. Fix: load the file itself: "
+                f"st.load({reader.path!r})."
+            )
     return readers
 
 
 def _read_index(index: str) -> dict[str, str]:
     """The ``weight_map`` of a shard index: tensor name -> a shard file in the index's directory."""
-
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise TieError(
-                    f"load: {index!r} lists {k!r} twice ({seen[k]!r} and {v!r}), so one entry "
-                    "would be lost. Fix: write the index again (save_pretrained)."
-                )
-            seen[k] = v
-        return seen
-
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
         raise TieError(
             f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
@@ -163,9 +164,12 @@ def _read_index(index: str) -> dict[str, str]:
     with open(index, "rb") as f:
         raw = f.read()
     try:
-        data = json.loads(raw, object_pairs_hook=unique)
-    except TieError:
-        raise
+        data = json.loads(raw, object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:
+        raise TieError(
+            f"load: {index!r} lists {e.key!r} twice ({e.first!r} and {e.second!r}), so one entry "
+            "would be lost. Fix: write the index again (save_pretrained)."
+        ) from None
     except (ValueError, RecursionError) as e:
         raise TieError(
             f"load: {index!r} is not valid JSON ({type(e).__name__}: {str(e)[:200]}). "
