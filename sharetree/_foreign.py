@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import T, Transform, _Transpose, identity
 
-__all__ = ["load_foreign", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
+__all__ = ["load_foreign", "metadata_ties", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
 
 KEY_VERSION = "sharetree.format_version"
 """The metadata key that marks a file written by :func:`sharetree.save`."""
@@ -250,6 +250,16 @@ def _apply_ties(
     return dict(sorted(out.items()))
 
 
+def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
+    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them.
+
+    Example:
+        >>> metadata_ties({"format": "pt", "head": "emb"}, {"emb"})
+        {'head': 'emb'}
+    """
+    return {k: v for k, v in metadata.items() if k not in names and v in names}
+
+
 def _describe(ties: Mapping[str, str]) -> str:
     return ", ".join(f"{k!r} <- {v!r}" for k, v in ties.items())
 
@@ -319,9 +329,7 @@ def load_foreign(
         )
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: a for reader in readers for name, a in reader.tensors()}
-    file_ties = {  # {dropped: kept} entries of safetensors metadata, as save_model writes them
-        k: v for r in readers for k, v in r.metadata.items() if k not in tensors and v in tensors
-    }
+    file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
     tree = _apply_ties(label, tensors, file_ties, asked, atol)
     n = f"{len(readers)} files" if len(readers) > 1 else "one file"
     said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"

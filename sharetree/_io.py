@@ -27,7 +27,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
-from sharetree._foreign import load_foreign
+from sharetree._foreign import load_foreign, metadata_ties
 from sharetree._materialize import abstract_expanded, leaves_and_structure
 from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
 from sharetree._report import SharingGraph
@@ -610,10 +610,13 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     meta = reader.metadata
     if _KEY_VERSION not in meta:
         data = sum(info.nbytes for info in reader.infos.values())
+        ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
+        said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
         head = (
             f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
             f"{_KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
-            f"{format_bytes(data)} of tensor data, no ties recorded"
+            f"{format_bytes(data)} of tensor data, "
+            + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
         )
         rows = [
             f"  {_printable(info.name)}  {info.code}{list(info.shape)}"

@@ -7,6 +7,7 @@ The file format sharetree writes is described in one place,
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -231,7 +232,9 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
     ``path`` as it was and removes the temporary file. A new file gets the
     permissions of the umask (``0o666 & ~umask``, applied by the kernel: the
     process umask is never changed); a file that is replaced keeps its mode.
-    A symlink at ``path`` stays: the file it points to is written.
+    A symlink at ``path`` stays: the file it points to is written. A file
+    the process may not write (read-only) is a ``PermissionError``, as for
+    ``open(path, "wb")``, although a rename could replace it.
 
     Example:
         >>> import os, stat, tempfile, numpy as np
@@ -249,6 +252,10 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
         mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
         mode = None
+    if mode is not None and not os.access(target, os.W_OK):  # as open(path, "wb") refuses
+        raise PermissionError(
+            errno.EACCES, f"cannot write {path!r}: the file is read-only (left as it was)"
+        )
     try:
         tmp = _create_temp(directory, os.path.basename(target))
     except OSError as e:  # a missing or read-only directory: name the file, not the temporary

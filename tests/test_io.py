@@ -1336,3 +1336,11 @@ def test_a_pretrained_directory_holding_a_sharetree_file_is_not_read_flat(tmp_pa
     ):
         st.load(tmp_path)
     assert_same_tree(st.load(tmp_path / "model.safetensors"), TIED)
+
+
+def test_describe_a_foreign_file_shows_the_ties_its_metadata_records(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"emb": np.ones((3, 2), np.float32)}, str(path), metadata={"head": "emb"})
+    assert "1 tie(s) in its metadata: head <- emb" in _io.describe(path)
+    with pytest.warns(UserWarning, match="restored the ties"):
+        assert st.load(path)["head"] == st.Tied("emb")

@@ -128,3 +128,15 @@ def test_atomic_write_into_a_missing_directory_names_the_file(tmp_path) -> None:
     path = str(tmp_path / "nope" / "x.safetensors")
     with pytest.raises(FileNotFoundError, match=r"cannot write '.*nope/x\.safetensors'"):
         atomic_write(path, {"a": np.ones(1)}, {})
+
+
+def test_atomic_write_refuses_a_read_only_file_as_open_would(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "x.safetensors"
+    atomic_write(str(path), {"a": np.ones(1)}, {})
+    before = path.read_bytes()
+    os.chmod(path, 0o444)
+    # root may write any file; act as a user who may not write this one
+    monkeypatch.setattr(_safetensors.os, "access", lambda p, mode: p != str(path))
+    with pytest.raises(PermissionError, match=r"cannot write '.*x\.safetensors': .*read-only"):
+        atomic_write(str(path), {"a": np.zeros(1)}, {})
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["x.safetensors"]
