@@ -353,7 +353,18 @@ def save(
     }
     if jax.process_index() != 0:
         return  # every process gathered; process 0 writes
-    atomic_write(path, writer.tensors, meta)
+    from safetensors import SafetensorError
+
+    try:
+        atomic_write(path, writer.tensors, meta)
+    except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
+        raise TieError(
+            f"save: safetensors cannot write {path!r} ({one_line(e)}); its header would hold "
+            f"{len(meta[_KEY_TREE]):,} bytes of tree JSON (structure, str leaves) and "
+            f"{sum(len(k) + len(v) for k, v in user.items()):,} of metadata=, and no reader "
+            "takes a header over 100 MB. Nothing was written. Fix: store large text as arrays "
+            "or keep it out of the tree and metadata."
+        ) from e
 
 
 # ----------------------------------------------------------------------------- load

@@ -555,3 +555,8 @@ def test_55_keyword_of_the_wrong_type(tmp_path):
         st.load(path, functions=["m:f"])
     with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int of at least 1"):
         describe(path, max_rows=0)
+
+
+def test_56_header_too_large_for_readers(tmp_path):
+    with pytest.raises(st.TieError, match=r"header too large.*bytes of tree JSON.*100 MB"):
+        st.save(tmp_path / "m.safetensors", {"w": W, "s": "a" * 101_000_000})

@@ -1344,3 +1344,10 @@ def test_describe_a_foreign_file_shows_the_ties_its_metadata_records(tmp_path) -
     assert "1 tie(s) in its metadata: head <- emb" in _io.describe(path)
     with pytest.warns(UserWarning, match="restored the ties"):
         assert st.load(path)["head"] == st.Tied("emb")
+
+
+def test_a_header_too_large_for_readers_is_a_tie_error_before_writing(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(st.TieError, match=r"header too large.*101,000,\d+ bytes of tree JSON.*"):
+        st.save(path, {"w": np.ones(1), "s": "a" * 101_000_000})
+    assert os.listdir(tmp_path) == []
