@@ -177,6 +177,12 @@ class _Writer:
                 f"save: the buffer at {path_str(path)!r} has no concrete value (it is traced "
                 "by jit/grad/vmap). Fix: call st.save outside jit/grad, on concrete arrays."
             )
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise TieError(
+                f"save: the buffer at {path_str(path)!r} has been deleted (donated to a jitted "
+                "call with donate_argnums, or x.delete()), so it has no value to write. Fix: "
+                "save the tree the donating call returned."
+            )
         impl = None
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(x))

@@ -560,3 +560,10 @@ def test_55_keyword_of_the_wrong_type(tmp_path):
 def test_56_header_too_large_for_readers(tmp_path):
     with pytest.raises(st.TieError, match=r"header too large.*bytes of tree JSON.*100 MB"):
         st.save(tmp_path / "m.safetensors", {"w": W, "s": "a" * 101_000_000})
+
+
+def test_57_deleted_buffer(tmp_path):
+    x = jnp.ones(2)
+    x.delete()
+    with pytest.raises(st.TieError, match=r"buffer at 'w' has been deleted.*donate_argnums"):
+        st.save(tmp_path / "m.safetensors", {"w": x})

@@ -1351,3 +1351,11 @@ def test_a_header_too_large_for_readers_is_a_tie_error_before_writing(tmp_path) 
     with pytest.raises(st.TieError, match=r"header too large.*101,000,\d+ bytes of tree JSON.*"):
         st.save(path, {"w": np.ones(1), "s": "a" * 101_000_000})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_deleted_array_is_a_tie_error_naming_its_path(tmp_path) -> None:
+    for x in (jnp.ones(3), jax.random.key(0)):  # as after a jitted call with donate_argnums
+        x.delete()
+        with pytest.raises(st.TieError, match=r"save: the buffer at 'enc/w' has been deleted"):
+            st.save(tmp_path / "m.safetensors", {"enc": {"w": x}})
+    assert os.listdir(tmp_path) == []
