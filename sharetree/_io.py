@@ -205,6 +205,12 @@ class _Writer:
             from jax.experimental import multihost_utils
 
             x = multihost_utils.process_allgather(x, tiled=True)
+        if isinstance(x, np.ma.MaskedArray) and np.ma.getmask(x) is not np.ma.nomask:
+            raise TieError(
+                f"save: the array at {path_str(path)!r} is a masked array; a file would hold its "
+                "data without the mask. Fix: save data and mask as two arrays "
+                "(x.data, np.ma.getmaskarray(x)) or fill it (x.filled())."
+            )
         a = np.asarray(x)
         if not _is_numeric(a.dtype):
             raise TieError(

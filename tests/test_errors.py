@@ -567,3 +567,10 @@ def test_57_deleted_buffer(tmp_path):
     x.delete()
     with pytest.raises(st.TieError, match=r"buffer at 'w' has been deleted.*donate_argnums"):
         st.save(tmp_path / "m.safetensors", {"w": x})
+
+
+def test_58_masked_array(tmp_path):
+    import numpy as np
+
+    with pytest.raises(st.TieError, match=r"at 'm' is a masked array.*x\.filled\(\)"):
+        st.save(tmp_path / "m.safetensors", {"m": np.ma.array([1.0], mask=[True])})

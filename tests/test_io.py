@@ -1359,3 +1359,11 @@ def test_a_deleted_array_is_a_tie_error_naming_its_path(tmp_path) -> None:
         with pytest.raises(st.TieError, match=r"save: the buffer at 'enc/w' has been deleted"):
             st.save(tmp_path / "m.safetensors", {"enc": {"w": x}})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_masked_array_is_refused_rather_than_saved_without_its_mask(tmp_path) -> None:
+    x = np.ma.array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(st.TieError, match=r"at 'x' is a masked array.*without the mask"):
+        st.save(tmp_path / "m.safetensors", {"x": x})
+    st.save(tmp_path / "m.safetensors", {"x": np.ma.array([1.0, 2.0])})  # no mask: plain data
+    assert st.load(tmp_path / "m.safetensors")["x"].tolist() == [1.0, 2.0]
