@@ -166,6 +166,13 @@ class _Writer:
             return {"t": "value", "type": kind.__name__, "value": value}
         elif _is_array(x):
             return self.array(x, path)
+        elif hasattr(x, "shape") and hasattr(x, "dtype"):  # a static would drop its values
+            raise TieError(
+                f"save: the leaf at {path_str(path)!r} is a {kind.__name__} of shape "
+                f"{x.shape}, not an array with values a file can hold "
+                "(jax.ShapeDtypeStruct: an abstract tree). Fix: save concrete NumPy or JAX "
+                "arrays (np.asarray(x) for other array types)."
+            )
         else:
             return {"t": "static", "type": f"{kind.__module__}.{kind.__qualname__}"}
         children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values)]

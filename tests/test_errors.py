@@ -574,3 +574,8 @@ def test_58_masked_array(tmp_path):
 
     with pytest.raises(st.TieError, match=r"at 'm' is a masked array.*x\.filled\(\)"):
         st.save(tmp_path / "m.safetensors", {"m": np.ma.array([1.0], mask=[True])})
+
+
+def test_59_abstract_leaf(tmp_path):
+    with pytest.raises(st.TieError, match=r"'w' is a ShapeDtypeStruct of shape \(2,\).*concrete"):
+        st.save(tmp_path / "m.safetensors", {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})

@@ -1367,3 +1367,18 @@ def test_a_masked_array_is_refused_rather_than_saved_without_its_mask(tmp_path) 
         st.save(tmp_path / "m.safetensors", {"x": x})
     st.save(tmp_path / "m.safetensors", {"x": np.ma.array([1.0, 2.0])})  # no mask: plain data
     assert st.load(tmp_path / "m.safetensors")["x"].tolist() == [1.0, 2.0]
+
+
+def test_an_abstract_or_foreign_array_leaf_is_refused_rather_than_saved_empty(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+
+    class Tensor:  # another library's array (a torch.Tensor), not registered with jax
+        shape, dtype = (2,), "float32"
+
+    for leaf, kind in [
+        (jax.ShapeDtypeStruct((2,), jnp.float32), "ShapeDtypeStruct"),
+        (Tensor(), "Tensor"),
+    ]:
+        with pytest.raises(st.TieError, match=rf"leaf at 'w' is a {kind} of shape \(2,\).*Fix"):
+            st.save(path, {"w": leaf, "v": st.Tied("w")})
+    assert not path.exists()
