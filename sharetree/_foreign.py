@@ -296,7 +296,7 @@ def load_foreign(
         ties: ``{target: ref}`` of tensor names (or ``None``).
         atol: ``None`` or ``0.0``: tied copies must be bit-identical (up to
             NaNs in the same places); a number: their largest absolute
-            difference.
+            difference. Only with ``ties``.
 
     Returns:
         The canonical flat dict, sorted by tensor name.
@@ -304,7 +304,8 @@ def load_foreign(
     Raises:
         TieError: an unreadable file, a directory without a checkpoint, a bad
             shard index (a missing shard, a tensor listed twice or in no
-            shard, a shard outside the directory), ``like`` given, ties that
+            shard, a shard outside the directory), ``like`` given, ``atol``
+            without ``ties``, ties that
             are not tensor names, copies that differ, a tie whose ref and
             target are both absent.
 
@@ -326,6 +327,12 @@ def load_foreign(
             f"load: {label} was not written by sharetree (no {KEY_VERSION!r} in its "
             "metadata), so it has no tree structure to check against like=. Fix: load it "
             "without like (a flat dict {tensor name: array}, ties= for its tied weights)."
+        )
+    if atol is not None and ties is None:
+        raise TieError(
+            f"load: atol={atol!r:.40} without ties= for {label}: atol is how far a present tie "
+            "target may differ from its ref, and without ties= nothing is compared. Fix: pass "
+            "ties={'lm_head.weight': 'model.embed_tokens.weight'} too, or drop atol."
         )
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: a for reader in readers for name, a in reader.tensors()}

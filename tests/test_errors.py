@@ -579,3 +579,8 @@ def test_58_masked_array(tmp_path):
 def test_59_abstract_leaf(tmp_path):
     with pytest.raises(st.TieError, match=r"'w' is a ShapeDtypeStruct of shape \(2,\).*concrete"):
         st.save(tmp_path / "m.safetensors", {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+
+
+def test_60_atol_without_ties(tmp_path):
+    with pytest.raises(st.TieError, match=r"atol=0.001 without ties=.*or drop atol"):
+        st.load(_foreign_file(tmp_path), atol=1e-3)

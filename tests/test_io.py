@@ -1382,3 +1382,11 @@ def test_an_abstract_or_foreign_array_leaf_is_refused_rather_than_saved_empty(tm
         with pytest.raises(st.TieError, match=rf"leaf at 'w' is a {kind} of shape \(2,\).*Fix"):
             st.save(path, {"w": leaf, "v": st.Tied("w")})
     assert not path.exists()
+
+
+def test_atol_without_ties_for_a_foreign_file_is_a_tie_error(tmp_path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"emb": np.ones((3, 2), np.float32)}, str(path))
+    for atol in (1e-6, "x"):
+        with pytest.raises(st.TieError, match=r"load: atol=.* without ties=.*nothing is compared"):
+            st.load(path, atol=atol)
