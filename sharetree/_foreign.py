@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,12 +21,12 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._materialize import abstract_expanded
 from sharetree._paths import closest
-from sharetree._safetensors import Reader
+from sharetree._safetensors import DuplicateKey, Reader, unique_pairs
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import T, Transform, _Transpose, identity
 
-__all__ = ["load_foreign", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
+__all__ = ["load_foreign", "metadata_ties", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
 
 KEY_VERSION = "sharetree.format_version"
 """The metadata key that marks a file written by :func:`sharetree.save`."""
@@ -96,7 +96,7 @@ def _readers(path: str) -> list[Reader]:
             "the file itself."
         )
     if os.path.isfile(single):
-        return [Reader(single)]
+        return _not_sharetree(path, [Reader(single)])
     if not os.path.isfile(index):
         raise TieError(
             f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
@@ -138,23 +138,24 @@ def _readers(path: str) -> list[Reader]:
                 f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
                 "it (it is in no shard). Fix: save the checkpoint again."
             )
+    return _not_sharetree(path, readers)
+
+
+def _not_sharetree(path: str, readers: list[Reader]) -> list[Reader]:
+    """``readers``, unless one was written by ``st.save`` (as a state dict it would lose ties)."""
+    for reader in readers:
+        if KEY_VERSION in reader.metadata:
+            raise TieError(
+                f"load: the directory {path!r} holds {os.path.basename(reader.path)!r}, a file "
+                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
+                f"it would lose its tree and ties. Fix: load the file itself: "
+                f"st.load({reader.path!r})."
+            )
     return readers
 
 
 def _read_index(index: str) -> dict[str, str]:
     """The ``weight_map`` of a shard index: tensor name -> a shard file in the index's directory."""
-
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise TieError(
-                    f"load: {index!r} lists {k!r} twice ({seen[k]!r} and {v!r}), so one entry "
-                    "would be lost. Fix: write the index again (save_pretrained)."
-                )
-            seen[k] = v
-        return seen
-
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
         raise TieError(
             f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
@@ -163,9 +164,12 @@ def _read_index(index: str) -> dict[str, str]:
     with open(index, "rb") as f:
         raw = f.read()
     try:
-        data = json.loads(raw, object_pairs_hook=unique)
-    except TieError:
-        raise
+        data = json.loads(raw, object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:
+        raise TieError(
+            f"load: {index!r} lists {e.key!r} twice ({e.first!r} and {e.second!r}), so one entry "
+            "would be lost. Fix: write the index again (save_pretrained)."
+        ) from None
     except (ValueError, RecursionError) as e:
         raise TieError(
             f"load: {index!r} is not valid JSON ({type(e).__name__}: {str(e)[:200]}). "
@@ -246,6 +250,16 @@ def _apply_ties(
     return dict(sorted(out.items()))
 
 
+def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
+    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them.
+
+    Example:
+        >>> metadata_ties({"format": "pt", "head": "emb"}, {"emb"})
+        {'head': 'emb'}
+    """
+    return {k: v for k, v in metadata.items() if k not in names and v in names}
+
+
 def _describe(ties: Mapping[str, str]) -> str:
     return ", ".join(f"{k!r} <- {v!r}" for k, v in ties.items())
 
@@ -282,7 +296,7 @@ def load_foreign(
         ties: ``{target: ref}`` of tensor names (or ``None``).
         atol: ``None`` or ``0.0``: tied copies must be bit-identical (up to
             NaNs in the same places); a number: their largest absolute
-            difference.
+            difference. Only with ``ties``.
 
     Returns:
         The canonical flat dict, sorted by tensor name.
@@ -290,7 +304,8 @@ def load_foreign(
     Raises:
         TieError: an unreadable file, a directory without a checkpoint, a bad
             shard index (a missing shard, a tensor listed twice or in no
-            shard, a shard outside the directory), ``like`` given, ties that
+            shard, a shard outside the directory), ``like`` given, ``atol``
+            without ``ties``, ties that
             are not tensor names, copies that differ, a tie whose ref and
             target are both absent.
 
@@ -313,11 +328,15 @@ def load_foreign(
             "metadata), so it has no tree structure to check against like=. Fix: load it "
             "without like (a flat dict {tensor name: array}, ties= for its tied weights)."
         )
+    if atol is not None and ties is None:
+        raise TieError(
+            f"load: atol={atol!r:.40} without ties= for {label}: atol is how far a present tie "
+            "target may differ from its ref, and without ties= nothing is compared. Fix: pass "
+            "ties={'lm_head.weight': 'model.embed_tokens.weight'} too, or drop atol."
+        )
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: a for reader in readers for name, a in reader.tensors()}
-    file_ties = {  # {dropped: kept} entries of safetensors metadata, as save_model writes them
-        k: v for r in readers for k, v in r.metadata.items() if k not in tensors and v in tensors
-    }
+    file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
     tree = _apply_ties(label, tensors, file_ties, asked, atol)
     n = f"{len(readers)} files" if len(readers) > 1 else "one file"
     said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
@@ -26,11 +27,20 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._foreign import KEY_VERSION as _KEY_VERSION
-from sharetree._foreign import load_foreign
+from sharetree._foreign import load_foreign, metadata_ties
 from sharetree._materialize import abstract_expanded, leaves_and_structure
 from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
 from sharetree._report import SharingGraph
-from sharetree._safetensors import NATIVE_CODES, Reader, TensorInfo, atomic_write, one_line
+from sharetree._safetensors import (
+    NATIVE_CODES,
+    DuplicateKey,
+    Reader,
+    TensorInfo,
+    atomic_write,
+    file_path,
+    one_line,
+    unique_pairs,
+)
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, _is_int, _is_real, parts_of, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
@@ -131,6 +141,7 @@ class _Writer:
                         f"{type(k).__name__}; a file can hold str and int keys only. "
                         "Fix: use str or int keys."
                     )
+                _check_int(k, path, "a dict key")
                 if str(k) in seen:
                     raise TieError(
                         f"save: the dict at {path_str(path)!r} has the keys {seen[str(k)]!r} and "
@@ -150,10 +161,18 @@ class _Writer:
                 )
             node = {"t": "node", "type": f"{kind.__module__}.{kind.__qualname__}", "keys": keys}
         elif kind in (bool, int, float, str, complex):
+            _check_int(x, path, "the leaf")
             value = [x.real, x.imag] if kind is complex else x
             return {"t": "value", "type": kind.__name__, "value": value}
         elif _is_array(x):
             return self.array(x, path)
+        elif hasattr(x, "shape") and hasattr(x, "dtype"):  # a static would drop its values
+            raise TieError(
+                f"save: the leaf at {path_str(path)!r} is a {kind.__name__} of shape "
+                f"{x.shape}, not an array with values a file can hold "
+                "(jax.ShapeDtypeStruct: an abstract tree). Fix: save concrete NumPy or JAX "
+                "arrays (np.asarray(x) for other array types)."
+            )
         else:
             return {"t": "static", "type": f"{kind.__module__}.{kind.__qualname__}"}
         children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values)]
@@ -164,6 +183,12 @@ class _Writer:
             raise TieError(
                 f"save: the buffer at {path_str(path)!r} has no concrete value (it is traced "
                 "by jit/grad/vmap). Fix: call st.save outside jit/grad, on concrete arrays."
+            )
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise TieError(
+                f"save: the buffer at {path_str(path)!r} has been deleted (donated to a jitted "
+                "call with donate_argnums, or x.delete()), so it has no value to write. Fix: "
+                "save the tree the donating call returned."
             )
         impl = None
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -187,6 +212,12 @@ class _Writer:
             from jax.experimental import multihost_utils
 
             x = multihost_utils.process_allgather(x, tiled=True)
+        if isinstance(x, np.ma.MaskedArray) and np.ma.getmask(x) is not np.ma.nomask:
+            raise TieError(
+                f"save: the array at {path_str(path)!r} is a masked array; a file would hold its "
+                "data without the mask. Fix: save data and mask as two arrays "
+                "(x.data, np.ma.getmaskarray(x)) or fill it (x.filled())."
+            )
         a = np.asarray(x)
         if not _is_numeric(a.dtype):
             raise TieError(
@@ -202,6 +233,20 @@ class _Writer:
         scalar = isinstance(x, np.generic)
         node = {"t": "buffer", "tensor": name, "dtype": dtype, "shape": list(a.shape), "raw": raw}
         return {**node, "scalar": scalar, **({} if impl is None else {"key": impl})}
+
+
+def _check_int(x: Any, path: Path, what: str) -> None:
+    """A TieError for an ``int`` too long for the JSON text of a file (Python's digit limit)."""
+    if type(x) is int:
+        try:
+            str(x)
+        except ValueError:
+            raise TieError(
+                f"save: {what} at {path_str(path)!r} is an int of {x.bit_length():,} bits, more "
+                f"than the {sys.get_int_max_str_digits():,} decimal digits Python writes and "
+                "reads as text (a file holds ints as JSON text). Fix: store it as a str or an "
+                "array."
+            ) from None
 
 
 def _check_user_metadata(metadata: Any) -> dict[str, str]:
@@ -276,10 +321,13 @@ def save(
             ``st.fn`` transform whose function is not importable by name, a
             dict key that is not ``str``/``int`` or two keys naming one path, a
             tree nested deeper than ``MAX_DEPTH``, a non-numeric array, a
-            traced value (inside ``jit``), an array sharded over several
-            processes without ``gather=True``, or bad ``metadata``; nothing is
-            written then.
+            traced value (inside ``jit``), an ``int`` too long to write as
+            text, an array sharded over several processes without
+            ``gather=True``, a ``gather`` that is not a bool, bad
+            ``metadata``, or a ``path`` that names a directory or is not a
+            path; nothing is written then.
         OSError: the file cannot be written (the previous file, if any, is kept).
+            A symlink at ``path`` stays; the file it points to is written.
 
     Example:
         >>> import os, tempfile, numpy as np, sharetree as st
@@ -292,8 +340,19 @@ def save(
         >>> read_metadata(path)
         {'format': 'np'}
     """
+    path = file_path(path, "save")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise TieError(
+            f"save: {path!r} is a directory; st.save writes one file. Fix: give a file name, "
+            f"e.g. {os.path.join(path, 'model.safetensors')!r}."
+        )
+    if not isinstance(gather, (bool, np.bool_)):
+        raise TieError(
+            f"save: gather must be True or False, found {type(gather).__name__} {gather!r:.80}. "
+            "Fix: pass gather=True for arrays sharded over several processes, else leave it out."
+        )
     user = _check_user_metadata(metadata)
-    writer = _Writer(gather)
+    writer = _Writer(bool(gather))
     structure = writer.node(tree, ())  # keys, depth and leaves first: names the path
     try:
         jtu.tree_structure(tree)
@@ -313,7 +372,18 @@ def save(
     }
     if jax.process_index() != 0:
         return  # every process gathered; process 0 writes
-    atomic_write(os.fspath(path), writer.tensors, meta)
+    from safetensors import SafetensorError
+
+    try:
+        atomic_write(path, writer.tensors, meta)
+    except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
+        raise TieError(
+            f"save: safetensors cannot write {path!r} ({one_line(e)}); its header would hold "
+            f"{len(meta[_KEY_TREE]):,} bytes of tree JSON (structure, str leaves) and "
+            f"{sum(len(k) + len(v) for k, v in user.items()):,} of metadata=, and no reader "
+            "takes a header over 100 MB. Nothing was written. Fix: store large text as arrays "
+            "or keep it out of the tree and metadata."
+        ) from e
 
 
 # ----------------------------------------------------------------------------- load
@@ -333,7 +403,7 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
         >>> read_metadata(path)
         {'format': 'pt'}
     """
-    meta = Reader(os.fspath(path), "read_metadata").metadata
+    meta = Reader(file_path(path, "read_metadata"), "read_metadata").metadata
     return {k: v for k, v in meta.items() if not k.startswith(_PREFIX)}
 
 
@@ -437,8 +507,10 @@ def load(
     Raises:
         FileNotFoundError: the file does not exist (other ``OSError``\ s, such
             as a permission error, pass through too).
-        TieError: anything wrong with the file's content (naming the file and
-            the path): empty, truncated or not a safetensors file, a newer
+        TieError: a ``path`` that is not a path, a pipe or a device;
+            ``functions`` that is not a mapping; anything wrong with the
+            file's content (naming the file and the path): empty, truncated
+            or not a safetensors file, a header naming one key twice, a newer
             format version, malformed or too deeply nested metadata, an unknown
             transform, an ``st.fn`` function not passed in ``functions``, a
             tensor that is missing or of the wrong shape, a missing template for
@@ -457,11 +529,18 @@ def load(
         >>> st.load(path, functions={"jax.numpy:flipud": jnp.flipud})["f"]
         Tied('w', fn(flipud))
     """
-    path = os.fspath(path)
+    path = file_path(path, "load")
+    if functions is not None and not isinstance(functions, Mapping):
+        raise TieError(
+            "load: functions must be a mapping {'module:qualname': function}, found "
+            f"{type(functions).__name__} {functions!r:.80}. "
+            "Fix: pass e.g. functions={'mylib.ops:softcap': softcap}."
+        )
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
     if os.path.isdir(path) or _KEY_VERSION not in (reader := Reader(path)).metadata:
-        return load_foreign(path, like=like, ties=ties, atol=atol)
+        tree = load_foreign(path, like=like, ties=ties, atol=atol)
+        return tree if shardings is None else _place(path, tree, shardings)
     if ties is not None or atol is not None:
         raise TieError(
             f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
@@ -545,7 +624,12 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """
     from sharetree._display import format_bytes, summary
 
-    path = os.fspath(path)
+    path = file_path(path, "inspect")
+    if not _is_int(max_rows) or max_rows < 1:
+        raise TieError(
+            f"inspect: max_rows must be an int of at least 1, found {type(max_rows).__name__} "
+            f"{max_rows!r:.80}. Fix: pass e.g. max_rows=20."
+        )
     try:
         if os.path.isdir(path):
             raise TieError(f"inspect: {path!r} is a directory, not a safetensors file.")
@@ -556,10 +640,13 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     meta = reader.metadata
     if _KEY_VERSION not in meta:
         data = sum(info.nbytes for info in reader.infos.values())
+        ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
+        said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
         head = (
             f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
             f"{_KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
-            f"{format_bytes(data)} of tensor data, no ties recorded"
+            f"{format_bytes(data)} of tensor data, "
+            + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
         )
         rows = [
             f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
@@ -573,7 +660,11 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     try:
         leaves, structure = leaves_and_structure(tree)
         graph = _FileGraph(structure, leaves)
-        text = summary(graph, max_rows=max_rows)
+        # the file's keys are in the tables: no character of theirs moves a terminal
+        text = "".join(
+            c if c.isprintable() or c == "\n" else repr(c)[1:-1]
+            for c in summary(graph, max_rows=max_rows)
+        )
     except TieError as e:
         raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
     head = (
@@ -621,9 +712,9 @@ class _Builder:
     def run(self) -> Any:
         version, where = self.meta[_KEY_VERSION], f"{self.verb}: {self.path!r}"
         of_tree = f"{self.verb}: the {_KEY_TREE!r} metadata of {self.path!r}"
-        if not (version.isascii() and version.isdigit()):
+        if not (version.isascii() and version.isdigit() and len(version) < 10):
             raise TieError(
-                f"{where} has a malformed format version {version!r}; expected a decimal "
+                f"{where} has a malformed format version {_shown(version)}; expected a decimal "
                 f"integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
             )
         self.version = int(version)
@@ -645,7 +736,12 @@ class _Builder:
                 f"nests at most {_MAX_JSON_DEPTH} (trees of at most {MAX_DEPTH} levels). {_RESAVE}"
             )
         try:
-            structure = json.loads(self.meta[_KEY_TREE])
+            structure = json.loads(self.meta[_KEY_TREE], object_pairs_hook=unique_pairs)
+        except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
+            raise TieError(
+                f"{of_tree} names the field {e.key!r} twice in one object, so one of the two "
+                f"would be silently lost. {_RESAVE}"
+            ) from None
         except ValueError as e:
             raise TieError(f"{of_tree} is not valid JSON ({one_line(e)}). {_RESAVE}") from e
         tree = self.build(structure, ())
@@ -672,9 +768,8 @@ class _Builder:
             raise self.bad(path, f"the field {name!r} ({want}) is missing")
         v = node[name]
         if not ok(v):
-            shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
             raise self.bad(
-                path, f"the field {name!r} should be {want}, found {type(v).__name__} {shown}"
+                path, f"the field {name!r} should be {want}, found {type(v).__name__} {_shown(v)}"
             )
         return v
 
@@ -690,8 +785,8 @@ class _Builder:
             return getattr(self, t)(node, path)
         if t not in _CONTAINERS and t != "node":
             raise self.fail(
-                f"unknown node kind {t!r} at {path_str(path)!r}; the file may come from a newer "
-                "sharetree. Fix: upgrade sharetree.",
+                f"unknown node kind {_shown(t)} at {path_str(path)!r}; the file may come from a "
+                "newer sharetree. Fix: upgrade sharetree.",
                 "",
             )
         if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
@@ -794,6 +889,16 @@ class _Builder:
         return a[()] if scalar else a
 
 
+def _shown(v: Any) -> str:
+    """``repr(v)``, cut to 60 characters (a file's content is echoed in messages, never all)."""
+    return repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+
+
+def _is_type_name(v: Any) -> bool:
+    """A ``module.qualname`` as ``save`` writes it: printable, of a sane length."""
+    return isinstance(v, str) and 0 < len(v) <= 500 and v.isprintable()
+
+
 def _is_key_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
 
@@ -820,7 +925,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "t": (_of(str), "a node kind"),
     "children": (_of(list), "a list of nodes"),
     "keys": (_is_key_list, "a list of str or int keys"),
-    "type": (_of(str), "a type name"),
+    "type": (_is_type_name, "a type name (printable, at most 500 characters)"),
     "ref": (_is_key_list, "a non-empty list of keys"),
     "transform": (_of(dict), "a spec"),
     "tensor": (_of(str), "a tensor name"),

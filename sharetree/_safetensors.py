@@ -7,20 +7,30 @@ The file format sharetree writes is described in one place,
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import stat
 import struct
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
 
-__all__ = ["NATIVE_CODES", "Reader", "TensorInfo", "atomic_write", "one_line"]
+__all__ = [
+    "NATIVE_CODES",
+    "DuplicateKey",
+    "Reader",
+    "TensorInfo",
+    "atomic_write",
+    "file_path",
+    "one_line",
+    "unique_pairs",
+]
 
 NATIVE_CODES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
@@ -40,6 +50,58 @@ _CODES = {
 def one_line(e: BaseException) -> str:
     """``TypeName: message`` of an exception on one line (for messages quoting a library)."""
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def file_path(path: Any, verb: str) -> str:
+    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``; a :class:`TieError` if none.
+
+    Example:
+        >>> import pathlib
+        >>> from sharetree._safetensors import file_path
+        >>> file_path(pathlib.Path("m.safetensors"), "load"), file_path(b"m", "load")
+        ('m.safetensors', 'm')
+    """
+    try:
+        text = os.fsdecode(path)
+    except TypeError:
+        raise TieError(
+            f"{verb}: the path should be a str or os.PathLike (such as pathlib.Path), found "
+            f"{type(path).__name__} {path!r:.80}. Fix: pass the file's path, e.g. "
+            "'model.safetensors'."
+        ) from None
+    if not text or "\0" in text:
+        raise TieError(
+            f"{verb}: the path {text!r:.80} is empty or holds a NUL character, so it names no "
+            "file. Fix: pass the file's path, e.g. 'model.safetensors'."
+        )
+    return text
+
+
+class DuplicateKey(ValueError):
+    """A JSON object that names one key twice (raised by :func:`unique_pairs`)."""
+
+    def __init__(self, key: str, first: Any, second: Any) -> None:
+        super().__init__(f"the key {key!r} is given twice")
+        self.key, self.first, self.second = key, first, second
+
+
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of ``json.loads`` that refuses a key given twice (one would be lost).
+
+    Example:
+        >>> import json
+        >>> from sharetree._safetensors import unique_pairs
+        >>> json.loads('{"a": 1, "a": 2}', object_pairs_hook=unique_pairs)
+        Traceback (most recent call last):
+        ...
+        sharetree._safetensors.DuplicateKey: the key 'a' is given twice
+    """
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k, out[k], v)
+        out[k] = v
+    return out
 
 
 class TensorInfo(NamedTuple):
@@ -78,6 +140,12 @@ class Reader:
         from safetensors import safe_open
 
         self.path, self.verb = path, verb
+        if os.path.exists(path) and not os.path.isfile(path):  # a pipe would block the read
+            raise TieError(
+                f"{verb}: {path!r} is not a regular file (it is a directory, a pipe or a "
+                "device), so it is not a safetensors file. Fix: give the path of a "
+                ".safetensors file."
+            )
         try:
             with safe_open(path, framework="np") as f:
                 self.metadata: dict[str, str] = dict(f.metadata() or {})
@@ -85,6 +153,16 @@ class Reader:
                 for name in f.keys():
                     s = f.get_slice(name)
                     self.infos[name] = TensorInfo(name, str(s.get_dtype()), tuple(s.get_shape()))
+            with open(path, "rb") as raw:  # again, for what the library does not say
+                (n,) = struct.unpack("<Q", raw.read(8))
+                self._data_start = 8 + n
+                self._header = json.loads(raw.read(n), object_pairs_hook=unique_pairs)
+        except DuplicateKey as e:  # the library keeps the last of two: a silent pick
+            raise TieError(
+                f"{verb}: the header of {path!r} names {e.key!r} twice (a tensor or a metadata "
+                "entry), so one of the two would be silently lost. The file is damaged or "
+                "was written by a broken tool. Fix: write the file again."
+            ) from None
         except Exception as e:  # SafetensorError, OSError of a directory, ...
             raise TieError(
                 f"{verb}: {path!r} is not a readable safetensors file ({one_line(e)}). "
@@ -114,16 +192,15 @@ class Reader:
         """Read a tensor of a dtype the numpy backend lacks from its bytes.
 
         The library does not expose data offsets, so they come from the header
-        (already validated by the library when the file was opened).
+        (validated by the library when the file was opened).
         """
         try:
+            start, end = (int(v) for v in self._header[info.name]["data_offsets"])
             with open(self.path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                start, end = (int(v) for v in json.loads(f.read(n))[info.name]["data_offsets"])
-                f.seek(8 + n + start)
+                f.seek(self._data_start + start)
                 data = f.read(end - start)
             return np.frombuffer(data, jnp.dtype(_CODES[info.code])).reshape(info.shape)
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise TieError(
                 f"{self.verb}: cannot read tensor {info.name!r} of {self.path!r} "
                 f"({one_line(cause)}; {one_line(e)}). Fix: check the file is complete."
@@ -155,6 +232,9 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
     ``path`` as it was and removes the temporary file. A new file gets the
     permissions of the umask (``0o666 & ~umask``, applied by the kernel: the
     process umask is never changed); a file that is replaced keeps its mode.
+    A symlink at ``path`` stays: the file it points to is written. A file
+    the process may not write (read-only) is a ``PermissionError``, as for
+    ``open(path, "wb")``, although a rename could replace it.
 
     Example:
         >>> import os, stat, tempfile, numpy as np
@@ -166,12 +246,20 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
         >>> oct(stat.S_IMODE(os.stat(path).st_mode))
         '0o600'
     """
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)  # through a symlink: the link stays, its target is replaced
+    directory = os.path.dirname(target)
     try:
-        mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
+        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
         mode = None
-    tmp = _create_temp(directory, os.path.basename(path))
+    if mode is not None and not os.access(target, os.W_OK):  # as open(path, "wb") refuses
+        raise PermissionError(
+            errno.EACCES, f"cannot write {path!r}: the file is read-only (left as it was)"
+        )
+    try:
+        tmp = _create_temp(directory, os.path.basename(target))
+    except OSError as e:  # a missing or read-only directory: name the file, not the temporary
+        raise type(e)(e.errno, f"cannot write {path!r}: {e.strerror} ({directory!r})") from e
     try:
         if mode is None:  # the kernel applied the umask to 0o666: that is the mode
             mode = stat.S_IMODE(os.stat(tmp).st_mode)
@@ -179,7 +267,7 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
         os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

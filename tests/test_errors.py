@@ -504,3 +504,83 @@ def test_48_bad_shard_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "gone.st"}}')
     with pytest.raises(st.TieError, match=r"index.json' names the shard 'gone.st'.*not exist"):
         st.load(tmp_path)
+
+
+def test_49_path_that_is_not_a_path(tmp_path):
+    with pytest.raises(st.TieError, match=r"save: the path should be a str or os.PathLike.*int 3"):
+        st.save(3, {"w": W})
+    with pytest.raises(st.TieError, match=r"load: the path '' is empty or holds a NUL"):
+        st.load("")
+
+
+def test_50_save_to_a_directory(tmp_path):
+    with pytest.raises(st.TieError, match=r"is a directory; st.save writes one file.*model"):
+        st.save(tmp_path, {"w": W})
+
+
+def test_51_not_a_regular_file(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(st.TieError, match=r"'.*pipe' is not a regular file.*\.safetensors file"):
+        st.load(tmp_path / "pipe")
+
+
+def test_52_header_names_a_key_twice(tmp_path):
+    header = b'{"__metadata__":{"k":"1","k":"2"}}'
+    (tmp_path / "d.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(st.TieError, match=r"header of '.*d.safetensors' names 'k' twice"):
+        st.load(tmp_path / "d.safetensors")
+
+
+def test_53_pretrained_directory_holding_a_sharetree_file(tmp_path):
+    st.save(tmp_path / "model.safetensors", {"w": W, "v": st.Tied("w")})
+    with pytest.raises(st.TieError, match=r"written by st.save.*lose its tree.*st\.load\("):
+        st.load(tmp_path)
+
+
+def test_54_int_too_long_for_text(tmp_path):
+    with pytest.raises(st.TieError, match=r"save: the leaf at 'n' is an int of .* bits.*4,300"):
+        st.save(tmp_path / "m.safetensors", {"n": 10**5000})
+
+
+def test_55_keyword_of_the_wrong_type(tmp_path):
+    from sharetree._io import describe
+
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(st.TieError, match=r"save: gather must be True or False, found str"):
+        st.save(path, {"w": W}, gather="yes")
+    st.save(path, {"w": W})
+    with pytest.raises(st.TieError, match=r"load: functions must be a mapping"):
+        st.load(path, functions=["m:f"])
+    with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int of at least 1"):
+        describe(path, max_rows=0)
+
+
+def test_56_header_too_large_for_readers(tmp_path):
+    with pytest.raises(st.TieError, match=r"header too large.*bytes of tree JSON.*100 MB"):
+        st.save(tmp_path / "m.safetensors", {"w": W, "s": "a" * 101_000_000})
+
+
+def test_57_deleted_buffer(tmp_path):
+    x = jnp.ones(2)
+    x.delete()
+    with pytest.raises(st.TieError, match=r"buffer at 'w' has been deleted.*donate_argnums"):
+        st.save(tmp_path / "m.safetensors", {"w": x})
+
+
+def test_58_masked_array(tmp_path):
+    import numpy as np
+
+    with pytest.raises(st.TieError, match=r"at 'm' is a masked array.*x\.filled\(\)"):
+        st.save(tmp_path / "m.safetensors", {"m": np.ma.array([1.0], mask=[True])})
+
+
+def test_59_abstract_leaf(tmp_path):
+    with pytest.raises(st.TieError, match=r"'w' is a ShapeDtypeStruct of shape \(2,\).*concrete"):
+        st.save(tmp_path / "m.safetensors", {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+
+
+def test_60_atol_without_ties(tmp_path):
+    with pytest.raises(st.TieError, match=r"atol=0.001 without ties=.*or drop atol"):
+        st.load(_foreign_file(tmp_path), atol=1e-3)

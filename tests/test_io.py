@@ -1226,3 +1226,167 @@ def test_sharded_save_and_load_on_8_simulated_devices(tmp_path) -> None:
         "equal": True,
         "head_value": True,
     }
+
+
+# ----------------------------------------------------------------------------- adversarial inputs
+
+
+@pytest.mark.parametrize("path", [3, None, ["m.safetensors"], "", "m\0.safetensors"])
+def test_a_path_that_names_no_file_is_a_tie_error(tmp_path, path) -> None:
+    good = tmp_path / "g.safetensors"
+    st.save(good, TIED)
+    for verb, call in [
+        ("save", lambda: st.save(path, TIED)),
+        ("load", lambda: st.load(path)),
+        ("inspect", lambda: _io.describe(path)),
+        ("read_metadata", lambda: _io.read_metadata(path)),
+    ]:
+        with pytest.raises(st.TieError, match=rf"^{verb}: the path .*(should be a str|is empty)"):
+            call()
+    assert os.listdir(tmp_path) == ["g.safetensors"]  # save wrote nothing, not even beside cwd
+    raw = os.fsencode(good)  # bytes are a path, as for open()
+    st.save(raw, TIED)
+    assert_same_tree(st.load(raw), TIED)
+    assert "sharing graph" in _io.describe(raw)
+
+
+def test_save_to_a_directory_writes_nothing(tmp_path) -> None:
+    for path in (tmp_path, f"{tmp_path}/new/"):
+        with pytest.raises(st.TieError, match=r"is a directory; st.save writes one file.*Fix"):
+            st.save(path, TIED)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_int_too_long_for_text_is_refused_before_writing(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    for tree, where in [({"n": 10**5000}, "the leaf at 'n'"), ({10**5000: 1}, "a dict key at")]:
+        with pytest.raises(st.TieError, match=rf"save: {where}.*int of 16,610 bits.*Fix"):
+            st.save(path, tree)
+    assert not path.exists()
+    st.save(path, {"n": 10**4000})  # below the limit: round trips
+    assert st.load(path) == {"n": 10**4000}
+
+
+def test_tree_json_naming_a_field_twice_is_refused(tmp_path) -> None:
+    good = tmp_path / "g.safetensors"
+    st.save(good, {"w": np.ones(2, np.float32), "v": st.Tied("w")})
+    tensors, meta = read_raw(good)
+    text = meta["sharetree.tree"]  # a second "children" would silently drop the tie at 'v'
+    meta["sharetree.tree"] = (
+        text[:-1] + ',"children":[' + json.dumps(json.loads(text)["children"][0]) + "]}"
+    )
+    write_with_metadata(tmp_path / "b.safetensors", tensors, meta)
+    with pytest.raises(st.TieError, match=r"names the field 'children' twice in one object"):
+        st.load(tmp_path / "b.safetensors")
+
+
+def test_file_content_in_messages_is_cut_and_type_names_are_checked(tmp_path) -> None:
+    def kind(tensors, meta, structure):
+        structure["t"] = "[" * 10_000
+
+    with pytest.raises(st.TieError, match=r"unknown node kind '\[{56}\.\.\. at '<root>'") as e:
+        st.load(tampered(tmp_path, TIED, kind))
+    assert len(str(e.value)) < 300
+    bad = tampered(
+        tmp_path, TIED, lambda t, m, s: m.update({"sharetree.format_version": "9" * 5000})
+    )
+    with pytest.raises(st.TieError, match=r"malformed format version '9+\.\.\.; expected") as e:
+        st.load(bad)
+    assert len(str(e.value)) < 400
+
+    def escape(tensors, meta, structure):
+        structure["children"].append({"t": "static", "type": "\x1b[2J"})
+        structure["keys"].append("s")
+
+    with pytest.raises(st.TieError, match=r"at 's': the field 'type' should be a type name"):
+        st.load(tampered(tmp_path, TIED, escape))
+
+
+def test_keywords_of_the_wrong_type_are_tie_errors(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    for gather in ("no", None, 1):
+        with pytest.raises(st.TieError, match=r"save: gather must be True or False"):
+            st.save(path, TIED, gather=gather)
+    assert not path.exists()
+    st.save(path, TIED, gather=np.bool_(False))
+    with pytest.raises(st.TieError, match=r"load: functions must be a mapping.*found list"):
+        st.load(path, functions=["jax.numpy:flipud"])
+    for rows in ("3", 0, 2.0):
+        with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int of at least 1"):
+            _io.describe(path, max_rows=rows)
+
+
+def test_foreign_files_take_shardings_too(tmp_path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"emb": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)}, str(path))
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.warns(UserWarning, match="not written by sharetree"):
+        back = st.load(path, ties={"head": "emb"}, shardings={"emb": s, "b": None, "head": None})
+    assert isinstance(back["emb"], jax.Array) and back["emb"].sharding == s
+    assert isinstance(back["b"], np.ndarray) and back["head"] == st.Tied("emb")
+    with pytest.raises(st.TieError, match=r"shardings= does not match.*without a sharding: \['b'"):
+        with pytest.warns(UserWarning):
+            st.load(path, shardings={"emb": s})
+
+
+def test_a_pretrained_directory_holding_a_sharetree_file_is_not_read_flat(tmp_path) -> None:
+    st.save(tmp_path / "model.safetensors", TIED)
+    with pytest.raises(
+        st.TieError, match=r"holds 'model.safetensors', a file written by st.save.*st\.load\('"
+    ):
+        st.load(tmp_path)
+    assert_same_tree(st.load(tmp_path / "model.safetensors"), TIED)
+
+
+def test_describe_a_foreign_file_shows_the_ties_its_metadata_records(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"emb": np.ones((3, 2), np.float32)}, str(path), metadata={"head": "emb"})
+    assert "1 tie(s) in its metadata: head <- emb" in _io.describe(path)
+    with pytest.warns(UserWarning, match="restored the ties"):
+        assert st.load(path)["head"] == st.Tied("emb")
+
+
+def test_a_header_too_large_for_readers_is_a_tie_error_before_writing(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(st.TieError, match=r"header too large.*101,000,\d+ bytes of tree JSON.*"):
+        st.save(path, {"w": np.ones(1), "s": "a" * 101_000_000})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_deleted_array_is_a_tie_error_naming_its_path(tmp_path) -> None:
+    for x in (jnp.ones(3), jax.random.key(0)):  # as after a jitted call with donate_argnums
+        x.delete()
+        with pytest.raises(st.TieError, match=r"save: the buffer at 'enc/w' has been deleted"):
+            st.save(tmp_path / "m.safetensors", {"enc": {"w": x}})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_masked_array_is_refused_rather_than_saved_without_its_mask(tmp_path) -> None:
+    x = np.ma.array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(st.TieError, match=r"at 'x' is a masked array.*without the mask"):
+        st.save(tmp_path / "m.safetensors", {"x": x})
+    st.save(tmp_path / "m.safetensors", {"x": np.ma.array([1.0, 2.0])})  # no mask: plain data
+    assert st.load(tmp_path / "m.safetensors")["x"].tolist() == [1.0, 2.0]
+
+
+def test_an_abstract_or_foreign_array_leaf_is_refused_rather_than_saved_empty(tmp_path) -> None:
+    path = tmp_path / "m.safetensors"
+
+    class Tensor:  # another library's array (a torch.Tensor), not registered with jax
+        shape, dtype = (2,), "float32"
+
+    for leaf, kind in [
+        (jax.ShapeDtypeStruct((2,), jnp.float32), "ShapeDtypeStruct"),
+        (Tensor(), "Tensor"),
+    ]:
+        with pytest.raises(st.TieError, match=rf"leaf at 'w' is a {kind} of shape \(2,\).*Fix"):
+            st.save(path, {"w": leaf, "v": st.Tied("w")})
+    assert not path.exists()
+
+
+def test_atol_without_ties_for_a_foreign_file_is_a_tie_error(tmp_path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"emb": np.ones((3, 2), np.float32)}, str(path))
+    for atol in (1e-6, "x"):
+        with pytest.raises(st.TieError, match=r"load: atol=.* without ties=.*nothing is compared"):
+            st.load(path, atol=atol)

@@ -3,7 +3,8 @@
 Each example takes one valid file and damages it: a value of the tree JSON
 replaced by random JSON, a field dropped or added, the JSON nested thousands
 of levels deep, a metadata entry changed, a tensor renamed, dropped, added or
-retyped, header bytes flipped, the file truncated. Every outcome must be a
+retyped, header bytes flipped, the file truncated; or the header written by hand
+(a key given twice, a lying length, a bad dtype, shape or offsets). Every outcome must be a
 ``TieError``, a documented ``UserWarning`` (a file without sharetree metadata;
 node types rebuilt as dicts), or a whole, self-consistent tree (the original
 one when nothing that matters changed); never another exception, an import,
@@ -341,3 +342,71 @@ def test_damaged_files_give_the_tree_or_a_tie_error(good, no_imports, tmp_path, 
     st.save(again, out)
     resaved = {**FUNCTIONS, f"{record.__module__}:{record.__qualname__}": record}
     assert _same(st.load(again, functions=resaved), out)
+
+
+def _header_of(blob: bytes) -> tuple[list[Any], bytes]:
+    """The header of a safetensors file as ordered pairs (duplicates kept), and its data."""
+    n = int.from_bytes(blob[:8], "little")
+    pairs = json.loads(blob[8 : 8 + n], object_pairs_hook=lambda ps: [list(p) for p in ps])
+    return pairs, blob[8 + n :]
+
+
+def _dump(value: Any) -> str:
+    """JSON text of ``_header_of``'s pairs: a list of 2-lists is an object (duplicates and all)."""
+    if isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        if value and all(isinstance(p[0], str) for p in value):
+            return "{" + ",".join(f"{json.dumps(k)}:{_dump(v)}" for k, v in value) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_dump, value)) + "]"
+    return json.dumps(value)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=hs.data())
+def test_crafted_headers_give_the_tree_or_a_tie_error(good, tmp_path, data) -> None:
+    """Hand-written headers: keys twice, lying lengths, bad dtypes, shapes and offsets."""
+    pairs, body = _header_of(good["bytes"])
+    i = data.draw(hs.integers(0, len(pairs) - 1))
+    name, value = pairs[i]
+    kind = data.draw(hs.sampled_from(["twice", "length", "dtype", "shape", "offsets", "meta"]))
+    delta = 0
+    if kind == "twice":  # the library keeps one of the two: a silent pick
+        pairs.insert(
+            data.draw(hs.integers(0, len(pairs))), [name, data.draw(hs.just(value) | JSON)]
+        )
+    elif kind == "length":
+        delta = data.draw(hs.integers(-16, 16).filter(bool))
+    elif name == "__metadata__":
+        key = data.draw(hs.sampled_from([k for k, _ in value] + ["sharetree.tree", "x"]))
+        value.insert(data.draw(hs.integers(0, len(value))), [key, data.draw(JSON)])
+    else:
+        field = {"dtype": 0, "shape": 1, "offsets": 2, "meta": data.draw(hs.integers(0, 2))}[kind]
+        value[field][1] = data.draw(
+            JSON
+            | hs.sampled_from(["F4", "F8_E4M3", "I4", "C128", "U64", "bool", ""])
+            | hs.lists(hs.integers(-(2**65), 2**65), max_size=3)
+        )
+    text = _dump(pairs).encode()
+    blob = (len(text) + delta).to_bytes(8, "little", signed=True) + text + body
+    path = tmp_path / "crafted.safetensors"
+    path.write_bytes(blob)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            out: Any = st.load(path, functions=FUNCTIONS)
+        except st.TieError as e:
+            assert str(e).startswith("load"), e
+            out = None
+        try:
+            _io.describe(path)
+        except st.TieError as e:
+            assert "\n" not in str(e)
+    event(f"{kind}: {'TieError' if out is None else 'loaded'}")
+    if kind == "twice":
+        assert out is None, "a key given twice loaded"
+    elif out is not None and not _same(out, good["expected"]):
+        st.materialize(out)  # a different but well-formed file: a whole, consistent tree

@@ -339,3 +339,34 @@ def test_other_errors_are_not_taken_for_a_closed_stdout(monkeypatch):
     monkeypatch.setattr(cli, "_inspect", broken)
     with pytest.raises(ValueError, match="a bug"):
         cli.main(["inspect", "x"])
+
+
+# --------------------------------------------------------------------------- untrusted files
+
+
+def _inspect_subprocess(path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "sharetree", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_inspect_of_a_pipe_does_not_block(tmp_path):
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)  # a read would wait for a writer forever
+    done = _inspect_subprocess(fifo)
+    assert done.returncode == 2 and done.stdout == ""
+    _one_line_error(done.stderr, "is not a regular file", "fifo.safetensors")
+
+
+def test_inspect_escapes_control_characters_of_the_file(tmp_path):
+    path = tmp_path / "evil.safetensors"
+    st.save(path, {"\x1b[2Jw": np.ones(2, np.float32), "v\x07": st.Tied("\x1b[2Jw")})
+    done = _inspect_subprocess(path)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "\\x1b[2Jw" in done.stdout and "v\\x07" in done.stdout

@@ -67,3 +67,76 @@ def test_atomic_write_removes_its_temporary_file_on_failure(tmp_path, monkeypatc
         atomic_write(path, {"a": np.zeros(2)}, {})
     assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["x.safetensors"]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def _header_file(path, header: bytes, data: bytes) -> None:
+    """A safetensors file of the header text ``header`` (written by hand) and ``data``."""
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        # one tensor twice, a metadata entry twice: the library keeps the last, silently
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+        b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+        b'{"__metadata__":{"k":"1","k":"2"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    ],
+)
+def test_a_header_naming_a_key_twice_is_refused(tmp_path, header) -> None:
+    path = tmp_path / "x.safetensors"
+    _header_file(path, header, b"\0" * 4)
+    with pytest.raises(st.TieError, match=r"header of .*x\.safetensors' names '(a|k)' twice"):
+        Reader(str(path))
+
+
+def test_float8_raw_read_uses_the_header_read_once(tmp_path) -> None:
+    path = tmp_path / "f8.safetensors"
+    header = b'{"b":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[2,4]},'
+    header += b'"a":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}}'
+    _header_file(path, header, bytes([0x38, 0x40, 0x44, 0x48]))
+    got = dict(Reader(str(path)).tensors())
+    assert got["a"].view(np.uint8).tolist() == [0x38, 0x40]
+    assert got["b"].view(np.uint8).tolist() == [0x44, 0x48]
+
+
+def test_a_pipe_or_directory_is_refused_without_reading(tmp_path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it to read would block until a writer comes
+    for path in (fifo, tmp_path):
+        with pytest.raises(st.TieError, match=r"is not a regular file .*a pipe"):
+            Reader(str(path), "inspect")
+
+
+def test_atomic_write_through_a_symlink_keeps_the_link(tmp_path) -> None:
+    target, link = tmp_path / "step_1.safetensors", tmp_path / "latest.safetensors"
+    atomic_write(str(target), {"a": np.ones(1)}, {})
+    link.symlink_to(target.name)
+    atomic_write(str(link), {"a": np.zeros(1)}, {})
+    assert link.is_symlink() and dict(Reader(str(target)).tensors())["a"].tolist() == [0.0]
+    dangling = tmp_path / "dangling.safetensors"
+    dangling.symlink_to("new.safetensors")
+    atomic_write(str(dangling), {"a": np.ones(1)}, {})
+    assert dangling.is_symlink() and (tmp_path / "new.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == [
+        "dangling.safetensors", "latest.safetensors", "new.safetensors", "step_1.safetensors"
+    ]  # fmt: skip
+
+
+def test_atomic_write_into_a_missing_directory_names_the_file(tmp_path) -> None:
+    path = str(tmp_path / "nope" / "x.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"cannot write '.*nope/x\.safetensors'"):
+        atomic_write(path, {"a": np.ones(1)}, {})
+
+
+def test_atomic_write_refuses_a_read_only_file_as_open_would(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "x.safetensors"
+    atomic_write(str(path), {"a": np.ones(1)}, {})
+    before = path.read_bytes()
+    os.chmod(path, 0o444)
+    # root may write any file; act as a user who may not write this one
+    monkeypatch.setattr(_safetensors.os, "access", lambda p, mode: p != str(path))
+    with pytest.raises(PermissionError, match=r"cannot write '.*x\.safetensors': .*read-only"):
+        atomic_write(str(path), {"a": np.zeros(1)}, {})
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["x.safetensors"]
