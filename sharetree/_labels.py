@@ -17,7 +17,15 @@ from typing import Any
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, closest, keypath_to_path, leaves_with_paths, path_str, prefixes
+from sharetree._paths import (
+    Path,
+    closest,
+    flatten_error,
+    keypath_to_path,
+    leaves_with_paths,
+    path_str,
+    prefixes,
+)
 from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
@@ -93,7 +101,12 @@ def _apply_rules(
             used[i] = True
         return leaf(path, x, pairs[hits[0]] if hits else None)
 
-    out = jtu.tree_map_with_path(one, tree)
+    try:
+        out = jtu.tree_map_with_path(one, tree)
+    except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
+        if isinstance(e, TieError) or (err := flatten_error(tree, e)) is None:
+            raise
+        raise err from e
     unused = [pattern for (pattern, _), ok in zip(pairs, used, strict=True) if not ok]
     if strict and unused:
         raise _unused_error(unused[0], tree, leaf_paths, where)

@@ -21,6 +21,7 @@ from sharetree._paths import (
     Path,
     TieMap,
     aval_of,
+    check_flattens,
     closest,
     format_aval,
     keypath_to_path,
@@ -129,6 +130,7 @@ def tie(
         seen.add(path := keypath_to_path(kp))
         return path in new
 
+    check_flattens(tree)  # too deep, or unsortable dict keys: before a flatten with a callback
     out = jtu.tree_map_with_path(
         lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
     )

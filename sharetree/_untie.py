@@ -22,6 +22,7 @@ from sharetree._materialize import leaves_and_structure, materialize
 from sharetree._paths import (
     Path,
     PathLike,
+    check_flattens,
     closest,
     format_aval,
     keypath_to_path,
@@ -251,4 +252,5 @@ def untie_state(
                 )
         return _untie_positions(x, at)
 
+    check_flattens(opt_state)  # too deep, or unsortable dict keys: before a flatten with a callback
     return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)

@@ -504,3 +504,13 @@ def test_48_bad_shard_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "gone.st"}}')
     with pytest.raises(st.TieError, match=r"index.json' names the shard 'gone.st'.*not exist"):
         st.load(tmp_path)
+
+
+def test_60_tree_jax_cannot_flatten():
+    deep = jnp.ones(2)
+    for _ in range(2000):
+        deep = {"a": deep}
+    with pytest.raises(st.TieError, match=r"nested more than 500 levels deep \(at 'a/a/a"):
+        st.materialize({"w": W, "v": st.Tied("w"), **deep})
+    with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted"):
+        st.canonicalize({"m": {0: W, "0": W}})
