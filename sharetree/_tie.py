@@ -181,6 +181,8 @@ def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
 
 def _concrete(x: Any, where: str) -> np.ndarray:
     try:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)  # typed PRNG keys compare by their key data
         return np.asarray(x)
     except Exception as e:  # tracers have no value to compare
         raise TieError(
@@ -191,7 +193,13 @@ def _concrete(x: Any, where: str) -> np.ndarray:
 
 
 def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
-    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here)."""
+    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here).
+
+    Arrays that are not numbers (strings, objects) are equal or infinitely far apart.
+    """
+    if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
+        d = np.where(a == b, 0.0, np.inf)
+        return (float(d.max()) if d.size else 0.0), d
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
     x, y = a.astype(wide), b.astype(wide)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -61,7 +61,9 @@ _show.maxstring, _show.maxother, _show.maxlist, _show.maxdict, _show.maxlevel = 
 
 
 def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
-    """The dtype JAX computes with: float64 is float32 while x64 is off."""
+    """The dtype JAX computes with: float64 is float32 while x64 is off (PRNG keys: unchanged)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype  # type: ignore[return-value]
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 

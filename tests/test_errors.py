@@ -514,3 +514,10 @@ def test_60_tree_jax_cannot_flatten():
         st.materialize({"w": W, "v": st.Tied("w"), **deep})
     with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted"):
         st.canonicalize({"m": {0: W, "0": W}})
+
+
+def test_61_find_ties_traced_or_bad_transforms():
+    with pytest.raises(st.TieError, match=r"find_ties: the leaf 'a' is traced"):
+        jax.jit(st.find_ties)({"a": jnp.arange(3.0)})
+    with pytest.raises(st.TieError, match=r"expected a sequence of transforms, found _Transpose"):
+        st.find_ties({"a": W}, st.T)

@@ -91,6 +91,6 @@ def test_trees_jax_cannot_flatten_are_tie_errors(call):
     with pytest.raises(st.TieError, match=r"more than 500 levels deep \(at 'x/a/a/a/a/a/\.\.\.'"):
         call(deep)
     # dict keys of two types: JAX cannot sort them
-    with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted \(0 and '0'"):
+    with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted \(0 and"):
         call({"m": {0: jnp.ones(2), "0": jnp.ones(2)}, "b": 1.0})
     assert st.materialize({"a": jnp.ones(2), "b": st.Tied("a")})["b"].shape == (2,)
