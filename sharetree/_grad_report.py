@@ -16,7 +16,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sharetree._display import _CELL, MAX_ROWS, _first, _html_table, _more, _page, _svg, _table
+from sharetree._display import (
+    _CELL,
+    MAX_ROWS,
+    _first,
+    _html_table,
+    _more,
+    _page,
+    _svg,
+    _table,
+    check_max_rows,
+)
 from sharetree._errors import TieError
 from sharetree._paths import plural
 
@@ -256,9 +266,5 @@ def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_
             f"grad_report: expected a dict {{buffer path: {{use path: contribution}}}}, found "
             f"{type(by_use).__name__}. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise TieError(
-            f"grad_report: max_rows must be a positive int, got {max_rows!r}. "
-            "Fix: pass e.g. max_rows=50."
-        )
+    check_max_rows(max_rows, "grad_report")
     return GradReport(tuple(_buffer_uses(p, u) for p, u in by_use.items()), max_rows)

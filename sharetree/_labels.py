@@ -49,6 +49,11 @@ def _rules(
     example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
 ) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
+    if not isinstance(rules, (Mapping, Iterable)) or isinstance(rules, (str, bytes)):
+        raise TieError(
+            f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) "
+            f"pairs, found {type(rules).__name__} {rules!r}. Fix: write {example}."
+        )
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -193,6 +198,8 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
         >>> st.mask_by_path(params, "*kernel")
         {'dense': {'bias': False, 'kernel': True}, 'out': {'kernel': Tied('dense/kernel', T)}}
     """
+    if not isinstance(patterns, Iterable):
+        patterns = [patterns]  # reported below as a pattern that is not a str
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     for p in patterns:
         if not isinstance(p, str):

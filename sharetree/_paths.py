@@ -31,7 +31,6 @@ __all__ = [
     "leaves_with_paths",
     "flatten_error",
     "check_flattens",
-    "check_positive_int",
     "prefixes",
     "node_paths",
     "is_array_leaf",
@@ -232,22 +231,6 @@ def flatten_error(tree: Any, err: BaseException) -> TieError | None:
             children = [(key_name(kp[0]), y) for kp, y in kids]
         stack.extend((path + (k,), y) for k, y in reversed(children))
     return None
-
-
-def check_positive_int(value: Any, what: str) -> int:
-    """``value`` if it is an int >= 1 (not a bool), else a TieError naming ``what``.
-
-    Example:
-        >>> from sharetree._paths import check_positive_int
-        >>> check_positive_int(5, "summary: max_rows")
-        5
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise TieError(
-            f"{what} must be a positive int, got {type(value).__name__} {value!r}. "
-            "Fix: pass e.g. max_rows=50."
-        )
-    return int(value)
 
 
 def prefixes(path: Path) -> list[Path]:

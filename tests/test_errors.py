@@ -521,3 +521,22 @@ def test_61_find_ties_traced_or_bad_transforms():
         jax.jit(st.find_ties)({"a": jnp.arange(3.0)})
     with pytest.raises(st.TieError, match=r"expected a sequence of transforms, found _Transpose"):
         st.find_ties({"a": W}, st.T)
+
+
+def test_62_max_rows_not_a_positive_int():
+    with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
+        st.summary({"a": W}, max_rows=1.5)
+
+
+def test_63_rules_not_a_collection():
+    with pytest.raises(st.TieError, match=r"label_by_path: expected rules.*found NoneType None"):
+        st.label_by_path({"a": W}, None)
+
+
+def test_64_spec_jax_rejects():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    with pytest.raises(st.TieError, match=r"'a' \(rule '\*' -> .*JAX rejects this spec"):
+        st.shardings_by_path({"a": W}, mesh, {"*": P(P.UNCONSTRAINED)})
