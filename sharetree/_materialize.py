@@ -87,10 +87,15 @@ def transform_error(
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
     where = leaf.tie or leaf.path
     tie, shown = structure.ties.get(where), format_aval(aval)
+    why = (
+        str(err)
+        if isinstance(err, TieError)
+        else f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
+    )
     return TieError(
         f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
-        f"of {shown}: {type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
+        f"of {shown}: {why}"
     )
 
 

@@ -308,7 +308,14 @@ class _Fn(Transform, name="fn"):
     spec_fields: ClassVar = {"function": "a 'module:qualname' string such as 'mylib.ops:softcap'"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
-        return self.f(jnp.asarray(x))
+        out = self.f(jnp.asarray(x))
+        if not isinstance(out, (jax.Array, np.ndarray, np.generic)):  # tracers are jax.Arrays
+            raise TieError(  # a view is one leaf: None would vanish, a tuple add leaves
+                f"{self!r} returned "
+                f"{type(out).__name__} {_show.repr(out)}, not an array. Fix: return one array "
+                "from the function (a view is one leaf of the materialized tree)."
+            )
+        return out
 
     def spec(self) -> dict[str, Any]:
         module = getattr(self.f, "__module__", None)

@@ -540,3 +540,8 @@ def test_64_spec_jax_rejects():
     mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
     with pytest.raises(st.TieError, match=r"'a' \(rule '\*' -> .*JAX rejects this spec"):
         st.shardings_by_path({"a": W}, mesh, {"*": P(P.UNCONSTRAINED)})
+
+
+def test_65_fn_returns_no_array():
+    with pytest.raises(st.TieError, match=r"view 'b'.*fn\(print\) returned NoneType None"):
+        st.materialize({"a": W, "b": st.Tied("a", st.fn(print))})
