@@ -163,10 +163,11 @@ class Restructure:
     def _check(self, flat: Any) -> None:
         shape = getattr(flat, "shape", None)
         dtype = getattr(flat, "dtype", None)
-        if shape is None or dtype is None:
+        if shape is None or dtype is None or isinstance(flat, jax.ShapeDtypeStruct):
             raise TieError(
                 f"restructure: expected a 1-D array of {self.size} {self.flat_dtype.name} "
-                f"values, got {type(flat).__name__}. Fix: pass the vector from destructure."
+                f"values, got {type(flat).__name__}. Fix: pass the vector from destructure "
+                "(for shapes only, jax.eval_shape(restructure, flat))."
             )
         if len(shape) != 1:
             raise TieError(
@@ -180,10 +181,10 @@ class Restructure:
                 f"parameters), got length {shape[0]} ({shape[0] - self.size:+d}). Fix: pass a "
                 "vector from the destructure of a tree with the same structure and shapes."
             )
-        if not jnp.issubdtype(dtype, jnp.inexact) and self.size:
+        if not jax.dtypes.issubdtype(dtype, jnp.inexact) and self.size:
             raise TieError(
                 f"restructure: expected a floating or complex vector ({self.flat_dtype.name}), "
-                f"got dtype {np.dtype(dtype).name}. Fix: cast it, e.g. flat.astype(jnp.float32)."
+                f"got dtype {dtype}. Fix: cast it, e.g. flat.astype(jnp.float32)."
             )
         if _complex(np.dtype(dtype)) and not _complex(self.flat_dtype):
             raise TieError(
