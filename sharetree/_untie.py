@@ -45,7 +45,8 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
     if paths is None:
         return set(ties)
     chosen: set[Path] = set()
-    for given in [paths] if isinstance(paths, (str, tuple)) else paths:
+    one = isinstance(paths, (str, tuple)) or not isinstance(paths, Iterable)
+    for given in [paths] if one else paths:
         p = to_path(given, "untie path")
         under = [q for q in ties if q[: len(p)] == p]
         if not under:

@@ -545,3 +545,13 @@ def test_64_spec_jax_rejects():
 def test_65_fn_returns_no_array():
     with pytest.raises(st.TieError, match=r"view 'b'.*fn\(print\) returned NoneType None"):
         st.materialize({"a": W, "b": st.Tied("a", st.fn(print))})
+
+
+def test_66_grad_by_use_leaf_without_gradient():
+    with pytest.raises(st.TieError, match=r"grad_by_use: the leaf 'step' .* int32\[\]"):
+        st.grad_by_use(lambda m: m["w"].sum())({"w": W, "step": jnp.array(1)})
+
+
+def test_67_grad_report_bad_entries():
+    with pytest.raises(st.TieError, match=r"grad_report: the contribution of 'u'.*not a numeric"):
+        st.grad_report({"a": {"u": "text"}})
