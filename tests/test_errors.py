@@ -555,3 +555,16 @@ def test_66_grad_by_use_leaf_without_gradient():
 def test_67_grad_report_bad_entries():
     with pytest.raises(st.TieError, match=r"grad_report: the contribution of 'u'.*not a numeric"):
         st.grad_report({"a": {"u": "text"}})
+
+
+def test_68_flax_nnx_inputs_of_the_wrong_kind():
+    pytest.importorskip("flax")
+    import flax.linen as nn
+
+    import sharetree.nnx
+    from sharetree.flax import tied
+
+    with pytest.raises(st.TieError, match=r"tied\(Dense\)\.apply: expected the variables"):
+        tied(nn.Dense(2), {}).apply(None, W)
+    with pytest.raises(st.TieError, match=r"expected an NNX state .*found int"):
+        sharetree.nnx.split(1)
