@@ -400,6 +400,15 @@ _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 
 
+def _flat_dtype(dtypes: set[np.dtype]) -> np.dtype:
+    """The promoted dtype of the buffers; 8-bit floats (which JAX never promotes) as float32."""
+    try:
+        return canonical_dtype(jnp.result_type(*dtypes))
+    except jax.dtypes.TypePromotionError:  # float8 mixed with other dtypes
+        wide = {np.dtype(np.float32) if d.itemsize == 1 and not _complex(d) else d for d in dtypes}
+        return canonical_dtype(jnp.result_type(*wide))
+
+
 def _new_layout(
     leaves: list[Any], structure: Structure, types: tuple[type, ...], config: tuple[str, bool]
 ) -> _Layout:
@@ -429,11 +438,7 @@ def _new_layout(
         dtypes.append(dtype)
         leaf_dtypes.append(x.dtype)
         on_host = on_host and kind == _HOST
-    flat_dtype = (
-        canonical_dtype(jnp.result_type(*set(dtypes)))
-        if dtypes
-        else np.dtype(jnp.result_type(float))
-    )
+    flat_dtype = _flat_dtype(set(dtypes)) if dtypes else np.dtype(jnp.result_type(float))
     restructure = Restructure(
         structure, tuple(slots), tuple(shapes), tuple(dtypes), tuple(statics), flat_dtype
     )
