@@ -82,7 +82,7 @@ def to_path(ref: Any, what: str = "path") -> Path:
             f"{what}: expected a '/'-joined string or a tuple of keys, found {type(ref).__name__} "
             f"{ref!r}. Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
         )
-    if not parts or "" in parts:
+    if not parts or (isinstance(keys, str) and "" in parts):  # a tuple may name a "" key
         raise TieError(
             f"{what} {ref!r} has an empty key. Fix: name a path below the root, such as "
             "'encoder/kernel' (a tie at or to the root is not allowed)."
@@ -105,14 +105,14 @@ def path_str(path: Path) -> str:
 
 
 def path_key(path: Path) -> str | Path:
-    """A path as a result's key: ``/``-joined, or the tuple itself when a key contains ``/``.
+    """A path as a result's key: ``/``-joined, or the tuple when a key has ``/`` or is ``""``.
 
     Example:
         >>> from sharetree._paths import path_key
         >>> path_key(("a", "b", "0")), path_key(("a/b", "c"))
         ('a/b/0', ('a/b', 'c'))
     """
-    return path if any("/" in k for k in path) else "/".join(path)
+    return path if any("/" in k or not k for k in path) else "/".join(path)
 
 
 def key_name(key: Any) -> str:

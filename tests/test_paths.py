@@ -94,3 +94,13 @@ def test_trees_jax_cannot_flatten_are_tie_errors(call):
     with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted \(0 and"):
         call({"m": {0: jnp.ones(2), "0": jnp.ones(2)}, "b": 1.0})
     assert st.materialize({"a": jnp.ones(2), "b": st.Tied("a")})["b"].shape == (2,)
+
+
+def test_an_empty_key_is_named_by_a_tuple():
+    w = np.ones(2)
+    tree = {"": w, "x": {"": w}, "b": st.Tied(("",)), "c": st.Tied(("x", ""), st.T)}
+    assert st.materialize(tree)["b"] is w
+    assert _paths.path_str(("x", "")) == "('x', '')"  # never shown as 'x/'
+    assert st.find_ties({"": np.arange(3.0), "b": np.arange(3.0)}) == {"b": st.Tied(("",))}
+    with pytest.raises(st.TieError, match="empty key"):
+        st.Tied("x/")  # as a string, an empty key is a typo
