@@ -66,17 +66,17 @@ def to_path(ref: Any, what: str = "path") -> Path:
         >>> to_path("layers/0/w"), to_path(("a/b", 1))
         (('layers', '0', 'w'), ('a/b', '1'))
     """
-    keys = (ref,) if isinstance(ref, int) and not isinstance(ref, bool) else ref
+    keys = (ref,) if isinstance(ref, (int, np.integer)) and not isinstance(ref, bool) else ref
     if isinstance(keys, str):
         parts = tuple(keys.split("/"))  # "" gives ("",): an empty key
     elif isinstance(keys, (tuple, list)):
         for k in keys:
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
+            if not isinstance(k, (str, int, np.integer)) or isinstance(k, bool):
                 raise TieError(
                     f"{what} {tuple(keys)!r}: keys must be str or int, "
                     f"found {type(k).__name__} {k!r}. Fix: use the key's name or index."
                 )
-        parts = tuple(k if isinstance(k, str) else str(k) for k in keys)
+        parts = tuple(k if isinstance(k, str) else str(int(k)) for k in keys)
     else:
         raise TieError(
             f"{what}: expected a '/'-joined string or a tuple of keys, found {type(ref).__name__} "
