@@ -24,6 +24,7 @@ __all__ = [
     "leaves_and_structure",
     "leaf_aval",
     "transform_error",
+    "abstract_error",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
 
@@ -96,6 +97,17 @@ def transform_error(
         f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
         f"of {shown}: {why}"
+    )
+
+
+def abstract_error(structure: Structure, leaf: Leaf | ViewLeaf) -> TieError:
+    """The :class:`TieError` for a view of a ``jax.ShapeDtypeStruct`` buffer (no values)."""
+    buffer = path_str(structure.buffer_paths[leaf.buffer])
+    return TieError(
+        f"view {path_str(leaf.path)!r}: its buffer {buffer!r} is a jax.ShapeDtypeStruct, "
+        "shapes without values, so the view cannot be computed. Fix: for shapes use "
+        "jax.eval_shape(st.materialize, tree) or st.canonicalize(tree).views; for values "
+        "pass arrays."
     )
 
 
@@ -195,6 +207,8 @@ def expand_leaves(
         try:
             out[k] = t(x) if apply is None else apply(t, x)
         except Exception as e:
+            if isinstance(x, jax.ShapeDtypeStruct):  # abstract: the transform has no value to use
+                raise abstract_error(structure, structure.expanded[k]) from e
             raise transform_error(structure, structure.expanded[k], aval_of(x), e) from e
     return out
 

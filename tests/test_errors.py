@@ -568,3 +568,9 @@ def test_68_flax_nnx_inputs_of_the_wrong_kind():
         tied(nn.Dense(2), {}).apply(None, W)
     with pytest.raises(st.TieError, match=r"expected an NNX state .*found int"):
         sharetree.nnx.split(1)
+
+
+def test_69_view_of_a_shape_struct():
+    tree = {"a": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": st.Tied("a", st.T)}
+    with pytest.raises(st.TieError, match=r"view 'b': its buffer 'a' is a jax\.ShapeDtypeStruct"):
+        st.materialize(tree)

@@ -114,3 +114,10 @@ def test_tie_compares_keys_and_strings_without_numpy_errors():
     assert same["b"] == st.Tied("a")
     with pytest.raises(st.TieError, match=r"'b' and 'a' differ by up to inf"):
         st.tie({"a": np.array(["x"]), "b": np.array(["y"])}, {"b": "a"}, atol=0.5)
+
+
+def test_tie_atol_on_shape_structs_says_there_are_no_values():
+    tree = jax.eval_shape(lambda: {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 2))})
+    assert st.tie(tree, {"b": st.Tied("a", st.T)})["b"] == st.Tied("a", st.T)  # shapes suffice
+    with pytest.raises(st.TieError, match=r"tie 'a' with atol: .*a jax\.ShapeDtypeStruct"):
+        st.tie(tree, {"b": st.Tied("a", st.T)}, atol=0.0)
