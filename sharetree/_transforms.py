@@ -428,7 +428,8 @@ def _ints(name: str, values: Sequence[Any]) -> tuple[int, ...]:
         raise TieError(
             f"{name}({', '.join(map(repr, values))}): expected integers, "
             f"found {type(bad[0]).__name__} {bad[0]!r}. "
-            f"Fix: pass integer axes or sizes, e.g. {name}(1, 0)."
+            f"Fix: pass integer {'axes' if name == 'transpose' else 'sizes'}, e.g. "
+            f"{name}({'1, 0' if name == 'transpose' else '2, 3'})."
         )
     return tuple(int(v) for v in values)
 
@@ -529,7 +530,7 @@ def scale(c: complex | np.number[Any]) -> Transform:
         value = math.inf
     if not cmath.isfinite(value):
         raise TieError(
-            f"scale({c!r}): expected a finite number, found {value!r}; a nan or infinite "
+            f"scale({_show.repr(c)}): expected a finite number, found {value!r}; a nan or infinite "
             "scale is not equal to itself and cannot be written to a file. Fix: pass a "
             "finite constant; to mask values use st.fn with a module-level function."
         )

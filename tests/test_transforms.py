@@ -406,3 +406,13 @@ def test_fn_that_returns_no_array_is_an_error_not_a_lost_leaf(out):
     for call in (st.materialize, lambda t: st.canonicalize(t).views, jax.jit(st.materialize)):
         with pytest.raises(st.TieError, match=r"view 'b'.*fn\(.*\) returned .*, not an array"):
             call(tree)
+
+
+def test_bad_argument_messages_fit_the_transform_and_stay_short():
+    with pytest.raises(st.TieError, match=r"integer sizes, e\.g\. reshape\(2, 3\)"):
+        st.reshape(2.0)
+    with pytest.raises(st.TieError, match=r"integer axes, e\.g\. transpose\(1, 0\)"):
+        st.transpose("a")
+    with pytest.raises(st.TieError) as e:
+        st.scale(10**400)
+    assert len(str(e.value)) < 300
