@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, leaves_with_paths, path_key
+from sharetree._paths import Path, format_aval, leaves_with_paths, path_key, path_str
 from sharetree._tie import bit_equal, tie
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import (
@@ -65,6 +66,8 @@ def find_ties(
     feeds :func:`sharetree.tie` directly. The earlier leaf in flatten order is
     the buffer; a leaf equal to several earlier ones is tied to the first.
 
+    Only numeric and boolean arrays are compared (PRNG keys, strings and
+    other leaves are no parameters), and they must be concrete (not traced).
     Constant arrays (all elements equal, e.g. freshly initialised zero biases)
     are never reported: equal content means nothing there, so tie them
     explicitly if they really are shared.
@@ -90,6 +93,13 @@ def find_ties(
         >>> st.find_ties(sd)
         {'head': Tied('embed', T)}
     """
+    if isinstance(transforms, Transform) or not isinstance(transforms, Iterable):
+        raise TieError(
+            f"find_ties(transforms=...): expected a sequence of transforms, found "
+            f"{type(transforms).__name__} {transforms!r}. Fix: pass a list or tuple, e.g. "
+            "transforms=(st.identity, st.T)."
+        )
+    transforms = tuple(transforms)
     for t in transforms:
         check_transform(t, "in find_ties")
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
@@ -146,6 +156,19 @@ def _key(a: np.ndarray, sample: np.ndarray, atol: float) -> tuple[Any, ...]:
     return a.shape, a.dtype, sample.tobytes() if atol == 0.0 else None
 
 
+def _comparable(x: Any, path: Path) -> bool:
+    """Whether ``x`` is a numeric or boolean array of 2+ elements (PRNG keys, strings: no)."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
+        return False
+    if isinstance(x, jax.core.Tracer):
+        raise TieError(
+            f"find_ties: the leaf {path_str(path)!r} is traced ({format_aval(x)} under jit, "
+            "vmap or grad); finding ties compares values. Fix: call st.find_ties outside "
+            "jit on concrete arrays, and pass the result into the traced function."
+        )
+    return x.dtype == np.bool_ or bool(jnp.issubdtype(x.dtype, jnp.number))
+
+
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
     # Each buffer's view through each transform is computed once (axis permutations and
     # reshapes as NumPy views, for free). A candidate is compared in full only with the views
@@ -153,7 +176,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
     for path, x in leaves_with_paths(tree, is_tied):
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
+        if not _comparable(x, path):
             continue
         a = np.asarray(x)
         sample = _sample(a)

@@ -71,6 +71,15 @@ def saved_percent(unique: int, expanded: int) -> float:
     return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
+def check_max_rows(max_rows: Any, where: str) -> None:
+    """Raise a TieError unless ``max_rows`` (rows per table) is an int >= 1."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise TieError(
+            f"{where}: max_rows must be an int >= 1 (rows per table), got "
+            f"{type(max_rows).__name__} {max_rows!r}. Fix: pass e.g. max_rows=50."
+        )
+
+
 def _more(total: int, shown: int, what: str) -> str:
     """The ``... and K more WHAT`` line of a table or drawing cut after ``shown`` of ``total``."""
     return f"... and {total - shown:,} more {what}" if total > shown else ""
@@ -192,11 +201,7 @@ def summary(
           dec   enc     T          (3, 2)  float32
     """
     g = tree if isinstance(tree, SharingGraph) else canonicalize(tree)
-    if max_rows < 1:
-        raise TieError(
-            f"summary: max_rows must be at least 1, got {max_rows!r}. Fix: pass a positive "
-            "number of rows per table, e.g. st.summary(tree, max_rows=50)."
-        )
+    check_max_rows(max_rows, "summary")
     lines = [_headline(g), *_table(_TOTALS, _totals(g))]
     for sec in _sections(g, max_rows):
         body = _table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
@@ -292,6 +297,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     if not g.views:
         return ""
     order = {b.path: i for i, b in enumerate(g.buffers)}
+    check_max_rows(max_rows, "graph_svg")
     shown = sorted(itertools.islice(g.views.values(), max_rows), key=lambda v: order[v.buffer])
     more = _more(len(g.views), len(shown), "views")
     char_w, row_h, clip, top = 7.0, 26, 36, 12
@@ -350,6 +356,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         >>> "b&lt;i&gt;" in page and "b<i>" not in page and "<svg" in page
         True
     """
+    check_max_rows(max_rows, "graph_html")
     buffers, views = _sections(g, max_rows)
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
     parts = [_html_table(_TOTALS, _totals(g), numeric={1, 2, 3})]

@@ -163,10 +163,11 @@ class Restructure:
     def _check(self, flat: Any) -> None:
         shape = getattr(flat, "shape", None)
         dtype = getattr(flat, "dtype", None)
-        if shape is None or dtype is None:
+        if shape is None or dtype is None or isinstance(flat, jax.ShapeDtypeStruct):
             raise TieError(
                 f"restructure: expected a 1-D array of {self.size} {self.flat_dtype.name} "
-                f"values, got {type(flat).__name__}. Fix: pass the vector from destructure."
+                f"values, got {type(flat).__name__}. Fix: pass the vector from destructure "
+                "(for shapes only, jax.eval_shape(restructure, flat))."
             )
         if len(shape) != 1:
             raise TieError(
@@ -180,10 +181,10 @@ class Restructure:
                 f"parameters), got length {shape[0]} ({shape[0] - self.size:+d}). Fix: pass a "
                 "vector from the destructure of a tree with the same structure and shapes."
             )
-        if not jnp.issubdtype(dtype, jnp.inexact) and self.size:
+        if not jax.dtypes.issubdtype(dtype, jnp.inexact) and self.size:
             raise TieError(
                 f"restructure: expected a floating or complex vector ({self.flat_dtype.name}), "
-                f"got dtype {np.dtype(dtype).name}. Fix: cast it, e.g. flat.astype(jnp.float32)."
+                f"got dtype {dtype}. Fix: cast it, e.g. flat.astype(jnp.float32)."
             )
         if _complex(np.dtype(dtype)) and not _complex(self.flat_dtype):
             raise TieError(
@@ -399,6 +400,15 @@ _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 
 
+def _flat_dtype(dtypes: set[np.dtype]) -> np.dtype:
+    """The promoted dtype of the buffers; 8-bit floats (which JAX never promotes) as float32."""
+    try:
+        return canonical_dtype(jnp.result_type(*dtypes))
+    except jax.dtypes.TypePromotionError:  # float8 mixed with other dtypes
+        wide = {np.dtype(np.float32) if d.itemsize == 1 and not _complex(d) else d for d in dtypes}
+        return canonical_dtype(jnp.result_type(*wide))
+
+
 def _new_layout(
     leaves: list[Any], structure: Structure, types: tuple[type, ...], config: tuple[str, bool]
 ) -> _Layout:
@@ -428,11 +438,7 @@ def _new_layout(
         dtypes.append(dtype)
         leaf_dtypes.append(x.dtype)
         on_host = on_host and kind == _HOST
-    flat_dtype = (
-        canonical_dtype(jnp.result_type(*set(dtypes)))
-        if dtypes
-        else np.dtype(jnp.result_type(float))
-    )
+    flat_dtype = _flat_dtype(set(dtypes)) if dtypes else np.dtype(jnp.result_type(float))
     restructure = Restructure(
         structure, tuple(slots), tuple(shapes), tuple(dtypes), tuple(statics), flat_dtype
     )

@@ -16,8 +16,8 @@ from typing import Any
 import jax
 
 from sharetree._errors import TieError
-from sharetree._materialize import expand_leaves, leaves_and_structure
-from sharetree._paths import path_str
+from sharetree._materialize import expand_leaves, leaf_aval, leaves_and_structure
+from sharetree._paths import format_aval, path_str
 from sharetree._transforms import identity
 
 __all__ = ["grad_by_use", "ByUse"]
@@ -107,8 +107,19 @@ def grad_by_use(
             m = jax.tree_util.tree_unflatten(structure.expanded_treedef, flat)
             return fun(*args[:argnums], m, *args[argnums + 1 :], **kwargs)
 
+        expanded = expand_leaves(structure, leaves)
+        for leaf, x in zip(structure.expanded, expanded):
+            aval = leaf_aval(x)
+            if aval is None or not jax.dtypes.issubdtype(aval.dtype, jax.numpy.inexact):
+                raise TieError(
+                    f"grad_by_use: the leaf {path_str(leaf.path)!r} of the materialized tree is "
+                    f"{format_aval(aval) if aval is not None else type(x).__name__}, not a "
+                    "floating or complex array, so it has no gradient (jax.grad would reject "
+                    "it too). Fix: pass only the parameters as the tree, and keep step "
+                    "counters, strings and PRNG keys in another argument."
+                )
         # one gradient w.r.t. every position of the materialized tree (the untied gradient)
-        out = jax.grad(on_materialized, has_aux=has_aux)(expand_leaves(structure, leaves))
+        out = jax.grad(on_materialized, has_aux=has_aux)(expanded)
         grads, aux = out if has_aux else (out, None)
         by_use: ByUse = {path_str(p): {} for p in structure.buffer_paths}
         for leaf, g in zip(structure.expanded, grads, strict=True):

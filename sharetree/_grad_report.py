@@ -16,9 +16,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sharetree._display import _CELL, MAX_ROWS, _first, _html_table, _more, _page, _svg, _table
+from sharetree._display import (
+    _CELL,
+    MAX_ROWS,
+    _first,
+    _html_table,
+    _more,
+    _page,
+    _svg,
+    _table,
+    check_max_rows,
+)
 from sharetree._errors import TieError
-from sharetree._paths import plural
+from sharetree._paths import closest, plural
 
 __all__ = ["GradReport", "BufferUses", "Use", "grad_report"]
 
@@ -74,7 +84,17 @@ def _host(x: Any, where: str) -> np.ndarray:
             f"({type(e).__name__}); a report needs values. Fix: call st.grad_report outside "
             "jit (the dict that st.grad_by_use returns under jit can be passed out of it)."
         ) from None
+    if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.number)):
+        raise TieError(
+            f"grad_report: the contribution of {where} is {a.dtype} {_show(a)}, not a "
+            "numeric array. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
+        )
     return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64).ravel()
+
+
+def _show(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -90,6 +110,12 @@ def _buffer_uses(path: str, uses: Any) -> BufferUses:
             f"grad_report: the entry of buffer {path!r} should be a non-empty dict "
             f"{{use path: contribution}}, found {type(uses).__name__} {uses!r:.80}. "
             "Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
+        )
+    bad = next((k for k in (path, *uses) if not isinstance(k, str)), None)
+    if bad is not None:
+        raise TieError(
+            f"grad_report: the paths are '/'-joined strings, found {type(bad).__name__} "
+            f"{bad!r} (buffer {path!r}). Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
     vecs = {u: _host(g, f"{u!r} (buffer {path!r})") for u, g in uses.items()}
     if len({v.size for v in vecs.values()}) != 1:
@@ -148,8 +174,13 @@ class GradReport:
         return tuple(b for b in self.buffers if len(b.uses) > 1)
 
     def __getitem__(self, path: str) -> BufferUses:
-        """The uses of the buffer at ``path``."""
-        return {b.path: b for b in self.buffers}[path]
+        """The uses of the buffer at ``path`` (a ``KeyError`` naming the closest paths if none)."""
+        found = next((b for b in self.buffers if b.path == path), None)
+        if found is None:
+            raise KeyError(
+                f"{path!r}: no such buffer; {closest(str(path), (b.path for b in self.buffers))}"
+            )
+        return found
 
     def _headline(self) -> str:
         n, k = len(self.buffers), len(self.shared)
@@ -256,9 +287,5 @@ def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_
             f"grad_report: expected a dict {{buffer path: {{use path: contribution}}}}, found "
             f"{type(by_use).__name__}. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise TieError(
-            f"grad_report: max_rows must be a positive int, got {max_rows!r}. "
-            "Fix: pass e.g. max_rows=50."
-        )
+    check_max_rows(max_rows, "grad_report")
     return GradReport(tuple(_buffer_uses(p, u) for p, u in by_use.items()), max_rows)

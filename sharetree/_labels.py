@@ -17,7 +17,15 @@ from typing import Any
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, closest, keypath_to_path, leaves_with_paths, path_str, prefixes
+from sharetree._paths import (
+    Path,
+    closest,
+    flatten_error,
+    keypath_to_path,
+    leaves_with_paths,
+    path_str,
+    prefixes,
+)
 from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
@@ -41,6 +49,11 @@ def _rules(
     example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
 ) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
+    if not isinstance(rules, (Mapping, Iterable)) or isinstance(rules, (str, bytes)):
+        raise TieError(
+            f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) "
+            f"pairs, found {type(rules).__name__} {rules!r}. Fix: write {example}."
+        )
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -93,7 +106,12 @@ def _apply_rules(
             used[i] = True
         return leaf(path, x, pairs[hits[0]] if hits else None)
 
-    out = jtu.tree_map_with_path(one, tree)
+    try:
+        out = jtu.tree_map_with_path(one, tree)
+    except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
+        if isinstance(e, TieError) or (err := flatten_error(tree, e)) is None:
+            raise
+        raise err from e
     unused = [pattern for (pattern, _), ok in zip(pairs, used, strict=True) if not ok]
     if strict and unused:
         raise _unused_error(unused[0], tree, leaf_paths, where)
@@ -180,6 +198,8 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
         >>> st.mask_by_path(params, "*kernel")
         {'dense': {'bias': False, 'kernel': True}, 'out': {'kernel': Tied('dense/kernel', T)}}
     """
+    if not isinstance(patterns, Iterable):
+        patterns = [patterns]  # reported below as a pattern that is not a str
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     for p in patterns:
         if not isinstance(p, str):

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, aval_of, format_aval, is_array_leaf, path_str
+from sharetree._paths import Path, aval_of, flatten_error, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, _Fn, identity, parts_of
 
@@ -24,6 +24,7 @@ __all__ = [
     "leaves_and_structure",
     "leaf_aval",
     "transform_error",
+    "abstract_error",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
 
@@ -72,7 +73,12 @@ def materialize(tree: PyTree) -> PyTree:
 
 def leaves_and_structure(tree: PyTree) -> tuple[list[Any], Structure]:
     """Flatten a canonical tree and resolve its structure (cached per treedef)."""
-    leaves, treedef = jtu.tree_flatten(tree)
+    try:
+        leaves, treedef = jtu.tree_flatten(tree)
+    except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
+        if (err := flatten_error(tree, e)) is None:
+            raise
+        raise err from e
     return leaves, structure_of(treedef)
 
 
@@ -82,10 +88,26 @@ def transform_error(
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
     where = leaf.tie or leaf.path
     tie, shown = structure.ties.get(where), format_aval(aval)
+    why = (
+        str(err)
+        if isinstance(err, TieError)
+        else f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
+    )
     return TieError(
         f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
-        f"of {shown}: {type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
+        f"of {shown}: {why}"
+    )
+
+
+def abstract_error(structure: Structure, leaf: Leaf | ViewLeaf) -> TieError:
+    """The :class:`TieError` for a view of a ``jax.ShapeDtypeStruct`` buffer (no values)."""
+    buffer = path_str(structure.buffer_paths[leaf.buffer])
+    return TieError(
+        f"view {path_str(leaf.path)!r}: its buffer {buffer!r} is a jax.ShapeDtypeStruct, "
+        "shapes without values, so the view cannot be computed. Fix: for shapes use "
+        "jax.eval_shape(st.materialize, tree) or st.canonicalize(tree).views; for values "
+        "pass arrays."
     )
 
 
@@ -185,6 +207,8 @@ def expand_leaves(
         try:
             out[k] = t(x) if apply is None else apply(t, x)
         except Exception as e:
+            if isinstance(x, jax.ShapeDtypeStruct):  # abstract: the transform has no value to use
+                raise abstract_error(structure, structure.expanded[k]) from e
             raise transform_error(structure, structure.expanded[k], aval_of(x), e) from e
     return out
 

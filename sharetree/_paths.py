@@ -7,6 +7,7 @@ paths: dict keys, sequence indices and attribute names, all as ``str``.
 
 from __future__ import annotations
 
+import collections
 import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,6 +29,8 @@ __all__ = [
     "key_name",
     "keypath_to_path",
     "leaves_with_paths",
+    "flatten_error",
+    "check_flattens",
     "prefixes",
     "node_paths",
     "is_array_leaf",
@@ -63,23 +66,23 @@ def to_path(ref: Any, what: str = "path") -> Path:
         >>> to_path("layers/0/w"), to_path(("a/b", 1))
         (('layers', '0', 'w'), ('a/b', '1'))
     """
-    keys = (ref,) if isinstance(ref, int) and not isinstance(ref, bool) else ref
+    keys = (ref,) if isinstance(ref, (int, np.integer)) and not isinstance(ref, bool) else ref
     if isinstance(keys, str):
         parts = tuple(keys.split("/"))  # "" gives ("",): an empty key
     elif isinstance(keys, (tuple, list)):
         for k in keys:
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
+            if not isinstance(k, (str, int, np.integer)) or isinstance(k, bool):
                 raise TieError(
                     f"{what} {tuple(keys)!r}: keys must be str or int, "
                     f"found {type(k).__name__} {k!r}. Fix: use the key's name or index."
                 )
-        parts = tuple(k if isinstance(k, str) else str(k) for k in keys)
+        parts = tuple(k if isinstance(k, str) else str(int(k)) for k in keys)
     else:
         raise TieError(
             f"{what}: expected a '/'-joined string or a tuple of keys, found {type(ref).__name__} "
             f"{ref!r}. Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
         )
-    if not parts or "" in parts:
+    if not parts or (isinstance(keys, str) and "" in parts):  # a tuple may name a "" key
         raise TieError(
             f"{what} {ref!r} has an empty key. Fix: name a path below the root, such as "
             "'encoder/kernel' (a tie at or to the root is not allowed)."
@@ -102,14 +105,14 @@ def path_str(path: Path) -> str:
 
 
 def path_key(path: Path) -> str | Path:
-    """A path as a result's key: ``/``-joined, or the tuple itself when a key contains ``/``.
+    """A path as a result's key: ``/``-joined, or the tuple when a key has ``/`` or is ``""``.
 
     Example:
         >>> from sharetree._paths import path_key
         >>> path_key(("a", "b", "0")), path_key(("a/b", "c"))
         ('a/b/0', ('a/b', 'c'))
     """
-    return path if any("/" in k for k in path) else "/".join(path)
+    return path if any("/" in k or not k for k in path) else "/".join(path)
 
 
 def key_name(key: Any) -> str:
@@ -151,7 +154,83 @@ def leaves_with_paths(
         >>> leaves_with_paths({"a": (1.0, 2.0)}, is_leaf=lambda x: isinstance(x, tuple))
         [(('a',), (1.0, 2.0))]
     """
+    if is_leaf is not None:
+        check_flattens(tree)  # first without a callback (see check_flattens)
     return [(keypath_to_path(kp), x) for kp, x in jtu.tree_leaves_with_path(tree, is_leaf)]
+
+
+def check_flattens(tree: Any) -> None:
+    """Raise the :class:`TieError` of :func:`flatten_error` if ``jax.tree_util`` cannot flatten it.
+
+    Call it before a flatten with a Python ``is_leaf`` on a user's tree: JAX's
+    flatten of a tree too deep for it raises cleanly without a callback, but
+    with one it can leave the interpreter's recursion count exhausted.
+    """
+    try:
+        jtu.tree_structure(tree)
+    except (RecursionError, SystemError, ValueError) as e:
+        if (err := flatten_error(tree, e)) is None:
+            raise
+        raise err from e
+
+
+FLATTEN_DEPTH = 500
+"""Nesting depth from which :func:`flatten_error` blames a failed flatten on the depth.
+
+``jax.tree_util`` flattens recursively and fails at about 1,000 levels (Python's
+recursion limit)."""
+
+
+def flatten_error(tree: Any, err: BaseException) -> TieError | None:
+    """The :class:`TieError` for a tree that ``jax.tree_util`` failed to flatten with ``err``.
+
+    Walks the tree iteratively (only after a failure) for the two causes JAX
+    reports without a path: a dict whose keys cannot be sorted (``0`` and
+    ``"0"``, ``None`` and a string) and nesting deeper than JAX can recurse.
+    ``None`` when neither is found (the caller re-raises ``err``).
+
+    Example:
+        >>> import jax
+        >>> from sharetree._paths import flatten_error
+        >>> tree = {"a": {0: 1.0, "0": 2.0}}
+        >>> print(flatten_error(tree, ValueError("sorting failed")))  # doctest: +ELLIPSIS
+        the dict at 'a' has keys that cannot be sorted (0 and '0': int and str)...
+    """
+    stack: list[tuple[Path, Any]] = [((), tree)]
+    while stack:
+        path, x = stack.pop()
+        if len(path) >= FLATTEN_DEPTH and isinstance(err, (RecursionError, SystemError)):
+            shown = path_str(path[:6]) + "/..."
+            return TieError(
+                f"the tree is nested more than {FLATTEN_DEPTH:,} levels deep (at {shown!r}, "
+                f"{len(path):,} keys down), deeper than jax.tree_util can flatten "
+                f"({type(err).__name__}). Fix: keep trees shallow: hold many layers in one "
+                "list, or stack their arrays along a leading axis (jax.lax.scan over layers)."
+            )
+        if type(x) in (dict, collections.defaultdict):  # the dicts JAX sorts
+            keys = list(x)
+            try:
+                sorted(keys)
+            except TypeError:
+                a = next(k for k in keys if type(k) is not type(keys[0]))
+                where = f"the dict at {path_str(path)!r}" if path else "the root dict"
+                return TieError(
+                    f"{where} has keys that cannot be sorted ({keys[0]!r} and "
+                    f"{a!r}: {type(keys[0]).__name__} and {type(a).__name__}), so "
+                    "jax.tree_util cannot flatten it. Fix: use keys of one type (all str), "
+                    "e.g. {str(k): v for k, v in d.items()}."
+                )
+            children = [(str(k), x[k]) for k in keys]
+        else:
+            try:
+                kids, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y, x=x: y is not x)
+            except Exception:
+                continue
+            if len(kids) == 1 and kids[0][1] is x:
+                continue  # a leaf
+            children = [(key_name(kp[0]), y) for kp, y in kids]
+        stack.extend((path + (k,), y) for k, y in reversed(children))
+    return None
 
 
 def prefixes(path: Path) -> list[Path]:

@@ -176,6 +176,10 @@ class _Resolver:
                 "Fix: point the ref at a leaf or a subtree that holds arrays."
             )
         hint = closest(path_str(ref), (path_str(p) for p in self.nodes if p != at))
+        joined = "/".join(ref)
+        split = next((p for p in self.nodes if "/".join(p) == joined and p != ref), None)
+        if split is not None:  # the same text, but a key of the tree contains '/'
+            hint = f"the tree has {split!r}, a key with '/' in it: write the ref as that tuple"
         return TieError(
             f"{head} does not exist in the tree; {hint}. Fix: point the ref at an existing leaf "
             "or subtree (paths are '/'-joined dict keys, indices and attribute names)."

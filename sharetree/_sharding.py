@@ -162,6 +162,12 @@ def shardings_by_path(
                 f"{path_str(path)!r} or '*'), or pass default=P()."
             )
         _check(path, aval.shape, spec, pattern, mesh)
-        return NamedSharding(mesh, spec)
+        try:
+            return NamedSharding(mesh, spec)
+        except (ValueError, TypeError) as e:  # JAX's own checks of a spec against the mesh
+            raise TieError(
+                f"{_WHERE}: {path_str(path)!r} (rule {pattern!r} -> {spec}): JAX rejects this "
+                f"spec on the mesh: {e} Fix: write a spec this mesh accepts for the rule."
+            ) from e
 
     return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True)

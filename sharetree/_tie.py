@@ -21,6 +21,7 @@ from sharetree._paths import (
     Path,
     TieMap,
     aval_of,
+    check_flattens,
     closest,
     format_aval,
     keypath_to_path,
@@ -129,6 +130,7 @@ def tie(
         seen.add(path := keypath_to_path(kp))
         return path in new
 
+    check_flattens(tree)  # too deep, or unsortable dict keys: before a flatten with a callback
     out = jtu.tree_map_with_path(
         lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
     )
@@ -177,19 +179,34 @@ def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
     return next((p for p in prefixes(path) if p in targets), None)
 
 
+class _Abstract(Exception):
+    """A ``jax.ShapeDtypeStruct`` where ``tie(atol=)`` needs a value."""
+
+
 def _concrete(x: Any, where: str) -> np.ndarray:
     try:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise _Abstract("a jax.ShapeDtypeStruct, shapes without values")
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)  # typed PRNG keys compare by their key data
         return np.asarray(x)
     except Exception as e:  # tracers have no value to compare
         raise TieError(
-            f"tie {where!r} with atol: the value there is not concrete ({type(e).__name__}); "
+            f"tie {where!r} with atol: the value there is not concrete "
+            f"({e if isinstance(e, _Abstract) else type(e).__name__}); "
             "comparing copies needs real arrays. Fix: call st.tie outside jit/grad, or "
             "leave atol=None."
         ) from None
 
 
 def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
-    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here)."""
+    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here).
+
+    Arrays that are not numbers (strings, objects) are equal or infinitely far apart.
+    """
+    if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
+        d = np.where(a == b, 0.0, np.inf)
+        return (float(d.max()) if d.size else 0.0), d
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
     x, y = a.astype(wide), b.astype(wide)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -250,13 +267,15 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                     f"{buffer!r}, or the other way round to keep {where!r}."
                 )
             continue
+        if isinstance(x, jax.ShapeDtypeStruct):
+            _concrete(x, buffer)  # raises: shapes without values
+        b = _concrete(before, where)
         with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
             try:
                 computed = t(x)  # identity(x) is x itself
             except Exception as e:
                 raise transform_error(structure, leaf, aval_of(x), e) from e
         view = _concrete(computed, buffer)
-        b = _concrete(before, where)
         if bit_equal(b, view):
             continue  # the same bits: equal under any atol, no need to look closer
         if view.shape != b.shape:

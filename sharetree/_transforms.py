@@ -61,7 +61,9 @@ _show.maxstring, _show.maxother, _show.maxlist, _show.maxdict, _show.maxlevel = 
 
 
 def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
-    """The dtype JAX computes with: float64 is float32 while x64 is off."""
+    """The dtype JAX computes with: float64 is float32 while x64 is off (PRNG keys: unchanged)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype  # type: ignore[return-value]
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
@@ -306,7 +308,14 @@ class _Fn(Transform, name="fn"):
     spec_fields: ClassVar = {"function": "a 'module:qualname' string such as 'mylib.ops:softcap'"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
-        return self.f(jnp.asarray(x))
+        out = self.f(jnp.asarray(x))
+        if not isinstance(out, (jax.Array, np.ndarray, np.generic)):  # tracers are jax.Arrays
+            raise TieError(  # a view is one leaf: None would vanish, a tuple add leaves
+                f"{self!r} returned "
+                f"{type(out).__name__} {_show.repr(out)}, not an array. Fix: return one array "
+                "from the function (a view is one leaf of the materialized tree)."
+            )
+        return out
 
     def spec(self) -> dict[str, Any]:
         module = getattr(self.f, "__module__", None)
@@ -419,7 +428,8 @@ def _ints(name: str, values: Sequence[Any]) -> tuple[int, ...]:
         raise TieError(
             f"{name}({', '.join(map(repr, values))}): expected integers, "
             f"found {type(bad[0]).__name__} {bad[0]!r}. "
-            f"Fix: pass integer axes or sizes, e.g. {name}(1, 0)."
+            f"Fix: pass integer {'axes' if name == 'transpose' else 'sizes'}, e.g. "
+            f"{name}({'1, 0' if name == 'transpose' else '2, 3'})."
         )
     return tuple(int(v) for v in values)
 
@@ -520,7 +530,7 @@ def scale(c: complex | np.number[Any]) -> Transform:
         value = math.inf
     if not cmath.isfinite(value):
         raise TieError(
-            f"scale({c!r}): expected a finite number, found {value!r}; a nan or infinite "
+            f"scale({_show.repr(c)}): expected a finite number, found {value!r}; a nan or infinite "
             "scale is not equal to itself and cannot be written to a file. Fix: pass a "
             "finite constant; to mask values use st.fn with a module-level function."
         )

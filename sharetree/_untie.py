@@ -22,6 +22,7 @@ from sharetree._materialize import leaves_and_structure, materialize
 from sharetree._paths import (
     Path,
     PathLike,
+    check_flattens,
     closest,
     format_aval,
     keypath_to_path,
@@ -44,7 +45,8 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
     if paths is None:
         return set(ties)
     chosen: set[Path] = set()
-    for given in [paths] if isinstance(paths, (str, tuple)) else paths:
+    one = isinstance(paths, (str, tuple)) or not isinstance(paths, Iterable)
+    for given in [paths] if one else paths:
         p = to_path(given, "untie path")
         under = [q for q in ties if q[: len(p)] == p]
         if not under:
@@ -251,4 +253,5 @@ def untie_state(
                 )
         return _untie_positions(x, at)
 
+    check_flattens(opt_state)  # too deep, or unsortable dict keys: before a flatten with a callback
     return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)

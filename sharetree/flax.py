@@ -123,6 +123,15 @@ def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, 
             )
 
 
+def _check_variables(variables: Any, where: str) -> None:
+    if not isinstance(variables, Mapping):
+        raise TieError(
+            f"{where}: expected the variables, a dict of collections such as "
+            f"{{{COLLECTION!r}: params}}, got {type(variables).__name__} {variables!r:.80}. "
+            "Fix: pass what init returned (or {'params': canonical_params})."
+        )
+
+
 def _with_params(variables: Any, params: Any) -> Any:
     """``variables`` with ``params`` as its ``"params"`` collection (a ``FrozenDict`` stays one)."""
     out = {**variables, COLLECTION: params}
@@ -287,6 +296,7 @@ class TiedModule:
             >>> model.materialize(variables)["params"]["dec"]["kernel"].names
             ('mlp', 'embed')
         """
+        _check_variables(variables, self._where("materialize"))
         if COLLECTION not in variables:
             return variables
         where = self._where("materialize")
@@ -303,6 +313,7 @@ class TiedModule:
             TieError: with ``"params"`` mutable, when the module wrote a new value
                 to a tied position (a view cannot be assigned; write its buffer).
         """
+        _check_variables(variables, self._where("apply"))
         if COLLECTION not in variables:
             return self.module.apply(variables, *args, **kwargs)
         materialized = self.materialize(variables)

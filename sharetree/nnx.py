@@ -116,6 +116,12 @@ def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
 
 def _flat(state: Any) -> list[tuple[RawPath, Any]]:
     """(NNX path, Variable or Tied) at every Variable position of a state, sorted by path."""
+    if not isinstance(state, (nnx.State, Mapping)):
+        raise TieError(
+            f"sharetree.nnx: expected an NNX state (nnx.State or a dict), found "
+            f"{type(state).__name__} {state!r:.80}. Fix: pass the model to split, and to merge "
+            "the graphdef and the state(s) that split returned."
+        )
     return list(nnx.to_flat_state(state if isinstance(state, nnx.State) else nnx.State(state)))
 
 
@@ -185,6 +191,12 @@ def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = T
     where = {_str_path(r): i for r, i in owner_state.items()} | {a: i for i, a, _ in graph_aliases}
     nodes = node_paths(where)
 
+    if ties is not None and not isinstance(ties, Mapping):
+        raise TieError(
+            f"sharetree.nnx.split(model, ties): expected a mapping {{target: ref or Tied}} or "
+            f"None, got {type(ties).__name__} {ties!r:.80}. Fix: split(model, "
+            "{'dec/kernel': st.Tied('enc/kernel', st.T)}); filters come after the ties."
+        )
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for target, ref in (ties or {}).items():
         path = _strip_value(to_path(target, "tie target"), where)

@@ -170,3 +170,23 @@ def test_find_ties_matches_the_pairwise_definition(picks, atol):
     with jax.enable_x64(True):
         expected = _reference_find_ties(sd, transforms, atol)
     assert st.find_ties(sd, transforms, atol=atol) == expected
+
+
+def test_find_ties_compares_numeric_arrays_only_and_never_traced_ones():
+    keys = jax.random.split(jax.random.key(0), 4)
+    tree = {
+        "k1": keys, "k2": keys,  # PRNG keys have no NumPy form: not parameters, skipped
+        "s1": np.array(["x", "y"]), "s2": np.array(["x", "y"]),  # strings: skipped
+        "o1": np.array([1, None], object), "o2": np.array([1, None], object),
+        "w": np.arange(4.0), "v": np.arange(4.0),
+    }  # fmt: skip
+    assert st.find_ties(tree) == {"w": st.Tied("v")}
+    assert st.find_ties(tree, atol=0.1) == {"w": st.Tied("v")}
+    with pytest.raises(st.TieError, match=r"leaf 'a' is traced \(float32\[3\].*outside jit"):
+        jax.jit(st.find_ties)({"a": jnp.arange(3.0), "b": jnp.arange(3.0)})
+
+
+@pytest.mark.parametrize("bad", [None, st.T, 3])
+def test_find_ties_transforms_must_be_a_sequence(bad):
+    with pytest.raises(st.TieError, match=r"transforms=\.\.\.\): expected a sequence"):
+        st.find_ties({"a": np.arange(3.0)}, bad)

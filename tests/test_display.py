@@ -360,3 +360,19 @@ def test_graph_display_under_jit_structure_only():
     text = st.summary(tree)
     assert "(5, 3)  bfloat16" in text
     assert math.isclose(float(re.search(r"([\d.]+)%", text)[1]), 50.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "5", None, True])
+def test_max_rows_must_be_a_positive_int_everywhere(bad):
+    tree = {"a": np.zeros(2), "b": st.Tied("a")}
+    g = st.canonicalize(tree)
+    from sharetree._display import graph_html, graph_svg
+
+    for call in (
+        lambda: st.summary(tree, max_rows=bad),
+        lambda: graph_html(g, max_rows=bad),
+        lambda: graph_svg(g, max_rows=bad),
+        lambda: st.grad_report({"a": {"a": np.ones(2)}}, max_rows=bad),
+    ):
+        with pytest.raises(st.TieError, match=r"max_rows must be an int >= 1"):
+            call()

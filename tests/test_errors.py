@@ -584,3 +584,73 @@ def test_59_abstract_leaf(tmp_path):
 def test_60_atol_without_ties(tmp_path):
     with pytest.raises(st.TieError, match=r"atol=0.001 without ties=.*or drop atol"):
         st.load(_foreign_file(tmp_path), atol=1e-3)
+
+
+def test_61_tree_jax_cannot_flatten():
+    deep = jnp.ones(2)
+    for _ in range(2000):
+        deep = {"a": deep}
+    with pytest.raises(st.TieError, match=r"nested more than 500 levels deep \(at 'a/a/a"):
+        st.materialize({"w": W, "v": st.Tied("w"), **deep})
+    with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted"):
+        st.canonicalize({"m": {0: W, "0": W}})
+
+
+def test_62_find_ties_traced_or_bad_transforms():
+    with pytest.raises(st.TieError, match=r"find_ties: the leaf 'a' is traced"):
+        jax.jit(st.find_ties)({"a": jnp.arange(3.0)})
+    with pytest.raises(st.TieError, match=r"expected a sequence of transforms, found _Transpose"):
+        st.find_ties({"a": W}, st.T)
+
+
+def test_63_max_rows_not_a_positive_int():
+    with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
+        st.summary({"a": W}, max_rows=1.5)
+
+
+def test_64_rules_not_a_collection():
+    with pytest.raises(st.TieError, match=r"label_by_path: expected rules.*found NoneType None"):
+        st.label_by_path({"a": W}, None)
+
+
+def test_65_spec_jax_rejects():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    with pytest.raises(st.TieError, match=r"'a' \(rule '\*' -> .*JAX rejects this spec"):
+        st.shardings_by_path({"a": W}, mesh, {"*": P(P.UNCONSTRAINED)})
+
+
+def test_66_fn_returns_no_array():
+    with pytest.raises(st.TieError, match=r"view 'b'.*fn\(print\) returned NoneType None"):
+        st.materialize({"a": W, "b": st.Tied("a", st.fn(print))})
+
+
+def test_67_grad_by_use_leaf_without_gradient():
+    with pytest.raises(st.TieError, match=r"grad_by_use: the leaf 'step' .* int32\[\]"):
+        st.grad_by_use(lambda m: m["w"].sum())({"w": W, "step": jnp.array(1)})
+
+
+def test_68_grad_report_bad_entries():
+    with pytest.raises(st.TieError, match=r"grad_report: the contribution of 'u'.*not a numeric"):
+        st.grad_report({"a": {"u": "text"}})
+
+
+def test_69_flax_nnx_inputs_of_the_wrong_kind():
+    pytest.importorskip("flax")
+    import flax.linen as nn
+
+    import sharetree.nnx
+    from sharetree.flax import tied
+
+    with pytest.raises(st.TieError, match=r"tied\(Dense\)\.apply: expected the variables"):
+        tied(nn.Dense(2), {}).apply(None, W)
+    with pytest.raises(st.TieError, match=r"expected an NNX state .*found int"):
+        sharetree.nnx.split(1)
+
+
+def test_70_view_of_a_shape_struct():
+    tree = {"a": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": st.Tied("a", st.T)}
+    with pytest.raises(st.TieError, match=r"view 'b': its buffer 'a' is a jax\.ShapeDtypeStruct"):
+        st.materialize(tree)

@@ -563,3 +563,21 @@ def test_kept_layouts_are_bounded_and_live_outside_the_structure():
         structure = _flat.leaves_and_structure(tree)[1]
         assert "_flat_layout" not in structure.__dict__
     assert len(_flat._LAYOUTS) == _flat.LAYOUT_CACHE_SIZE
+
+
+def test_restructure_rejects_shape_structs_and_key_vectors():
+    flat, re = st.destructure({"a": jnp.ones(3), "b": st.Tied("a")})
+    with pytest.raises(st.TieError, match=r"got ShapeDtypeStruct.*jax\.eval_shape"):
+        re(jax.ShapeDtypeStruct(flat.shape, flat.dtype))
+    assert jax.eval_shape(re, flat)["b"].shape == (3,)
+    with pytest.raises(st.TieError, match=r"got dtype key<fry>"):
+        re.canonical(jax.random.split(jax.random.key(0), 3))
+
+
+def test_float8_buffers_next_to_other_floats_share_a_float32_vector():
+    # JAX never promotes 8-bit floats implicitly; their values are exact in float32
+    tree = {"a": jnp.arange(3, dtype=jnp.float8_e4m3fn), "b": jnp.ones(2), "c": st.Tied("a")}
+    flat, re = st.destructure(tree)
+    assert flat.dtype == jnp.float32 and flat.tolist() == [0.0, 1.0, 2.0, 1.0, 1.0]
+    assert re(flat)["c"].dtype == jnp.float8_e4m3fn
+    assert st.destructure({"a": tree["a"]})[0].dtype == jnp.float8_e4m3fn

@@ -511,3 +511,12 @@ def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
         match=r"LogicallyPartitioned.*Flax partition boxes: model.apply fails.*like=jax.eval_shape",
     ):
         st.load(path)  # without a template the boxes are dicts: the warning says to pass like=
+
+
+@pytest.mark.parametrize("bad", [None, 1, [1]])
+def test_variables_that_are_not_a_dict(bad):
+    model = tied(nn.Dense(3), {"bias": st.Tied("kernel", st.reshape(3))})
+    with pytest.raises(st.TieError, match=r"tied\(Dense\)\.apply: expected the variables"):
+        model.apply(bad, jnp.ones((1, 1)))
+    with pytest.raises(st.TieError, match=r"tied\(Dense\)\.materialize: expected the variables"):
+        model.materialize(bad)

@@ -324,3 +324,21 @@ def test_summary_with_grads_by_use_ends_with_the_report():
     assert text.startswith(st.summary(tree) + "\n")
     assert text.endswith(str(st.grad_report(by_use)))
     assert "cos(rest)" in text and "-1.000" in text
+
+
+def test_grad_by_use_names_leaves_without_a_gradient():
+    tree = {"w": jnp.ones(2), "v": st.Tied("w"), "step": jnp.array(3), "name": "x"}
+    with pytest.raises(st.TieError, match=r"leaf 'name' .* is str, not a floating"):
+        st.grad_by_use(lambda m: m["w"].sum())(tree)
+    del tree["name"]
+    with pytest.raises(st.TieError, match=r"leaf 'step' .* is int32\[\], not a floating"):
+        st.grad_by_use(lambda m: m["w"].sum())(tree)
+
+
+def test_grad_report_bad_contributions_and_keys():
+    with pytest.raises(st.TieError, match=r"contribution of 'x' \(buffer 'a'\) is <U1"):
+        st.grad_report({"a": {"x": np.array(["s"])}})
+    with pytest.raises(st.TieError, match=r"paths are '/'-joined strings, found int 1"):
+        st.grad_report({1: {"x": np.ones(2)}})
+    with pytest.raises(KeyError, match=r"'b': no such buffer; closest existing path\(s\): 'a'"):
+        st.grad_report({"a": {"a": np.ones(2)}})["b"]

@@ -113,3 +113,12 @@ def test_paths_with_attribute_names_and_nnx_variables():
         "enc/kernel/value": True,
     }
     assert mask["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
+
+
+@pytest.mark.parametrize("bad", [None, 1, 2.5, object()])
+def test_rules_and_patterns_that_are_not_collections(bad):
+    tree = {"a": np.zeros(2)}
+    with pytest.raises(st.TieError, match=r"label_by_path: expected rules \{pattern: label\}"):
+        st.label_by_path(tree, bad)
+    with pytest.raises(st.TieError, match=r"mask_by_path: patterns must be str, found"):
+        st.mask_by_path(tree, bad)

@@ -217,3 +217,11 @@ def test_memory_stays_flat_over_many_structures_with_many_views():
     after = run(250, 20_000)
     # a compiled program kept per structure (~1.6 MB each) would add ~400 MB here
     assert after - before < 100 * 1024, (before, after)
+
+
+def test_views_of_shape_structs_point_to_eval_shape():
+    tree = {"a": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": st.Tied("a", st.T)}
+    with pytest.raises(st.TieError, match=r"view 'b': its buffer 'a' is a jax\.ShapeDtypeStruct"):
+        st.materialize(tree)
+    concrete = {"a": jnp.ones((2, 3)), "b": st.Tied("a", st.T)}
+    assert jax.eval_shape(st.materialize, concrete)["b"].shape == (3, 2)

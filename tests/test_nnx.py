@@ -291,3 +291,13 @@ def test_a_module_held_in_an_nnx_data_list_and_an_attribute_gives_identity_ties(
     assert new.layers[1] is new.first
     x = jnp.ones((2, 3))
     np.testing.assert_allclose(new(x), model(x), rtol=1e-6)
+
+
+def test_split_and_merge_reject_what_is_no_mapping_or_state():
+    with pytest.raises(st.TieError, match=r"split\(model, ties\): expected a mapping.*got int"):
+        stnnx.split(AE(rngs=nnx.Rngs(0)), 1)
+    graphdef, _ = stnnx.split(AE(rngs=nnx.Rngs(0)))
+    with pytest.raises(st.TieError, match=r"expected an NNX state .*found NoneType"):
+        stnnx.merge(graphdef, None)
+    with pytest.raises(st.TieError, match=r"expected an NNX state .*found int"):
+        stnnx.split(1)

@@ -64,3 +64,43 @@ def test_path_key_is_the_string_path_str_shows_unless_a_key_has_a_slash():
     assert _paths.path_key(("a", "0")) == _paths.path_str(("a", "0")) == "a/0"
     assert _paths.path_key(("a/b", "c")) == ("a/b", "c")
     assert _paths.path_str(("a/b", "c")) == repr(("a/b", "c"))
+
+
+def _nested(depth, leaf):
+    for _ in range(depth):
+        leaf = {"a": leaf}
+    return leaf
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        st.materialize,
+        st.destructure,
+        st.find_ties,
+        st.tie_identical,
+        lambda t: st.tie(t, {"b": "x"}),
+        lambda t: st.label_by_path(t, {"*": 1}),
+        lambda t: st.untie_state(t, {"a": jnp.ones(2), "b": st.Tied("a")}),
+    ],
+)
+def test_trees_jax_cannot_flatten_are_tie_errors(call):
+    # too deep for jax.tree_util (it recurses): a TieError naming the branch, and the
+    # interpreter still works afterwards (a flatten with a callback is never attempted)
+    deep = {"x": _nested(3000, jnp.ones(2)), "b": st.Tied("x")}
+    with pytest.raises(st.TieError, match=r"more than 500 levels deep \(at 'x/a/a/a/a/a/\.\.\.'"):
+        call(deep)
+    # dict keys of two types: JAX cannot sort them
+    with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted \(0 and"):
+        call({"m": {0: jnp.ones(2), "0": jnp.ones(2)}, "b": 1.0})
+    assert st.materialize({"a": jnp.ones(2), "b": st.Tied("a")})["b"].shape == (2,)
+
+
+def test_an_empty_key_is_named_by_a_tuple():
+    w = np.ones(2)
+    tree = {"": w, "x": {"": w}, "b": st.Tied(("",)), "c": st.Tied(("x", ""), st.T)}
+    assert st.materialize(tree)["b"] is w
+    assert _paths.path_str(("x", "")) == "('x', '')"  # never shown as 'x/'
+    assert st.find_ties({"": np.arange(3.0), "b": np.arange(3.0)}) == {"b": st.Tied(("",))}
+    with pytest.raises(st.TieError, match="empty key"):
+        st.Tied("x/")  # as a string, an empty key is a typo

@@ -75,3 +75,9 @@ def test_view_names_the_tie_written_at_its_position():
     assert g.views["dec/w"].tie == "dec/w"
     assert g.views["chain"].tie == "chain" and g.views["chain"].transform == st.T >> st.T
     assert g.views["sub/w"].tie == "sub" and g.views["sub/w"].buffer == "enc/w"
+
+
+def test_views_of_prng_keys_have_shapes():
+    keys = jax.random.split(jax.random.key(0), 6).reshape(2, 3)
+    g = st.canonicalize({"a": keys, "b": st.Tied("a", st.T)})
+    assert g.views["b"].shape == (3, 2) and g.views["b"].dtype == keys.dtype

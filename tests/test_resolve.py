@@ -104,3 +104,9 @@ def test_subtree_refs_with_ties_inside_and_views_of_views():
     np.testing.assert_allclose(m["head"], 2 * w)
     s = structure_of(jax.tree.structure(tree))
     assert {leaf.tie for leaf in s.views} == {("enc", "wt"), ("dec",), ("head",)}
+
+
+def test_a_string_ref_to_a_key_with_a_slash_names_the_tuple():
+    tree = {"a": {"b/c": np.ones(2)}, "d": st.Tied("a/b/c")}
+    with pytest.raises(st.TieError, match=r"the tree has \('a', 'b/c'\), a key with '/' in it"):
+        st.materialize(tree)

@@ -255,3 +255,9 @@ def test_shardings_by_path_accepts_exactly_the_specs_that_fit(shape, entries) ->
     else:
         assert fits is True
         assert out["w"] == NamedSharding(MESH, spec) and out["head"] == st.Tied("w")
+
+
+def test_specs_jax_rejects_on_the_mesh_name_the_path():
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(st.TieError, match=r"'w' \(rule '\*' -> .*JAX rejects this spec"):
+        st.shardings_by_path({"w": np.zeros((2, 2))}, mesh, {"*": P(P.UNCONSTRAINED)})

@@ -102,3 +102,22 @@ def test_integer_targets_and_refs_in_lists():
 def test_empty_target_structure_message():
     with pytest.raises(st.TieError, match="the view is a leaf, the target is empty"):
         st.tie({"a": jnp.ones(2), "b": None}, {"b": "a"})
+
+
+def test_tie_compares_keys_and_strings_without_numpy_errors():
+    keys = jax.random.split(jax.random.key(0), 4).reshape(2, 2)
+    tied = st.tie({"a": keys, "b": keys.T}, {"b": st.Tied("a", st.T)}, atol=0.0)  # check=True too
+    assert tied["b"] == st.Tied("a", st.T)
+    with pytest.raises(st.TieError, match=r"'b' and 'a' differ"):
+        st.tie({"a": jax.random.key(0), "b": jax.random.key(1)}, {"b": "a"}, atol=0.0)
+    same = st.tie({"a": np.array(["x"]), "b": np.array(["x"])}, {"b": "a"}, atol=0.5)
+    assert same["b"] == st.Tied("a")
+    with pytest.raises(st.TieError, match=r"'b' and 'a' differ by up to inf"):
+        st.tie({"a": np.array(["x"]), "b": np.array(["y"])}, {"b": "a"}, atol=0.5)
+
+
+def test_tie_atol_on_shape_structs_says_there_are_no_values():
+    tree = jax.eval_shape(lambda: {"a": jnp.ones((2, 3)), "b": jnp.ones((3, 2))})
+    assert st.tie(tree, {"b": st.Tied("a", st.T)})["b"] == st.Tied("a", st.T)  # shapes suffice
+    with pytest.raises(st.TieError, match=r"tie 'a' with atol: .*a jax\.ShapeDtypeStruct"):
+        st.tie(tree, {"b": st.Tied("a", st.T)}, atol=0.0)

@@ -137,3 +137,10 @@ def test_subtree_transform_maps_over_leaves_and_keeps_static_leaves():
     m = st.materialize(tree)
     np.testing.assert_allclose(m["b"]["w"], 3 * W)
     assert m["b"]["name"] == "layer"
+
+
+def test_numpy_integer_keys_are_indices():
+    assert st.Tied(np.int64(1)) == st.Tied("1")
+    assert st.Tied(("layers", np.int32(2), "w")).ref == ("layers", "2", "w")
+    with pytest.raises(st.TieError, match="keys must be str or int"):
+        st.Tied(("a", np.bool_(True)))

@@ -397,3 +397,22 @@ def test_reading_specs_runs_no_import():
     finally:
         builtins.__import__, importlib.import_module = real_import, real_import_module
     assert restored == ALL and described[-1] == "fn(os:system)"
+
+
+@pytest.mark.parametrize("out", [None, "s", (1, 2), {"x": 1}])
+def test_fn_that_returns_no_array_is_an_error_not_a_lost_leaf(out):
+    # materialize would otherwise put None (a leaf dropped) or a tuple (leaves added) there
+    tree = {"a": np.ones((2, 3)), "b": st.Tied("a", st.fn(lambda x: out))}
+    for call in (st.materialize, lambda t: st.canonicalize(t).views, jax.jit(st.materialize)):
+        with pytest.raises(st.TieError, match=r"view 'b'.*fn\(.*\) returned .*, not an array"):
+            call(tree)
+
+
+def test_bad_argument_messages_fit_the_transform_and_stay_short():
+    with pytest.raises(st.TieError, match=r"integer sizes, e\.g\. reshape\(2, 3\)"):
+        st.reshape(2.0)
+    with pytest.raises(st.TieError, match=r"integer axes, e\.g\. transpose\(1, 0\)"):
+        st.transpose("a")
+    with pytest.raises(st.TieError) as e:
+        st.scale(10**400)
+    assert len(str(e.value)) < 300

@@ -224,3 +224,10 @@ def test_many_views_take_the_batched_eager_path():
     uses = st.grad_by_use(lambda m: sum(jnp.sum(x**2) for x in jax.tree.leaves(m)))(tree)["w"]
     for i in range(20):
         np.testing.assert_allclose(uses[f"v{i:02d}"], i * 2 * (i * w), rtol=1e-6)
+
+
+def test_untie_path_that_is_one_int_or_float():
+    tree = [jnp.ones(2), st.Tied("0")]
+    assert st.untie(tree, 1)[1].shape == (2,)
+    with pytest.raises(st.TieError, match=r"untie path: expected a '/'-joined string"):
+        st.untie(tree, 1.5)
