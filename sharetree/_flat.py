@@ -402,11 +402,9 @@ _dtype = operator.attrgetter("dtype")
 
 def _flat_dtype(dtypes: set[np.dtype]) -> np.dtype:
     """The promoted dtype of the buffers; 8-bit floats (which JAX never promotes) as float32."""
-    try:
-        return canonical_dtype(jnp.result_type(*dtypes))
-    except jax.dtypes.TypePromotionError:  # float8 mixed with other dtypes
-        wide = {np.dtype(np.float32) if d.itemsize == 1 and not _complex(d) else d for d in dtypes}
-        return canonical_dtype(jnp.result_type(*wide))
+    if len(dtypes) > 1:  # float8 and float4 values are exact in float32
+        dtypes = {np.dtype(np.float32) if d.itemsize == 1 else d for d in dtypes}
+    return canonical_dtype(jnp.result_type(*dtypes))
 
 
 def _new_layout(
