@@ -20,7 +20,7 @@ from sharetree._errors import TieError
 from sharetree._paths import (
     Path,
     closest,
-    flatten_error,
+    flattening,
     keypath_to_path,
     leaves_with_paths,
     path_str,
@@ -106,12 +106,8 @@ def _apply_rules(
             used[i] = True
         return leaf(path, x, pairs[hits[0]] if hits else None)
 
-    try:
+    with flattening(tree):
         out = jtu.tree_map_with_path(one, tree)
-    except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
-        if isinstance(e, TieError) or (err := flatten_error(tree, e)) is None:
-            raise
-        raise err from e
     unused = [pattern for (pattern, _), ok in zip(pairs, used, strict=True) if not ok]
     if strict and unused:
         raise _unused_error(unused[0], tree, leaf_paths, where)

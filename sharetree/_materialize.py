@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, aval_of, flatten_error, format_aval, is_array_leaf, path_str
+from sharetree._paths import Path, aval_of, flattening, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, _Fn, identity, parts_of
 
@@ -73,12 +73,8 @@ def materialize(tree: PyTree) -> PyTree:
 
 def leaves_and_structure(tree: PyTree) -> tuple[list[Any], Structure]:
     """Flatten a canonical tree and resolve its structure (cached per treedef)."""
-    try:
+    with flattening(tree):
         leaves, treedef = jtu.tree_flatten(tree)
-    except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
-        if (err := flatten_error(tree, e)) is None:
-            raise
-        raise err from e
     return leaves, structure_of(treedef)
 
 

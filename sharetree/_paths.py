@@ -8,9 +8,10 @@ paths: dict keys, sequence indices and attribute names, all as ``str``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import difflib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -31,6 +32,7 @@ __all__ = [
     "leaves_with_paths",
     "flatten_error",
     "check_flattens",
+    "flattening",
     "prefixes",
     "node_paths",
     "is_array_leaf",
@@ -166,10 +168,21 @@ def check_flattens(tree: Any) -> None:
     flatten of a tree too deep for it raises cleanly without a callback, but
     with one it can leave the interpreter's recursion count exhausted.
     """
-    try:
+    with flattening(tree):
         jtu.tree_structure(tree)
-    except (RecursionError, SystemError, ValueError) as e:
-        if (err := flatten_error(tree, e)) is None:
+
+
+@contextlib.contextmanager
+def flattening(tree: Any) -> Iterator[None]:
+    """A block in which a failed flatten of ``tree`` becomes :func:`flatten_error`'s TieError.
+
+    The TieError is chained to JAX's error; other errors, a ``TieError`` among
+    them, pass as they are.
+    """
+    try:
+        yield
+    except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
+        if isinstance(e, TieError) or (err := flatten_error(tree, e)) is None:
             raise
         raise err from e
 
