@@ -271,24 +271,13 @@ def load_foreign(
 
     The result is the flat state dict ``{tensor name: array}`` with ties as
     ``Tied`` nodes (a canonical tree), always with a ``UserWarning`` saying the
-    file was foreign and which ties were restored.
-
-    ``path`` is a safetensors file or a ``save_pretrained`` directory
-    (``model.safetensors``, or ``model.safetensors.index.json`` and its
-    shards); every tensor is read once.
-
-    Ties recorded in the file's own metadata (``safetensors.torch.save_model``
-    writes ``{dropped: kept}`` for each tensor it did not store) are restored
-    without being asked. ``ties={target: ref}`` (``Tied(ref, transform)``
-    values allowed; Hugging Face's ``model.all_tied_weights_keys`` as is) adds
-    the caller's ties:
-
-    - a target absent from the file becomes ``Tied(ref)``;
-    - a target present in the file is compared with its ref (bit-exact, or
-      within ``atol``) and becomes ``Tied(ref)``; copies that differ are an
-      error naming both, never a silent pick;
-    - a file that holds only the target (``save_model`` kept the head) gets
-      its buffer moved to the ref side, so the ref is the buffer.
+    file was foreign and which ties were restored. ``path`` may be a
+    ``save_pretrained`` directory (one file or a sharded index); every tensor
+    is read once. The ties the file's metadata records are restored unasked;
+    each ``ties`` target absent from the file becomes ``Tied(ref)``, a present
+    one must equal its ref (copies that differ are an error naming both), and
+    a file holding only the target has its buffer moved to the ref. See
+    "Importing Hugging Face checkpoints" in ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file or directory.
@@ -305,9 +294,8 @@ def load_foreign(
         TieError: an unreadable file, a directory without a checkpoint, a bad
             shard index (a missing shard, a tensor listed twice or in no
             shard, a shard outside the directory), ``like`` given, ``atol``
-            without ``ties``, ties that
-            are not tensor names, copies that differ, a tie whose ref and
-            target are both absent.
+            without ``ties``, ties that are not tensor names, copies that
+            differ, a tie whose ref and target are both absent.
 
     Example:
         >>> import os, tempfile, warnings, numpy as np

@@ -283,46 +283,26 @@ def save(
 ) -> None:
     """Write a canonical tree to one safetensors file, each buffer stored once.
 
-    The file holds one tensor per buffer (named by its ``/``-joined path) and,
-    in the safetensors metadata, the tree's structure, its ``Tied`` nodes
-    (ref and transform) and a format version; see ``docs/saving_and_scaling.md``.
-    Python ``bool``/``int``/``float``/``complex``/``str`` leaves are kept in the
-    metadata. Typed PRNG key arrays (``jax.random.key``) are stored as their
-    key data and implementation name. Leaves that no file can hold (the
-    functions in an Equinox module) are recorded by path and type only;
-    :func:`load` takes them from its ``like`` template.
-
-    The write is atomic: the file is written to a temporary file in the same
-    directory and renamed over ``path`` only when complete, so a failure
-    leaves any previous file intact; a replaced file keeps its mode. Every
-    check runs before anything is written.
+    The file holds one tensor per buffer and, in its metadata, the tree's
+    structure, its ties and Python leaves; leaves no file can hold (an Equinox
+    module's functions) are recorded by type and taken from :func:`load`'s
+    ``like``. The format is specified in ``docs/saving_and_scaling.md``. Every
+    check runs before anything is written, and the write is atomic
+    (:func:`sharetree._safetensors.atomic_write`).
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
-        tree: a canonical tree: dicts, lists, tuples, ``None``, Flax structs,
-            Equinox modules, any pytree; arrays may be NumPy or JAX.
-        metadata: extra ``str -> str`` entries for the file's metadata (such as
-            ``{"format": "pt"}`` for Hugging Face readers); keys starting with
-            ``sharetree.`` are sharetree's own. Read them back with
-            :func:`read_metadata`; :func:`load` ignores them.
-        gather: for arrays sharded over several processes (multi-host runs):
-            with ``True`` each such buffer is gathered with
-            ``jax.experimental.multihost_utils.process_allgather`` and only
-            process 0 writes the file, so **every process must call** ``save``
-            with the same tree; with ``False`` (default) such a buffer is an error.
+        tree: a canonical tree (any pytree; NumPy or JAX arrays).
+        metadata: extra ``str -> str`` entries (such as ``{"format": "pt"}``;
+            ``sharetree.*`` keys are reserved), read back by :func:`read_metadata`.
+        gather: ``True`` gathers buffers sharded over several processes and
+            process 0 writes, so **every process must call** ``save``;
+            ``False`` (default) makes such a buffer an error.
 
     Raises:
-        TieError: a bad sharing graph (see :func:`sharetree.canonicalize`), an
-            ``st.fn`` transform whose function is not importable by name, a
-            dict key that is not ``str``/``int`` or two keys naming one path, a
-            tree nested deeper than ``MAX_DEPTH``, a non-numeric array, a
-            traced value (inside ``jit``), an ``int`` too long to write as
-            text, an array sharded over several processes without
-            ``gather=True``, a ``gather`` that is not a bool, bad
-            ``metadata``, or a ``path`` that names a directory or is not a
-            path; nothing is written then.
-        OSError: the file cannot be written (the previous file, if any, is kept).
-            A symlink at ``path`` stays; the file it points to is written.
+        TieError: any tree, argument or path that cannot be saved (the list is
+            in ``docs/saving_and_scaling.md``, "Errors"); nothing is written.
+        OSError: the file cannot be written (a previous file is kept).
 
     Example:
         >>> import os, tempfile, numpy as np, sharetree as st
@@ -451,66 +431,38 @@ def load(
 ) -> Any:
     r"""Read a file written by :func:`save`: the canonical tree, every ``Tied`` back.
 
-    Buffers come back as NumPy arrays (NumPy scalars where a NumPy scalar was
-    saved; typed PRNG keys as key arrays), or placed on devices with
-    ``shardings``. Dicts, ``OrderedDict``\ s, lists, tuples and ``None`` are
-    rebuilt as they were.
-
-    Other pytree nodes (Flax structs, Equinox modules, namedtuples,
-    dataclasses) need a template: ``load(path, like=template)`` checks that
-    ``template`` has the file's canonical structure (the same paths, a buffer
-    of the same shape and dtype at each buffer position, the same ``Tied`` at
-    each tie) and returns the file's values in the template's structure; leaves
-    the file could not hold (functions of an Equinox module) and static fields
-    come from the template. The template's leaves may be arrays or
-    ``jax.ShapeDtypeStruct``. Without a template such nodes are rebuilt as
-    dicts keyed by their key names (the paths, and so the ties, are the same)
-    with a warning.
-
-    A file is untrusted input: loading never imports a module or calls a
-    function named in it. A tie whose transform is ``st.fn(f)`` is rebuilt
-    only from ``functions``, a mapping from the name the file stores
-    (``"module:qualname"``) to the function itself.
-
-    A safetensors file without sharetree metadata (written by another tool,
-    such as a PyTorch state dict), or a Hugging Face ``save_pretrained``
-    directory (``model.safetensors`` or a sharded index), loads as a flat dict
-    ``{tensor name: array}``; ``ties={target: ref}`` (such as transformers'
-    ``model.all_tied_weights_keys``) makes it the canonical tree in one call:
-    an absent target becomes ``Tied(ref)``, a present one must equal its ref
-    (else a ``TieError`` naming both), and the file's own safetensors tie
-    metadata is honoured. See "Importing Hugging Face checkpoints" in
-    ``docs/saving_and_scaling.md``.
+    Buffers come back as NumPy arrays (typed PRNG keys as key arrays), or on
+    devices with ``shardings``. Loading never imports or calls anything the
+    file names: ``st.fn`` transforms are rebuilt only from ``functions``. A
+    file or directory that sharetree did not write (a PyTorch or Hugging Face
+    checkpoint) loads as a flat dict ``{tensor name: array}`` with a warning
+    (see :func:`sharetree._foreign.load_foreign`). No partial tree is ever
+    returned. Details: ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file.
-        like: optional template tree (see above).
-        ties: ``{target: ref}`` for a file or directory not written by
-            sharetree (see above); a sharetree file carries its own ties.
+        like: a template for pytree nodes other than dicts, lists, tuples and
+            ``None`` (Flax structs, Equinox modules): it must have the file's
+            paths, buffer shapes and dtypes and ties (its leaves may be
+            ``jax.ShapeDtypeStruct``); leaves no file holds come from it.
+            Without one, such nodes are rebuilt as dicts, with a warning.
+        ties: ``{target: ref}`` for a file not written by sharetree.
         atol: with ``ties``, a present target may differ from its ref by this
             much (default: the copies must be equal bit for bit).
         functions: ``{"module:qualname": function}`` for the file's ``st.fn``
             transforms.
-        shardings: optional tree of ``jax.sharding.Sharding`` with the canonical
-            structure (at ``Tied`` positions anything, such as the ``Tied``
-            itself, is ignored; ``None`` keeps a buffer on the host): each
-            buffer is placed with ``jax.device_put``.
+        shardings: a tree of ``jax.sharding.Sharding`` with the canonical
+            structure (``Tied`` positions ignored, ``None`` keeps a buffer on
+            the host); each buffer is placed with ``jax.device_put``.
 
     Returns:
         The canonical tree.
 
     Raises:
-        FileNotFoundError: the file does not exist (other ``OSError``\ s, such
-            as a permission error, pass through too).
-        TieError: a ``path`` that is not a path, a pipe or a device;
-            ``functions`` that is not a mapping; anything wrong with the
-            file's content (naming the file and the path): empty, truncated
-            or not a safetensors file, a header naming one key twice, a newer
-            format version, malformed or too deeply nested metadata, an unknown
-            transform, an ``st.fn`` function not passed in ``functions``, a
-            tensor that is missing or of the wrong shape, a missing template for
-            a static leaf, a template or ``shardings`` that does not match. No
-            partial tree is ever returned.
+        FileNotFoundError: the file does not exist (other ``OSError``\ s pass
+            through too).
+        TieError: a bad argument, or anything wrong with the file (naming the
+            file and the path), a template or ``shardings`` that does not match.
 
     Example:
         >>> import os, tempfile, numpy as np, jax.numpy as jnp, sharetree as st
@@ -590,13 +542,11 @@ class _FileGraph(SharingGraph):
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
 
-    For a file written by :func:`save`: its size and format version, then the
-    sharing summary of its tree (as :func:`sharetree.summary` prints it), built
-    from the header and metadata only (tensor data is not read). ``st.fn``
-    views are shown by the function name the file stores
-    (``fn(mylib.ops:softcap)``); their functions are neither imported nor
-    called, so their shape and dtype are not shown (``static`` / ``-``). For
-    another safetensors file: how many tensors and bytes it holds.
+    For a file written by :func:`save`: its size, format version and the
+    sharing summary of its tree (as :func:`sharetree.summary` prints it), from
+    the header and metadata only; ``st.fn`` views are shown by their stored
+    name (``fn(mylib.ops:softcap)``), never imported or called, so without
+    shape and dtype. For another safetensors file: its tensors and bytes.
 
     Args:
         path: the file.
