@@ -1,11 +1,7 @@
 """Loading safetensors files that sharetree did not write (PyTorch / Hugging Face checkpoints).
 
-Such a file is a flat state dict ``{tensor name: array}``; its tree is that
-flat dict and a path is one tensor name (a name may contain dots and ``/``).
-Ties come from two places: the file's own safetensors metadata
-(``safetensors.torch.save_model`` records each tensor it dropped as
-``{dropped: kept}``), honoured without being asked, and the caller's
-``ties={target: ref}`` (Hugging Face's ``model.all_tied_weights_keys`` as is).
+Such a file is a flat state dict whose ties come from its own metadata and the
+caller's ``ties=`` (see :func:`load_foreign`).
 """
 
 from __future__ import annotations
@@ -269,15 +265,17 @@ def load_foreign(
 ) -> dict[str, Any]:
     """Load a safetensors file or directory that sharetree did not write.
 
-    The result is the flat state dict ``{tensor name: array}`` with ties as
-    ``Tied`` nodes (a canonical tree), always with a ``UserWarning`` saying the
-    file was foreign and which ties were restored. ``path`` may be a
-    ``save_pretrained`` directory (one file or a sharded index); every tensor
-    is read once. The ties the file's metadata records are restored unasked;
-    each ``ties`` target absent from the file becomes ``Tied(ref)``, a present
-    one must equal its ref (copies that differ are an error naming both), and
-    a file holding only the target has its buffer moved to the ref. See
-    "Importing Hugging Face checkpoints" in ``docs/saving_and_scaling.md``.
+    The result is the flat state dict ``{tensor name: array}`` (a path is one
+    tensor name, dots and ``/`` included) with ties as ``Tied`` nodes (a
+    canonical tree), always with a ``UserWarning`` saying the file was foreign
+    and which ties were restored. ``path`` may be a ``save_pretrained``
+    directory (one file or a sharded index); every tensor is read once. The
+    ties the file's metadata records (``safetensors.torch.save_model`` writes
+    ``{dropped: kept}``) are restored unasked; each ``ties`` target absent
+    from the file becomes ``Tied(ref)``, a present one must equal its ref
+    (copies that differ are an error naming both), and a file holding only the
+    target has its buffer moved to the ref. See "Importing Hugging Face
+    checkpoints" in ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file or directory.

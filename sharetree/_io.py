@@ -50,10 +50,8 @@ __all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_D
 FORMAT_VERSION = 2
 """The newest file format version: :func:`load` reads versions up to it.
 
-:func:`save` writes version 1 unless the tree holds a typed PRNG key array
-(version 2 adds the ``key`` field of buffers, which a version-1 reader would
-misread as plain ``uint32`` data), so files without keys stay readable by
-every sharetree that reads version 1.
+:func:`save` writes version 1 unless the tree holds a typed PRNG key array, so that
+files without keys stay readable by every version-1 reader (see the file format).
 """
 
 MAX_DEPTH = 200
