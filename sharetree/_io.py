@@ -442,8 +442,9 @@ def load(
         like: a template for pytree nodes other than dicts, lists, tuples and
             ``None`` (Flax structs, Equinox modules): it must have the file's
             paths, buffer shapes and dtypes and ties (its leaves may be
-            ``jax.ShapeDtypeStruct``); leaves no file holds come from it.
-            Without one, such nodes are rebuilt as dicts, with a warning.
+            ``jax.ShapeDtypeStruct``); static fields and leaves no file holds
+            come from it. Without one, such nodes are rebuilt as dicts keyed by
+            their key names (same paths and ties), with a warning.
         ties: ``{target: ref}`` for a file not written by sharetree.
         atol: with ``ties``, a present target may differ from its ref by this
             much (default: the copies must be equal bit for bit).
