@@ -99,12 +99,9 @@ class Restructure:
     state of it or ``vmap`` over it leave it untouched, and passed to ``jit``
     it is static.
 
-    Under ``jit`` on CPU, with many buffers, the vector is cut at offsets
-    that XLA cannot fold into constants, so that slices of equal size
-    compile to one kernel instead of one kernel per buffer: closed over,
-    ``jit(grad(lambda v: loss(restructure(v))))`` compiles several times
-    faster than with ``ravel_pytree``'s ``unravel`` (benchmarks/README.md).
-    Values and gradients are those of a plain split.
+    Under ``jit`` on CPU with many buffers, the vector is cut at offsets XLA
+    cannot fold into constants, so slices of equal size share one kernel
+    (benchmarks/README.md); values and gradients are those of a plain split.
 
     Attributes:
         structure: the resolved sharing structure of the canonical tree.
@@ -296,10 +293,9 @@ def _grouped_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
     Its transpose assembles the gradient with one concatenate per group of
     cotangents, then one of their results, instead of one n-operand concatenate
     (the barrier keeps XLA from flattening them back into one). Groups hold
-    about sqrt(n) buffers up to 255 buffers, then 8: XLA:CPU fuses a concatenate
-    of at most 8 operands into one kernel with the ops that produce them, which
-    shrinks the graph its runtime schedules (compile times in
-    benchmarks/README.md). The values are those of one ``lax.split``.
+    about sqrt(n) buffers up to 255 buffers, then ``_FUSED_GROUP``, which
+    shrinks the graph XLA:CPU schedules (benchmarks/README.md). The values are
+    those of one ``lax.split``.
     """
     n = len(sizes)
     if n < _GROUPED_MIN:
@@ -413,12 +409,9 @@ def _new_layout(
     cpu = config[0] == "cpu"
     kinds: dict[type, int] = {}  # leaf type -> _HOST, _DEVICE or _OTHER
     canonical: dict[Any, np.dtype | None] = {}  # leaf dtype -> flat dtype, None if not inexact
-    slots: list[int] = []
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[np.dtype] = []
-    leaf_dtypes: list[Any] = []
+    buffers: list[tuple[int, tuple[int, ...], np.dtype, Any]] = []  # slot, shape, dtype, leaf's
     statics: list[tuple[int, _Static]] = []
-    on_host = True
+    on_host = jax_arrays = True
     for i, (x, t) in enumerate(zip(leaves, types)):
         kind = kinds.get(t)
         if kind is None:
@@ -431,20 +424,13 @@ def _new_layout(
         if dtype is None:
             statics.append((i, _Static(x)))
             continue
-        slots.append(i)
-        shapes.append(tuple(x.shape))
-        dtypes.append(dtype)
-        leaf_dtypes.append(x.dtype)
+        buffers.append((i, tuple(x.shape), dtype, x.dtype))
         on_host = on_host and kind == _HOST
+        jax_arrays = jax_arrays and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    slots, shapes, dtypes, leaf_dtypes = (tuple(c) for c in zip(*buffers)) if buffers else [()] * 4
     flat_dtype = _flat_dtype(set(dtypes)) if dtypes else np.dtype(jnp.result_type(float))
-    restructure = Restructure(
-        structure, tuple(slots), tuple(shapes), tuple(dtypes), tuple(statics), flat_dtype
-    )
-    jax_arrays = all(
-        isinstance(leaves[i], jax.Array) and not isinstance(leaves[i], jax.core.Tracer)
-        for i in slots
-    )
-    return _Layout(types, config, tuple(leaf_dtypes), restructure, on_host, jax_arrays)
+    restructure = Restructure(structure, slots, shapes, dtypes, tuple(statics), flat_dtype)
+    return _Layout(types, config, leaf_dtypes, restructure, on_host, jax_arrays)
 
 
 _WARNED: set[Any] = set()

@@ -203,7 +203,7 @@ def expand_leaves(
         try:
             out[k] = t(x) if apply is None else apply(t, x)
         except Exception as e:
-            if isinstance(x, jax.ShapeDtypeStruct):  # abstract: the transform has no value to use
+            if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
                 raise abstract_error(structure, structure.expanded[k]) from e
             raise transform_error(structure, structure.expanded[k], aval_of(x), e) from e
     return out

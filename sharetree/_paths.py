@@ -233,16 +233,13 @@ def flatten_error(tree: Any, err: BaseException) -> TieError | None:
                     "jax.tree_util cannot flatten it. Fix: use keys of one type (all str), "
                     "e.g. {str(k): v for k, v in d.items()}."
                 )
-            children = [(str(k), x[k]) for k in keys]
-        else:
-            try:
-                kids, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y, x=x: y is not x)
-            except Exception:
-                continue
-            if len(kids) == 1 and kids[0][1] is x:
-                continue  # a leaf
-            children = [(key_name(kp[0]), y) for kp, y in kids]
-        stack.extend((path + (k,), y) for k, y in reversed(children))
+        try:  # the children, one level down, in flatten order
+            kids, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y, x=x: y is not x)
+        except Exception:
+            continue
+        if len(kids) == 1 and kids[0][1] is x:
+            continue  # a leaf
+        stack.extend((path + (key_name(kp[0]),), y) for kp, y in reversed(kids))
     return None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 
@@ -43,7 +43,7 @@ class Tied:
     transform: Transform
 
     def __init__(self, ref: PathLike, transform: Transform = identity) -> None:
-        path = ref if isinstance(ref, tuple) and _is_path(ref) else to_path(ref, "Tied ref")
+        path = ref if _is_path(ref) else to_path(ref, "Tied ref")
         check_transform(transform, f"of Tied({path_str(path)!r})")
         object.__setattr__(self, "ref", path)
         object.__setattr__(self, "transform", transform)
@@ -78,7 +78,7 @@ def is_tied(x: Any) -> bool:
     return isinstance(x, Tied)
 
 
-def _is_path(ref: Any) -> bool:
+def _is_path(ref: Any) -> TypeGuard[tuple[str, ...]]:
     return isinstance(ref, tuple) and bool(ref) and all(isinstance(k, str) and k for k in ref)
 
 

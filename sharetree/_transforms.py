@@ -1,18 +1,11 @@
 """Transforms: hashable, value-equal, picklable functions from a buffer to a view.
 
 A transform is what a :class:`~sharetree.Tied` applies to the value it refers
-to. Transforms are small frozen dataclasses, so two transforms built the same
-way are equal and hash alike (``st.T == st.transpose()``), which keeps them
-usable as static pytree aux data: equal structures never retrace under ``jit``.
-``a >> b`` composes: apply ``a`` first, then ``b``.
-
-Every transform is one class registered under its spec name
-(``class _Reshape(Transform, name="reshape")``): the class says how it is
-written (:meth:`Transform.spec`), read back (:meth:`Transform.from_spec`) and
-composed with the transform after it (:meth:`Transform.fold`).
-:func:`transform_from_spec` looks names up in that registry and never imports
-or calls anything named in a spec: an ``fn`` spec is restored only from the
-functions the caller passes in.
+to. Two transforms built the same way are equal and hash alike
+(``st.T == st.transpose()``), so as static pytree aux data equal structures
+never retrace under ``jit``. ``a >> b`` applies ``a`` first, then ``b``. Each
+transform is one class registered under its spec name (see :class:`Transform`);
+:func:`transform_from_spec` reads specs from that registry only.
 """
 
 from __future__ import annotations
@@ -182,9 +175,8 @@ class _Transpose(Transform, name="transpose"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        if spec["axes"] is None:
-            return T
-        return _build(spec, "axes", transpose, *_int_list(spec, "axes"))
+        axes = _field(spec, "axes", lambda v: v is None or _is_int_list(v))
+        return _build(spec, "axes", transpose, *(axes or ()))  # null and [] are T
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Transpose):
@@ -221,7 +213,7 @@ class _Reshape(Transform, name="reshape"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        return _build(spec, "shape", reshape, *_int_list(spec, "shape"))
+        return _build(spec, "shape", reshape, *_field(spec, "shape", _is_int_list))
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Reshape):
@@ -333,7 +325,7 @@ class _Fn(Transform, name="fn"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        return fn(resolve(_field(spec, "function", _is_function_name)))
+        return _Fn(resolve(_field(spec, "function", _is_function_name)))  # resolve checked it
 
     def __repr__(self) -> str:
         name = getattr(self.f, "__qualname__", None)
@@ -543,10 +535,8 @@ def fn(f: ArrayFn) -> Transform:
     ``f`` is called with a ``jax.Array``. It must be hashable; two ``fn``
     transforms are equal when their functions are. ``fn`` transforms are
     never composed with their neighbours. Use module-level functions (not
-    lambdas) so that the transform is picklable and can be saved in a
-    checkpoint; loading it back needs the function passed in explicitly,
-    ``functions={"module:qualname": f}``, because reading a file never imports
-    or calls anything it names.
+    lambdas) so that the transform is picklable and can be saved; loading it
+    back needs the function passed in (see :func:`transform_from_spec`).
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st
@@ -700,10 +690,8 @@ def _field(spec: Mapping[str, Any], field: str, ok: Callable[[Any], bool]) -> An
     return value
 
 
-def _int_list(spec: Mapping[str, Any], field: str) -> list[int]:
-    return list(
-        _field(spec, field, lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)))
-    )
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(map(_is_int, v))
 
 
 def _bad_field(spec: Mapping[str, Any], field: str, found: Any, why: str = "") -> TieError:

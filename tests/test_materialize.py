@@ -225,3 +225,11 @@ def test_views_of_shape_structs_point_to_eval_shape():
         st.materialize(tree)
     concrete = {"a": jnp.ones((2, 3)), "b": st.Tied("a", st.T)}
     assert jax.eval_shape(st.materialize, concrete)["b"].shape == (3, 2)
+
+
+def test_a_bad_view_checked_by_shape_names_the_transform(tmp_path):
+    # save checks every view by shape first: a failing transform is not "shapes without values"
+    tree = {"a": np.ones((2, 3)), "b": st.Tied("a", st.transpose(1, 0, 2))}
+    with pytest.raises(st.TieError, match=r"transform transpose\(1, 0, 2\) failed on buffer 'a'"):
+        st.save(str(tmp_path / "m.safetensors"), tree)
+    assert not list(tmp_path.iterdir())
