@@ -179,41 +179,34 @@ def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
     return next((p for p in prefixes(path) if p in targets), None)
 
 
-class _Abstract(Exception):
-    """A ``jax.ShapeDtypeStruct`` where ``tie(atol=)`` needs a value."""
-
-
 def _concrete(x: Any, where: str) -> np.ndarray:
+    why = "a jax.ShapeDtypeStruct, shapes without values"
     try:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise _Abstract("a jax.ShapeDtypeStruct, shapes without values")
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)  # typed PRNG keys compare by their key data
-        return np.asarray(x)
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return np.asarray(x)
     except Exception as e:  # tracers have no value to compare
-        raise TieError(
-            f"tie {where!r} with atol: the value there is not concrete "
-            f"({e if isinstance(e, _Abstract) else type(e).__name__}); "
-            "comparing copies needs real arrays. Fix: call st.tie outside jit/grad, or "
-            "leave atol=None."
-        ) from None
+        why = type(e).__name__
+    raise TieError(
+        f"tie {where!r} with atol: the value there is not concrete ({why}); comparing copies "
+        "needs real arrays. Fix: call st.tie outside jit/grad, or leave atol=None."
+    )
 
 
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
-    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here).
+def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The elementwise ``|a - b|`` (NaN equals NaN here).
 
     Arrays that are not numbers (strings, objects) are equal or infinitely far apart.
     """
     if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
-        d = np.where(a == b, 0.0, np.inf)
-        return (float(d.max()) if d.size else 0.0), d
+        return np.where(a == b, 0.0, np.inf)
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
     x, y = a.astype(wide), b.astype(wide)
     with np.errstate(invalid="ignore", over="ignore"):
         d = np.abs(x - y)
     same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaNs count as equal
-    d = np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
-    return (float(d.max()) if d.size else 0.0), d
+    return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
 
 
 def bit_equal(a: Any, b: Any) -> bool:
@@ -284,7 +277,8 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                 f"{view.shape} but {where!r} holds shape {b.shape}, so the copies cannot be "
                 "compared. Fix: choose a transform that gives the shape of the value it replaces."
             )
-        worst, d = _max_abs_diff(b, view)
+        d = _abs_diff(b, view)
+        worst = float(d.max()) if d.size else 0.0
         if worst > atol:
             n_bad = int(np.count_nonzero(d > atol))
             seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"
