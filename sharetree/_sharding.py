@@ -1,12 +1,4 @@
-"""Sharding trees built from path patterns: one ``NamedSharding`` per buffer.
-
-``jax.jit(in_shardings=...)``, ``jax.device_put`` and Orbax's restore targets
-want a tree of shardings with the structure of the parameters. On a canonical
-tree every buffer is one leaf and every ``Tied`` is a leafless node, so a
-sharding tree built leaf by leaf gets exactly one sharding per buffer, and the
-views (which are no arrays) get none: the ``Tied`` nodes stay where they are.
-Patterns follow :func:`sharetree.label_by_path`.
-"""
+"""Sharding trees built from path patterns: one ``NamedSharding`` per buffer (``_labels``' rules)."""
 
 from __future__ import annotations
 
@@ -63,8 +55,7 @@ def _check(path: Path, shape: tuple[int, ...], spec: PartitionSpec, rule: str, m
             "mesh axis can split one dimension only. Fix: name it once (P('data', None), "
             "P(('data', 'model'), None))."
         )
-    for dim, entry in enumerate(spec):
-        axes = _axes(entry)
+    for dim, axes in enumerate(map(_axes, spec)):
         for axis in axes:
             if axis not in sizes:
                 raise TieError(
@@ -100,11 +91,10 @@ def shardings_by_path(
     ``optax.tree_map_params(opt, lambda _, s: s, state, shardings,
     transform_non_params=lambda _: replicated)``.
 
-    Patterns are those of :func:`sharetree.label_by_path`: ``fnmatch``-style
-    on ``/``-joined paths, and a pattern that matches a node covers every
-    leaf below it. Every spec is checked against its array: the mesh axes it
-    names exist, it has no more entries than the array has dimensions, and
-    every sharded dimension is divisible by its mesh axes' size.
+    Patterns are those of :func:`sharetree.label_by_path`. Every spec is
+    checked against its array: the mesh axes it names exist, it has no more
+    entries than the array has dimensions, and every sharded dimension is
+    divisible by its mesh axes' size.
 
     Args:
         tree: a canonical tree of arrays or ``jax.ShapeDtypeStruct`` (e.g.
