@@ -165,13 +165,10 @@ def summary(
 ) -> str:
     """A plain-text summary of the sharing in ``tree``, for terminals and logs.
 
-    Shows the totals (leaves, parameters and bytes, unique vs expanded, and
-    the share that sharing saves), the buffers (path, shape, dtype, bytes,
-    number of views) and the views (path, buffer, transform, shape, dtype).
-    Each table is cut after ``max_rows`` rows with an ``... and K more`` line;
-    buffers that have views are kept first when cutting. Given the output of
-    :func:`~sharetree.grad_by_use`, it ends with the gradient-by-use report
-    (:func:`~sharetree.grad_report`: each use's norm, share and cosine).
+    Shows the totals (unique vs expanded, and the share sharing saves), the
+    buffers and the views, as in the example; buffers that have views are kept
+    first when a table is cut. Given :func:`~sharetree.grad_by_use` output, it
+    ends with its :func:`~sharetree.grad_report`.
 
     Args:
         tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
@@ -538,10 +535,8 @@ class MaterializedDisplay:
 def treescope_materialized(tree: Any) -> MaterializedDisplay:
     """Show the materialized ``tree`` in treescope with its views and buffers marked.
 
-    ``treescope.show(tree)`` of a canonical tree shows each ``Tied`` as it is
-    written; this shows what the model consumes instead: every view's value,
-    badged ``[view of BUFFER via TRANSFORM]`` and coloured like its buffer,
-    and every buffer that has views badged ``[buffer: N views]``.
+    ``treescope.show(tree)`` shows each ``Tied`` as written; this shows what the
+    model consumes instead, marked as :class:`MaterializedDisplay` says.
 
     Args:
         tree: a canonical tree.

@@ -1,9 +1,7 @@
-"""``grad_report``: norms, shares and cosines of the uses of each shared buffer.
+"""``grad_report``: which use moves a tied weight (norms, shares and cosines of its uses).
 
-Reads what :func:`~sharetree.grad_by_use` returns and answers "which use moves
-a tied weight?": per buffer, the norm of each use's contribution, its share of
-the sum of those norms, and the cosine between uses (near 1 they agree, below
-0 they fight). Text for terminals, HTML with a small SVG bar chart for Jupyter.
+Cosines near 1 mean the uses agree, below 0 that they fight. Text for
+terminals, HTML with a small SVG bar chart for Jupyter.
 """
 
 from __future__ import annotations

@@ -179,11 +179,9 @@ def untie_state(
         new_state = st.untie_state(opt_state, params, paths)
 
     Only views that move elements (``transpose``, ``reshape`` and chains of
-    them) are accepted: a state does not say which of its parts is a first
-    moment and which a second, and through ``scale(c)`` they would need
-    different factors (``1/c`` and ``1/c**2``), through ``astype`` a rounding
-    and through ``fn`` something unknown. For such views untie the tree and
-    initialize a fresh state for it.
+    them) are accepted: through ``scale``, ``astype`` or ``fn`` a first and a
+    second moment would change differently (the error says why); for those,
+    initialize a fresh state for the untied tree.
 
     Args:
         opt_state: an optimizer state made by ``optimizer.init(tree)`` (any

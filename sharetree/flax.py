@@ -6,15 +6,10 @@ stored once, a ``Tied`` node at each view) and materializes it on every
 ``jax.grad`` returns canonical gradients, so ``state.apply_gradients`` and any
 optax chain see each buffer once and keep the ties.
 
-Models that declare their sharding with ``nn.with_partitioning`` /
-``nn.with_logical_partitioning`` keep their ``"params"`` in partition boxes
-(``Partitioned`` / ``LogicallyPartitioned``). A tie may name a box
-(``"decoder/logitdense/kernel"``): the whole box becomes the view, so
-``nn.get_partition_spec`` gives a spec per buffer and none for the view, and
-the box that ``materialize`` / ``apply`` rebuild at the view carries the
-buffer's partition names permuted by the transform (``T`` swaps them) -- at
-``init`` those must be the target's own names. Tie the ``value`` leaf instead
-(``"decoder/logitdense/kernel/value"``) to keep the target's box as it is.
+A tie may name a partition box (``nn.with_logical_partitioning``): the view is
+then the whole box, rebuilt with the buffer's partition names permuted by the
+transform, which ``init`` checks are the target's own; tie the ``value`` leaf to
+keep the target's box (docs/integrations.md, "Partition boxes").
 
 Import it explicitly (``import sharetree.flax``); ``import sharetree`` never needs flax.
 """
