@@ -34,7 +34,7 @@ from sharetree._resolve import structure_of
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, canonical_dtype, identity
 
-__all__ = ["tie", "bit_equal"]
+__all__ = ["tie", "tie_entries", "bit_equal"]
 
 
 def _shape_of(positions: Mapping[Path, Any]) -> str:
@@ -63,14 +63,10 @@ def tie(
 ) -> Any:
     """Replace the leaf or subtree at each target path with a ``Tied``.
 
-    The value at the ref wins: the replaced values are dropped. By default
-    their content is not looked at, as suits a freshly initialised model whose
-    copies differ by construction. When importing a checkpoint that stores a
-    tied weight twice (a PyTorch ``lm_head.weight`` equal to
-    ``embed_tokens.weight``), pass ``atol`` to make sure nothing is lost: every
-    replaced value must then equal the view that replaces it. To keep the
-    other copy instead, tie the other way round
-    (``{"embed_tokens.weight": "lm_head.weight"}``).
+    The value at the ref wins: the replaced values are dropped, unlooked at by
+    default (a fresh model's copies differ by construction). When importing a
+    checkpoint that stores a tied weight twice, pass ``atol`` so that nothing
+    is lost; to keep the other copy instead, tie the other way round.
 
     Args:
         tree: a pytree (it may already contain ``Tied`` nodes).
@@ -106,16 +102,7 @@ def tie(
     """
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
-    new: dict[Path, Tied] = {}
-    for target, ref in ties.items():
-        path = to_path(target, "tie target")
-        if path in new:
-            first = next(k for k in ties if to_path(k) == path)
-            raise TieError(
-                f"tie targets {first!r} and {target!r} name the same path "
-                f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
-            )
-        new[path] = ref if isinstance(ref, Tied) else Tied(ref)
+    new = tie_entries(ties)
     for b in new:
         if (a := _under(b[:-1], new)) is not None:
             raise TieError(
@@ -150,6 +137,25 @@ def tie(
     if atol is not None:
         _check_values(tree, out, new, atol)
     return out
+
+
+def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
+    """``{target: ref or Tied}`` as ``{target path: Tied}``, each target once.
+
+    Raises:
+        TieError: a target or ref that is not a path, or two spellings of one target.
+    """
+    new: dict[Path, Tied] = {}
+    for target, ref in ties.items():
+        path = to_path(target, "tie target")
+        if path in new:
+            first = next(k for k in ties if to_path(k) == path)
+            raise TieError(
+                f"tie targets {first!r} and {target!r} name the same path "
+                f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
+            )
+        new[path] = ref if isinstance(ref, Tied) else Tied(ref)
+    return new
 
 
 def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:

@@ -32,9 +32,9 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str, to_path
+from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str
 from sharetree._resolve import _nodes_at, structure_of
-from sharetree._tie import tie
+from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, _Transpose, parts_of
 
@@ -50,10 +50,7 @@ def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
             f"{type(ties).__name__}. Fix: tied(model, "
             "{'head/kernel': st.Tied('embed/embedding', st.T)})."
         )
-    return tuple(
-        (to_path(target, "tie target"), ref if isinstance(ref, Tied) else Tied(ref))
-        for target, ref in ties.items()
-    )
+    return tuple(tie_entries(ties).items())
 
 
 def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:

@@ -31,9 +31,9 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, closest, node_paths, path_str, to_path
+from sharetree._paths import Path, TieMap, closest, node_paths, path_str
 from sharetree._resolve import structure_of
-from sharetree._tie import tie
+from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 
 __all__ = ["GraphDef", "split", "merge", "update"]
@@ -198,10 +198,8 @@ def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = T
             "{'dec/kernel': st.Tied('enc/kernel', st.T)}); filters come after the ties."
         )
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
-    for target, ref in (ties or {}).items():
-        path = _strip_value(to_path(target, "tie target"), where)
-        t = ref if isinstance(ref, Tied) else Tied(ref)
-        t = Tied(_strip_value(t.ref, where), t.transform)
+    for path, t in tie_entries(ties or {}).items():
+        path, t = _strip_value(path, where), Tied(_strip_value(t.ref, where), t.transform)
         for p, what in (
             (path, f"tie target {path_str(path)!r}"),
             (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
