@@ -311,13 +311,11 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
         f'fill="#6b7280"/></marker></defs>',
     ]
-    row = 0
-    for buf, group in itertools.groupby(shown, key=lambda v: v.buffer):
-        vs = list(group)
-        ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
-        by = sum(ys) / len(ys)
+    for buf, group in itertools.groupby(enumerate(shown), key=lambda kv: kv[1].buffer):
+        vs = [(v, top + k * row_h + _BOX_H / 2) for k, v in group]  # each view and its height
+        by = sum(y for _, y in vs) / len(vs)
         out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
-        for v, y in zip(vs, ys, strict=True):
+        for v, y in vs:
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
@@ -330,7 +328,6 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
             out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
-        row += len(vs)
     if more:
         out.append(
             f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'

@@ -1,4 +1,4 @@
-"""Sharding trees built from path patterns: one ``NamedSharding`` per buffer (``_labels``' rules)."""
+"""Sharding trees from path patterns (the rules of ``_labels``): a ``NamedSharding`` per buffer."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""``untie`` and ``untie_state``: break ties on purpose, losing nothing.
-
-:func:`untie` replaces ``Tied`` nodes by independent copies of their values,
-so that training continues with the uses separated (``st.tie`` with the same
-``Tied`` nodes is its inverse). :func:`untie_state` carries an optimizer state
-over: each parameter-shaped part (Adam's ``mu`` and ``nu``) is untied the same
-way, so every new buffer starts from a copy of the shared moments.
-"""
+"""``untie`` and ``untie_state``: break ties on purpose, in parameters and optimizer state."""
 
 from __future__ import annotations
 
