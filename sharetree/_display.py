@@ -276,8 +276,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """A small drawing of the sharing DAG as inline SVG: buffers left, views right.
 
     Only buffers that have views are drawn; each edge is labelled with the
-    composed transform (an edge without a label is an identity view). At most
-    ``max_rows`` views are drawn, then an ``... and K more views`` line. No
+    composed transform (an edge without a label is an identity view). No
     system graphviz is needed.
 
     Returns:
@@ -340,8 +339,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """The HTML shown for a :class:`~sharetree.SharingGraph` in Jupyter.
 
     Totals, a buffer table, a view table and the SVG drawing, with inline
-    styles only (notebook viewers drop ``<style>`` blocks). Tables are cut
-    after ``max_rows`` rows.
+    styles only (notebook viewers drop ``<style>`` blocks).
 
     Example:
         >>> import numpy as np, sharetree as st

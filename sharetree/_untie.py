@@ -21,6 +21,7 @@ from sharetree._paths import (
     keypath_to_path,
     leaves_with_paths,
     path_str,
+    prefixes,
     to_path,
 )
 from sharetree._resolve import Structure
@@ -43,7 +44,7 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
         p = to_path(given, "untie path")
         under = [q for q in ties if q[: len(p)] == p]
         if not under:
-            inside = next((q for q in ties if p[: len(q)] == q), None)
+            inside = next((q for q in prefixes(p) if q in structure.ties), None)
             if inside is not None:
                 raise TieError(
                     f"untie: {path_str(p)!r} lies inside the view {path_str(inside)!r} "

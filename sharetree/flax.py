@@ -345,7 +345,6 @@ def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:
     tied targets replaced by ``Tied`` nodes, their initial values dropped);
     ``.apply`` materializes the views and calls the module. Everything else
     (other collections, ``rngs``, ``method``, ``mutable``) passes through.
-    Use ``.apply`` as the ``apply_fn`` of a ``TrainState``.
 
     Args:
         module: any ``flax.linen.Module``.

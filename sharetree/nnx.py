@@ -31,7 +31,7 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, closest, node_paths, path_str
+from sharetree._paths import Path, TieMap, closest, node_paths, path_str, prefixes
 from sharetree._resolve import structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
@@ -274,7 +274,7 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
             path = _str_path(raw)
             if path in aliases:
                 continue  # the graphdef already holds the same object there
-            if isinstance(x, nnx.Variable) and any(path[: len(v)] == v for v in structure.ties):
+            if isinstance(x, nnx.Variable) and any(p in structure.ties for p in prefixes(path)):
                 x = x.get_raw_value()  # recreated by nnx.merge from the graphdef's own metadata
             flat.append((raw, x))
         out.append(nnx.from_flat_state(flat))
