@@ -182,14 +182,14 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
         {'dense': {'bias': False, 'kernel': True}, 'out': {'kernel': Tied('dense/kernel', T)}}
     """
     one = isinstance(patterns, str) or not isinstance(patterns, Iterable)
-    patterns = [patterns] if one else list(patterns)  # a non-str is reported below
-    for p in patterns:
+    given: list[Any] = [patterns] if one else list(patterns)  # a non-str is reported below
+    for p in given:
         if not isinstance(p, str):
             raise TieError(
                 f"mask_by_path: patterns must be str, found {type(p).__name__} {p!r}. "
                 "Fix: write paths like 'encoder/*/kernel'."
             )
-    pairs = [(p, True) for p in patterns]
+    pairs = [(p, True) for p in given]
     return _apply_rules(
         tree, pairs, lambda _p, _x, rule: rule is not None, "mask_by_path", strict, credit_all=True
     )
