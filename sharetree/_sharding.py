@@ -87,14 +87,10 @@ def shardings_by_path(
     ``NamedSharding(mesh, spec)`` and each ``Tied`` stays a ``Tied`` (a view
     is no array and gets no sharding of its own). Use it for ``jax.jit``'s
     ``in_shardings`` / ``out_shardings``, ``jax.device_put`` and Orbax restore
-    targets; for optax state map it over the parameters' positions with
-    ``optax.tree_map_params(opt, lambda _, s: s, state, shardings,
-    transform_non_params=lambda _: replicated)``.
-
-    Patterns are those of :func:`sharetree.label_by_path`. Every spec is
-    checked against its array: the mesh axes it names exist, it has no more
-    entries than the array has dimensions, and every sharded dimension is
-    divisible by its mesh axes' size.
+    targets (for optax state, ``optax.tree_map_params``: see
+    docs/saving_and_scaling.md). Patterns are those of
+    :func:`sharetree.label_by_path`; every spec is checked against its array
+    (see Raises).
 
     Args:
         tree: a canonical tree of arrays or ``jax.ShapeDtypeStruct`` (e.g.

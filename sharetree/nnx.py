@@ -1,11 +1,9 @@
 """Flax NNX integration: ``split(model, ties)`` and ``merge(graphdef, state)``.
 
-``split`` is ``nnx.split`` with ties: the state it returns is a canonical
-tree (an ``nnx.State``) in which each tied Variable is a ``Tied`` node with no
-leaf, and a Variable object that the model already shares in two places
-appears once as a buffer and once as an identity tie. ``merge`` materializes
-the views and rebuilds the model with ``nnx.merge``. Train the state with
-``jax.grad`` and optax like any pytree: each buffer is seen once.
+``split`` is ``nnx.split`` with ties, returning a canonical ``nnx.State``;
+``merge`` materializes the views and rebuilds the model with ``nnx.merge``.
+Train the state with ``jax.grad`` and optax like any pytree: each buffer is
+seen once.
 
 Paths are written as NNX prints them: ``"dec/kernel"`` names the Variable
 node (``"dec/kernel/value"`` is accepted as the same thing).
