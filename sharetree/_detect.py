@@ -45,14 +45,11 @@ def tie_identical(tree: Any) -> Any:
                [1., 1.]]), 'b': Tied('a'), 'c': array([[1., 1.],
                [1., 1.]]), 'm': 1.0, 'n': 1.0}
     """
-    first: dict[int, Path] = {}
+    first: dict[int, Path] = {}  # each array object's first position
     ties: dict[Path, Tied] = {}
     for path, x in leaves_with_paths(tree, is_tied):
-        if isinstance(x, (jax.Array, np.ndarray)):
-            if id(x) in first:
-                ties[path] = Tied(first[id(x)])
-            else:
-                first[id(x)] = path
+        if isinstance(x, (jax.Array, np.ndarray)) and first.setdefault(id(x), path) != path:
+            ties[path] = Tied(first[id(x)])
     return tie(tree, ties, check=False) if ties else tree
 
 
