@@ -78,16 +78,12 @@ def _untie_positions(tree: PyTree, at: set[Path]) -> PyTree:
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
     """Replace ``Tied`` nodes by independent copies of their values.
 
-    Every ``Tied`` (or, with ``paths``, every ``Tied`` at or under one of the
-    given paths) becomes its materialized value: a leaf for a leaf view, a
-    subtree for a subtree view; the new leaves are new buffers, so
-    ``st.canonicalize`` and ``st.summary`` show them and training moves each
-    use on its own. Nothing else changes: the other ``Tied`` nodes keep
-    their refs (one whose ref passes through an untied position now follows
-    the new buffer there, with the same value). ``st.tie`` with the same
-    ``Tied`` nodes is the inverse:
-    ``st.tie(st.untie(tree, ["dec"]), {"dec": tree["dec"]})`` equals ``tree``.
-    Carry an optimizer state over with :func:`untie_state`.
+    Each chosen ``Tied`` becomes its materialized value (a leaf or a
+    subtree): new buffers, which training moves on their own. Nothing else
+    changes: the other ``Tied`` nodes keep their refs (one whose ref passes
+    through an untied position now follows the new buffer there, with the
+    same value). ``st.tie`` with the same ``Tied`` nodes is the inverse (see
+    the example); carry an optimizer state over with :func:`untie_state`.
 
     Args:
         tree: a canonical tree.
