@@ -144,6 +144,11 @@ def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
 
     Raises:
         TieError: a target or ref that is not a path, or two spellings of one target.
+
+    Example:
+        >>> from sharetree._tie import tie_entries
+        >>> tie_entries({"dec/w": "enc/w"})
+        {('dec', 'w'): Tied('enc/w')}
     """
     new: dict[Path, Tied] = {}
     for target, ref in ties.items():
