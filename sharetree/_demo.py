@@ -1,12 +1,8 @@
 """``python -m sharetree demo``: train the tied character-level LM of ``sharetree._lm``.
 
-The model is ``TinyLM`` wrapped by :func:`sharetree.flax.tied` with two kinds
-of sharing, written as data: the output layer is the embedding transposed
-(``head/kernel = Tied("embed/embedding", T)``) and every block after the first
-is the first again (``block_1 = Tied("block_0")``). The training loop is plain
-``jax.grad`` + optax on the canonical tree: optax holds moments for each buffer
-once, and the gradient of a shared buffer is the sum over its uses without any
-extra code. The corpus ships with the package (``sharetree/data/corpus.txt``,
+The model (:func:`make_model`) has its output layer tied to the embedding and
+its later blocks to the first; training is plain ``jax.grad`` + optax on the
+canonical tree. The corpus ships with the package (``sharetree/data/corpus.txt``,
 original text dedicated to the public domain).
 
 Needs the ``demo`` extra (Flax, optax, tqdm).

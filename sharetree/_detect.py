@@ -45,14 +45,11 @@ def tie_identical(tree: Any) -> Any:
                [1., 1.]]), 'b': Tied('a'), 'c': array([[1., 1.],
                [1., 1.]]), 'm': 1.0, 'n': 1.0}
     """
-    first: dict[int, Path] = {}
+    first: dict[int, Path] = {}  # each array object's first position
     ties: dict[Path, Tied] = {}
     for path, x in leaves_with_paths(tree, is_tied):
-        if isinstance(x, (jax.Array, np.ndarray)):
-            if id(x) in first:
-                ties[path] = Tied(first[id(x)])
-            else:
-                first[id(x)] = path
+        if isinstance(x, (jax.Array, np.ndarray)) and first.setdefault(id(x), path) != path:
+            ties[path] = Tied(first[id(x)])
     return tie(tree, ties, check=False) if ties else tree
 
 
@@ -72,10 +69,9 @@ def find_ties(
     are never reported: equal content means nothing there, so tie them
     explicitly if they really are shared.
 
-    Each leaf's view through each transform is computed once (transposes and
-    reshapes as NumPy views, without copying); a leaf is compared in full only
-    with the views of its shape and dtype whose elements at a few sampled
-    positions match its own.
+    Each leaf's view through each transform is computed once (no copy for
+    transposes and reshapes); a leaf is compared in full only with views whose
+    sampled elements match its own.
 
     Args:
         tree: a pytree of arrays (may already contain ``Tied`` nodes, kept as is).
@@ -99,9 +95,7 @@ def find_ties(
             f"{type(transforms).__name__} {transforms!r}. Fix: pass a list or tuple, e.g. "
             "transforms=(st.identity, st.T)."
         )
-    transforms = tuple(transforms)
-    for t in transforms:
-        check_transform(t, "in find_ties")
+    transforms = tuple(check_transform(t, "in find_ties") for t in transforms)
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
         raise TieError(
             f"find_ties: atol must be a number >= 0, got {atol!r}. Fix: pass 0.0 for "
@@ -170,9 +164,6 @@ def _comparable(x: Any, path: Path) -> bool:
 
 
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
-    # Each buffer's view through each transform is computed once (axis permutations and
-    # reshapes as NumPy views, for free). A candidate is compared in full only with the views
-    # of the same shape and dtype whose fingerprints match its own.
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
     for path, x in leaves_with_paths(tree, is_tied):

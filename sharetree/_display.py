@@ -165,13 +165,10 @@ def summary(
 ) -> str:
     """A plain-text summary of the sharing in ``tree``, for terminals and logs.
 
-    Shows the totals (leaves, parameters and bytes, unique vs expanded, and
-    the share that sharing saves), the buffers (path, shape, dtype, bytes,
-    number of views) and the views (path, buffer, transform, shape, dtype).
-    Each table is cut after ``max_rows`` rows with an ``... and K more`` line;
-    buffers that have views are kept first when cutting. Given the output of
-    :func:`~sharetree.grad_by_use`, it ends with the gradient-by-use report
-    (:func:`~sharetree.grad_report`: each use's norm, share and cosine).
+    Shows the totals (unique vs expanded, and the share sharing saves), the
+    buffers and the views, as in the example; buffers that have views are kept
+    first when a table is cut. Given :func:`~sharetree.grad_by_use` output, it
+    ends with its :func:`~sharetree.grad_report`.
 
     Args:
         tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
@@ -279,8 +276,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """A small drawing of the sharing DAG as inline SVG: buffers left, views right.
 
     Only buffers that have views are drawn; each edge is labelled with the
-    composed transform (an edge without a label is an identity view). At most
-    ``max_rows`` views are drawn, then an ``... and K more views`` line. No
+    composed transform (an edge without a label is an identity view). No
     system graphviz is needed.
 
     Returns:
@@ -314,13 +310,11 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
         f'fill="#6b7280"/></marker></defs>',
     ]
-    row = 0
-    for buf, group in itertools.groupby(shown, key=lambda v: v.buffer):
-        vs = list(group)
-        ys = [top + (row + k) * row_h + _BOX_H / 2 for k in range(len(vs))]
-        by = sum(ys) / len(ys)
+    for buf, group in itertools.groupby(enumerate(shown), key=lambda kv: kv[1].buffer):
+        vs = [(v, top + k * row_h + _BOX_H / 2) for k, v in group]  # each view and its height
+        by = sum(y for _, y in vs) / len(vs)
         out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
-        for v, y in zip(vs, ys, strict=True):
+        for v, y in vs:
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
@@ -333,7 +327,6 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                 )
             title = f"view {v.path} = {v.transform!r}({v.buffer})"
             out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
-        row += len(vs)
     if more:
         out.append(
             f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
@@ -346,8 +339,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """The HTML shown for a :class:`~sharetree.SharingGraph` in Jupyter.
 
     Totals, a buffer table, a view table and the SVG drawing, with inline
-    styles only (notebook viewers drop ``<style>`` blocks). Tables are cut
-    after ``max_rows`` rows.
+    styles only (notebook viewers drop ``<style>`` blocks).
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -538,10 +530,8 @@ class MaterializedDisplay:
 def treescope_materialized(tree: Any) -> MaterializedDisplay:
     """Show the materialized ``tree`` in treescope with its views and buffers marked.
 
-    ``treescope.show(tree)`` of a canonical tree shows each ``Tied`` as it is
-    written; this shows what the model consumes instead: every view's value,
-    badged ``[view of BUFFER via TRANSFORM]`` and coloured like its buffer,
-    and every buffer that has views badged ``[buffer: N views]``.
+    ``treescope.show(tree)`` shows each ``Tied`` as written; this shows what the
+    model consumes instead, marked as :class:`MaterializedDisplay` says.
 
     Args:
         tree: a canonical tree.

@@ -32,31 +32,21 @@ def grad_by_use(
     """Like ``jax.grad``, but each buffer's gradient comes back split by the use it comes from.
 
     ``st.grad_by_use(fun)(tree, *args)`` calls ``fun`` with the *materialized*
-    tree (every view an ordinary array; a ``fun`` that calls
-    ``st.materialize`` itself works too, since a materialized tree has no
-    ties) and returns ``{buffer path: {use path: contribution}}``. The uses
+    tree (a ``fun`` that calls ``st.materialize`` itself works too). The uses
     of a buffer are its own position (keyed by the buffer's path) and every
-    view of it, in flatten order; paths are ``/``-joined strings. Each
-    contribution is the gradient at that position pulled back through the
-    view's transform into the buffer's shape and dtype (the VJP of ``T`` is
-    ``T``, of ``astype`` a cast back, of ``scale(c)`` a multiply by ``c``, of
-    ``fn(f)`` the VJP of ``f``). The contributions of a buffer sum to its
-    entry in ``jax.grad(lambda t: fun(st.materialize(t), *args))(tree)``, up
-    to float rounding. A buffer that has no view has one use, its own
-    position.
-
-    Memory: one gradient of the materialized tree (as if the tree were
-    untied), then one VJP of each view's transform; ``fun`` is differentiated
-    once, not once per use. Works under ``jit`` (the result is a dict of
-    arrays).
+    view of it, in flatten order, as ``/``-joined paths; each contribution is
+    pulled back through the view's transform by its VJP (``T`` for ``T``, a
+    cast back for ``astype``). A buffer's contributions sum to its entry in
+    ``jax.grad(lambda t: fun(st.materialize(t), *args))(tree)``, up to float
+    rounding. It costs one gradient of the materialized tree and one VJP per
+    view; it works under ``jit``.
 
     Args:
         fun: a function whose argument ``argnums`` is the tree; it must return
             a real scalar (``jax.grad`` raises its own ``TypeError`` otherwise).
         argnums: the position of the tied tree among the positional
-            arguments; one non-negative ``int`` (the uses of a buffer are all
-            in one tree, so gradients by use are taken with respect to one
-            argument; the other arguments are not differentiated).
+            arguments; one non-negative ``int`` (the other arguments are not
+            differentiated).
         has_aux: ``fun`` returns ``(loss, aux)``; the wrapped function then
             returns ``(by_use, aux)``.
 

@@ -1,9 +1,7 @@
-"""``grad_report``: norms, shares and cosines of the uses of each shared buffer.
+"""``grad_report``: which use moves a tied weight (norms, shares and cosines of its uses).
 
-Reads what :func:`~sharetree.grad_by_use` returns and answers "which use moves
-a tied weight?": per buffer, the norm of each use's contribution, its share of
-the sum of those norms, and the cosine between uses (near 1 they agree, below
-0 they fight). Text for terminals, HTML with a small SVG bar chart for Jupyter.
+Cosines near 1 mean the uses agree, below 0 that they fight. Text for
+terminals, HTML with a small SVG bar chart for Jupyter.
 """
 
 from __future__ import annotations
@@ -252,12 +250,10 @@ class GradReport:
 def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_ROWS) -> GradReport:
     """Summarize :func:`~sharetree.grad_by_use` output: norm, share and cosine of each use.
 
-    For each buffer: the 2-norm of each use's contribution, its share of the
-    sum of those norms, the cosine between it and the sum of the other uses
-    (``cos(rest)``: for two uses, the cosine between them), all pairwise
-    cosines, and the norm of the accumulated gradient. Computed on the host
-    in float64. A tree without ties gives a report that says each buffer has
-    one use.
+    For each buffer, the fields of :class:`BufferUses` and :class:`Use`
+    (``cos(rest)``: for two uses, the cosine between them), computed on the
+    host in float64. A tree without ties gives a report that says each buffer
+    has one use.
 
     Args:
         by_use: ``{buffer path: {use path: contribution}}`` as returned by

@@ -1,11 +1,7 @@
 """Label and mask trees built from path patterns, for optax on canonical trees.
 
-optax wants a tree of labels (``optax.multi_transform`` / ``optax.partition``)
-or of booleans (the ``mask`` of ``optax.adamw``, ``optax.masked``) with the
-structure of the parameters. On a canonical tree every buffer is one leaf and
-every ``Tied`` is a leafless node, so a label tree built leaf by leaf has
-exactly the parameters' structure: ties need no label, and each shared buffer
-gets one label, one mask bit and one optimizer state.
+Built leaf by leaf, they have the canonical tree's structure: each buffer gets
+one label (or mask bit) and each ``Tied``, a leafless node, needs none.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from sharetree._paths import (
     flattening,
     keypath_to_path,
     leaves_with_paths,
+    node_paths,
     path_str,
     prefixes,
 )
@@ -33,13 +30,9 @@ __all__ = ["label_by_path", "mask_by_path"]
 _MISSING: Any = object()
 
 
-def _prefixes(path: Path) -> list[str]:
-    """``("a", "b")`` -> ``["a", "a/b"]``: a pattern may name any node above a leaf."""
-    return ["/".join(p) for p in prefixes(path)]
-
-
 def _matches(pattern: str, path: Path) -> bool:
-    return any(fnmatch.fnmatchcase(p, pattern) for p in _prefixes(path))
+    """Whether ``pattern`` matches ``path`` or a node above it (``a`` covers ``a/b``)."""
+    return any(fnmatch.fnmatchcase("/".join(p), pattern) for p in prefixes(path))
 
 
 def _rules(
@@ -49,26 +42,20 @@ def _rules(
     example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
 ) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
+    want = f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) pairs"
     if not isinstance(rules, (Mapping, Iterable)) or isinstance(rules, (str, bytes)):
-        raise TieError(
-            f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) "
-            f"pairs, found {type(rules).__name__} {rules!r}. Fix: write {example}."
-        )
+        raise TieError(f"{want}, found {type(rules).__name__} {rules!r}. Fix: write {example}.")
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TieError(
-                f"{where}: expected rules {{pattern: {value}}} or a sequence of "
-                f"(pattern, {value}) pairs with str patterns, found {item!r}. "
-                f"Fix: write {example}."
-            )
+            raise TieError(f"{want} with str patterns, found {item!r}. Fix: write {example}.")
     return items
 
 
 def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
     ties = [(p, x) for p, x in leaves_with_paths(tree, is_tied) if is_tied(x)]
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
-    nodes = {n for p in leaf_paths for n in _prefixes(p)} | {path_str(p) for p, _ in ties}
+    nodes = {"/".join(n) for n in node_paths(leaf_paths)} | {path_str(p) for p, _ in ties}
     why = (
         f"it names only tied position(s) {', '.join(views)}, which have no leaves: a view "
         "shares the label, mask and optimizer state of its buffer"
@@ -194,16 +181,15 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
         >>> st.mask_by_path(params, "*kernel")
         {'dense': {'bias': False, 'kernel': True}, 'out': {'kernel': Tied('dense/kernel', T)}}
     """
-    if not isinstance(patterns, Iterable):
-        patterns = [patterns]  # reported below as a pattern that is not a str
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    for p in patterns:
+    one = isinstance(patterns, str) or not isinstance(patterns, Iterable)
+    given: list[Any] = [patterns] if one else list(patterns)  # a non-str is reported below
+    for p in given:
         if not isinstance(p, str):
             raise TieError(
                 f"mask_by_path: patterns must be str, found {type(p).__name__} {p!r}. "
                 "Fix: write paths like 'encoder/*/kernel'."
             )
-    pairs = [(p, True) for p in patterns]
+    pairs = [(p, True) for p in given]
     return _apply_rules(
         tree, pairs, lambda _p, _x, rule: rule is not None, "mask_by_path", strict, credit_all=True
     )

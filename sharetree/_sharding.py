@@ -1,12 +1,4 @@
-"""Sharding trees built from path patterns: one ``NamedSharding`` per buffer.
-
-``jax.jit(in_shardings=...)``, ``jax.device_put`` and Orbax's restore targets
-want a tree of shardings with the structure of the parameters. On a canonical
-tree every buffer is one leaf and every ``Tied`` is a leafless node, so a
-sharding tree built leaf by leaf gets exactly one sharding per buffer, and the
-views (which are no arrays) get none: the ``Tied`` nodes stay where they are.
-Patterns follow :func:`sharetree.label_by_path`.
-"""
+"""Sharding trees from path patterns (the rules of ``_labels``): a ``NamedSharding`` per buffer."""
 
 from __future__ import annotations
 
@@ -63,8 +55,7 @@ def _check(path: Path, shape: tuple[int, ...], spec: PartitionSpec, rule: str, m
             "mesh axis can split one dimension only. Fix: name it once (P('data', None), "
             "P(('data', 'model'), None))."
         )
-    for dim, entry in enumerate(spec):
-        axes = _axes(entry)
+    for dim, axes in enumerate(map(_axes, spec)):
         for axis in axes:
             if axis not in sizes:
                 raise TieError(
@@ -96,15 +87,10 @@ def shardings_by_path(
     ``NamedSharding(mesh, spec)`` and each ``Tied`` stays a ``Tied`` (a view
     is no array and gets no sharding of its own). Use it for ``jax.jit``'s
     ``in_shardings`` / ``out_shardings``, ``jax.device_put`` and Orbax restore
-    targets; for optax state map it over the parameters' positions with
-    ``optax.tree_map_params(opt, lambda _, s: s, state, shardings,
-    transform_non_params=lambda _: replicated)``.
-
-    Patterns are those of :func:`sharetree.label_by_path`: ``fnmatch``-style
-    on ``/``-joined paths, and a pattern that matches a node covers every
-    leaf below it. Every spec is checked against its array: the mesh axes it
-    names exist, it has no more entries than the array has dimensions, and
-    every sharded dimension is divisible by its mesh axes' size.
+    targets (for optax state, ``optax.tree_map_params``: see
+    docs/saving_and_scaling.md). Patterns are those of
+    :func:`sharetree.label_by_path`; every spec is checked against its array
+    (see Raises).
 
     Args:
         tree: a canonical tree of arrays or ``jax.ShapeDtypeStruct`` (e.g.

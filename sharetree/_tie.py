@@ -34,7 +34,7 @@ from sharetree._resolve import structure_of
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, canonical_dtype, identity
 
-__all__ = ["tie", "bit_equal"]
+__all__ = ["tie", "tie_entries", "bit_equal"]
 
 
 def _shape_of(positions: Mapping[Path, Any]) -> str:
@@ -63,14 +63,10 @@ def tie(
 ) -> Any:
     """Replace the leaf or subtree at each target path with a ``Tied``.
 
-    The value at the ref wins: the replaced values are dropped. By default
-    their content is not looked at, as suits a freshly initialised model whose
-    copies differ by construction. When importing a checkpoint that stores a
-    tied weight twice (a PyTorch ``lm_head.weight`` equal to
-    ``embed_tokens.weight``), pass ``atol`` to make sure nothing is lost: every
-    replaced value must then equal the view that replaces it. To keep the
-    other copy instead, tie the other way round
-    (``{"embed_tokens.weight": "lm_head.weight"}``).
+    The value at the ref wins: the replaced values are dropped, unlooked at by
+    default (a fresh model's copies differ by construction). When importing a
+    checkpoint that stores a tied weight twice, pass ``atol`` so that nothing
+    is lost; to keep the other copy instead, tie the other way round.
 
     Args:
         tree: a pytree (it may already contain ``Tied`` nodes).
@@ -106,16 +102,7 @@ def tie(
     """
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
-    new: dict[Path, Tied] = {}
-    for target, ref in ties.items():
-        path = to_path(target, "tie target")
-        if path in new:
-            first = next(k for k in ties if to_path(k) == path)
-            raise TieError(
-                f"tie targets {first!r} and {target!r} name the same path "
-                f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
-            )
-        new[path] = ref if isinstance(ref, Tied) else Tied(ref)
+    new = tie_entries(ties)
     for b in new:
         if (a := _under(b[:-1], new)) is not None:
             raise TieError(
@@ -152,6 +139,30 @@ def tie(
     return out
 
 
+def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
+    """``{target: ref or Tied}`` as ``{target path: Tied}``, each target once.
+
+    Raises:
+        TieError: a target or ref that is not a path, or two spellings of one target.
+
+    Example:
+        >>> from sharetree._tie import tie_entries
+        >>> tie_entries({"dec/w": "enc/w"})
+        {('dec', 'w'): Tied('enc/w')}
+    """
+    new: dict[Path, Tied] = {}
+    for target, ref in ties.items():
+        path = to_path(target, "tie target")
+        if path in new:
+            first = next(k for k in ties if to_path(k) == path)
+            raise TieError(
+                f"tie targets {first!r} and {target!r} name the same path "
+                f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
+            )
+        new[path] = ref if isinstance(ref, Tied) else Tied(ref)
+    return new
+
+
 def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
     old, now = abstract_expanded(old_tree), abstract_expanded(new_tree)
     for target, t in new.items():
@@ -179,41 +190,34 @@ def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
     return next((p for p in prefixes(path) if p in targets), None)
 
 
-class _Abstract(Exception):
-    """A ``jax.ShapeDtypeStruct`` where ``tie(atol=)`` needs a value."""
-
-
 def _concrete(x: Any, where: str) -> np.ndarray:
+    why = "a jax.ShapeDtypeStruct, shapes without values"
     try:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise _Abstract("a jax.ShapeDtypeStruct, shapes without values")
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)  # typed PRNG keys compare by their key data
-        return np.asarray(x)
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return np.asarray(x)
     except Exception as e:  # tracers have no value to compare
-        raise TieError(
-            f"tie {where!r} with atol: the value there is not concrete "
-            f"({e if isinstance(e, _Abstract) else type(e).__name__}); "
-            "comparing copies needs real arrays. Fix: call st.tie outside jit/grad, or "
-            "leave atol=None."
-        ) from None
+        why = type(e).__name__
+    raise TieError(
+        f"tie {where!r} with atol: the value there is not concrete ({why}); comparing copies "
+        "needs real arrays. Fix: call st.tie outside jit/grad, or leave atol=None."
+    )
 
 
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
-    """The largest ``|a - b|`` and the elementwise ``|a - b|`` (NaN equals NaN here).
+def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The elementwise ``|a - b|`` (NaN equals NaN here).
 
     Arrays that are not numbers (strings, objects) are equal or infinitely far apart.
     """
     if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
-        d = np.where(a == b, 0.0, np.inf)
-        return (float(d.max()) if d.size else 0.0), d
+        return np.where(a == b, 0.0, np.inf)
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
     x, y = a.astype(wide), b.astype(wide)
     with np.errstate(invalid="ignore", over="ignore"):
         d = np.abs(x - y)
     same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaNs count as equal
-    d = np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
-    return (float(d.max()) if d.size else 0.0), d
+    return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
 
 
 def bit_equal(a: Any, b: Any) -> bool:
@@ -284,7 +288,8 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                 f"{view.shape} but {where!r} holds shape {b.shape}, so the copies cannot be "
                 "compared. Fix: choose a transform that gives the shape of the value it replaces."
             )
-        worst, d = _max_abs_diff(b, view)
+        d = _abs_diff(b, view)
+        worst = float(d.max()) if d.size else 0.0
         if worst > atol:
             n_bad = int(np.count_nonzero(d > atol))
             seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"

@@ -1,11 +1,4 @@
-"""``untie`` and ``untie_state``: break ties on purpose, losing nothing.
-
-:func:`untie` replaces ``Tied`` nodes by independent copies of their values,
-so that training continues with the uses separated (``st.tie`` with the same
-``Tied`` nodes is its inverse). :func:`untie_state` carries an optimizer state
-over: each parameter-shaped part (Adam's ``mu`` and ``nu``) is untied the same
-way, so every new buffer starts from a copy of the shared moments.
-"""
+"""``untie`` and ``untie_state``: break ties on purpose, in parameters and optimizer state."""
 
 from __future__ import annotations
 
@@ -28,6 +21,7 @@ from sharetree._paths import (
     keypath_to_path,
     leaves_with_paths,
     path_str,
+    prefixes,
     to_path,
 )
 from sharetree._resolve import Structure
@@ -50,7 +44,7 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
         p = to_path(given, "untie path")
         under = [q for q in ties if q[: len(p)] == p]
         if not under:
-            inside = next((q for q in ties if p[: len(q)] == q), None)
+            inside = next((q for q in prefixes(p) if q in structure.ties), None)
             if inside is not None:
                 raise TieError(
                     f"untie: {path_str(p)!r} lies inside the view {path_str(inside)!r} "
@@ -84,16 +78,12 @@ def _untie_positions(tree: PyTree, at: set[Path]) -> PyTree:
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
     """Replace ``Tied`` nodes by independent copies of their values.
 
-    Every ``Tied`` (or, with ``paths``, every ``Tied`` at or under one of the
-    given paths) becomes its materialized value: a leaf for a leaf view, a
-    subtree for a subtree view; the new leaves are new buffers, so
-    ``st.canonicalize`` and ``st.summary`` show them and training moves each
-    use on its own. Nothing else changes: the other ``Tied`` nodes keep
-    their refs (one whose ref passes through an untied position now follows
-    the new buffer there, with the same value). ``st.tie`` with the same
-    ``Tied`` nodes is the inverse:
-    ``st.tie(st.untie(tree, ["dec"]), {"dec": tree["dec"]})`` equals ``tree``.
-    Carry an optimizer state over with :func:`untie_state`.
+    Each chosen ``Tied`` becomes its materialized value (a leaf or a
+    subtree): new buffers, which training moves on their own. Nothing else
+    changes: the other ``Tied`` nodes keep their refs (one whose ref passes
+    through an untied position now follows the new buffer there, with the
+    same value). ``st.tie`` with the same ``Tied`` nodes is the inverse (see
+    the example); carry an optimizer state over with :func:`untie_state`.
 
     Args:
         tree: a canonical tree.
@@ -179,11 +169,9 @@ def untie_state(
         new_state = st.untie_state(opt_state, params, paths)
 
     Only views that move elements (``transpose``, ``reshape`` and chains of
-    them) are accepted: a state does not say which of its parts is a first
-    moment and which a second, and through ``scale(c)`` they would need
-    different factors (``1/c`` and ``1/c**2``), through ``astype`` a rounding
-    and through ``fn`` something unknown. For such views untie the tree and
-    initialize a fresh state for it.
+    them) are accepted: through ``scale``, ``astype`` or ``fn`` a first and a
+    second moment would change differently (the error says why); for those,
+    initialize a fresh state for the untied tree.
 
     Args:
         opt_state: an optimizer state made by ``optimizer.init(tree)`` (any

@@ -6,15 +6,10 @@ stored once, a ``Tied`` node at each view) and materializes it on every
 ``jax.grad`` returns canonical gradients, so ``state.apply_gradients`` and any
 optax chain see each buffer once and keep the ties.
 
-Models that declare their sharding with ``nn.with_partitioning`` /
-``nn.with_logical_partitioning`` keep their ``"params"`` in partition boxes
-(``Partitioned`` / ``LogicallyPartitioned``). A tie may name a box
-(``"decoder/logitdense/kernel"``): the whole box becomes the view, so
-``nn.get_partition_spec`` gives a spec per buffer and none for the view, and
-the box that ``materialize`` / ``apply`` rebuild at the view carries the
-buffer's partition names permuted by the transform (``T`` swaps them) -- at
-``init`` those must be the target's own names. Tie the ``value`` leaf instead
-(``"decoder/logitdense/kernel/value"``) to keep the target's box as it is.
+A tie may name a partition box (``nn.with_logical_partitioning``): the view is
+then the whole box, rebuilt with the buffer's partition names permuted by the
+transform, which ``init`` checks are the target's own; tie the ``value`` leaf to
+keep the target's box (docs/integrations.md, "Partition boxes").
 
 Import it explicitly (``import sharetree.flax``); ``import sharetree`` never needs flax.
 """
@@ -37,9 +32,9 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str, to_path
+from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str
 from sharetree._resolve import _nodes_at, structure_of
-from sharetree._tie import tie
+from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, _Transpose, parts_of
 
@@ -55,10 +50,7 @@ def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
             f"{type(ties).__name__}. Fix: tied(model, "
             "{'head/kernel': st.Tied('embed/embedding', st.T)})."
         )
-    return tuple(
-        (to_path(target, "tie target"), ref if isinstance(ref, Tied) else Tied(ref))
-        for target, ref in ties.items()
-    )
+    return tuple(tie_entries(ties).items())
 
 
 def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
@@ -353,7 +345,6 @@ def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:
     tied targets replaced by ``Tied`` nodes, their initial values dropped);
     ``.apply`` materializes the views and calls the module. Everything else
     (other collections, ``rngs``, ``method``, ``mutable``) passes through.
-    Use ``.apply`` as the ``apply_fn`` of a ``TrainState``.
 
     Args:
         module: any ``flax.linen.Module``.

@@ -1,11 +1,9 @@
 """Flax NNX integration: ``split(model, ties)`` and ``merge(graphdef, state)``.
 
-``split`` is ``nnx.split`` with ties: the state it returns is a canonical
-tree (an ``nnx.State``) in which each tied Variable is a ``Tied`` node with no
-leaf, and a Variable object that the model already shares in two places
-appears once as a buffer and once as an identity tie. ``merge`` materializes
-the views and rebuilds the model with ``nnx.merge``. Train the state with
-``jax.grad`` and optax like any pytree: each buffer is seen once.
+``split`` is ``nnx.split`` with ties, returning a canonical ``nnx.State``;
+``merge`` materializes the views and rebuilds the model with ``nnx.merge``.
+Train the state with ``jax.grad`` and optax like any pytree: each buffer is
+seen once.
 
 Paths are written as NNX prints them: ``"dec/kernel"`` names the Variable
 node (``"dec/kernel/value"`` is accepted as the same thing).
@@ -31,9 +29,9 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, closest, node_paths, path_str, to_path
+from sharetree._paths import Path, TieMap, closest, node_paths, path_str, prefixes
 from sharetree._resolve import structure_of
-from sharetree._tie import tie
+from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 
 __all__ = ["GraphDef", "split", "merge", "update"]
@@ -198,10 +196,8 @@ def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = T
             "{'dec/kernel': st.Tied('enc/kernel', st.T)}); filters come after the ties."
         )
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
-    for target, ref in (ties or {}).items():
-        path = _strip_value(to_path(target, "tie target"), where)
-        t = ref if isinstance(ref, Tied) else Tied(ref)
-        t = Tied(_strip_value(t.ref, where), t.transform)
+    for path, t in tie_entries(ties or {}).items():
+        path, t = _strip_value(path, where), Tied(_strip_value(t.ref, where), t.transform)
         for p, what in (
             (path, f"tie target {path_str(path)!r}"),
             (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
@@ -276,7 +272,7 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
             path = _str_path(raw)
             if path in aliases:
                 continue  # the graphdef already holds the same object there
-            if isinstance(x, nnx.Variable) and any(path[: len(v)] == v for v in structure.ties):
+            if isinstance(x, nnx.Variable) and any(p in structure.ties for p in prefixes(path)):
                 x = x.get_raw_value()  # recreated by nnx.merge from the graphdef's own metadata
             flat.append((raw, x))
         out.append(nnx.from_flat_state(flat))

@@ -520,3 +520,9 @@ def test_variables_that_are_not_a_dict(bad):
         model.apply(bad, jnp.ones((1, 1)))
     with pytest.raises(st.TieError, match=r"tied\(Dense\)\.materialize: expected the variables"):
         model.materialize(bad)
+
+
+def test_a_target_spelled_twice_is_an_error_not_a_silent_pick():
+    ties = {"bias": st.Tied("kernel", st.reshape((3,))), ("bias",): "kernel"}
+    with pytest.raises(st.TieError, match=r"'bias' and \('bias',\) name the same path"):
+        tied(nn.Dense(3), ties)

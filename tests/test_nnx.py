@@ -301,3 +301,9 @@ def test_split_and_merge_reject_what_is_no_mapping_or_state():
         stnnx.merge(graphdef, None)
     with pytest.raises(st.TieError, match=r"expected an NNX state .*found int"):
         stnnx.split(1)
+
+
+def test_split_rejects_a_target_spelled_twice():
+    ties = {"dec/kernel": st.Tied("enc/kernel", st.T), ("dec", "kernel"): "enc/kernel"}
+    with pytest.raises(st.TieError, match=r"name the same path 'dec/kernel'"):
+        stnnx.split(AE(rngs=nnx.Rngs(0)), ties)
