@@ -11,6 +11,10 @@ then the whole box, rebuilt with the buffer's partition names permuted by the
 transform, which ``init`` checks are the target's own; tie the ``value`` leaf to
 keep the target's box (docs/integrations.md, "Partition boxes").
 
+Importing it also registers ``Tied`` with ``flax.serialization``: ``to_bytes`` /
+``to_state_dict`` store nothing at a tie and ``from_bytes(target, data)`` takes
+each ``Tied`` from the target, as Orbax does.
+
 Import it explicitly (``import sharetree.flax``); ``import sharetree`` never needs flax.
 """
 
@@ -22,6 +26,7 @@ from typing import Any
 
 try:
     import flax.linen as nn
+    from flax import serialization
     from flax.core import FrozenDict, meta
 except ImportError as e:  # pragma: no cover - exercised only without flax
     raise ImportError(
@@ -244,6 +249,20 @@ class TiedModule:
         out, variables = self.module.init_with_output(rngs, *args, **kwargs)
         return out, self._tie_variables(variables, "init_with_output")
 
+    def lazy_init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.lazy_init``, with the ``"params"`` collection tied."""
+        return self._tie_variables(self.module.lazy_init(rngs, *args, **kwargs), "lazy_init")
+
+    def bind(self, variables: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        """``module.bind`` to the materialized variables (every view computed).
+
+        The bound module reads the views as arrays (``bound.head.variables``);
+        like ``apply`` without a mutable ``"params"``, it writes nothing back to
+        the canonical tree.
+        """
+        _check_variables(variables, self._where("bind"))
+        return self.module.bind(self.materialize(variables), *args, **kwargs)
+
     def _tie_variables(self, variables: Any, method: str) -> Any:
         if not self.ties:
             return variables
@@ -336,6 +355,30 @@ class TiedModule:
     def __repr__(self) -> str:
         ties = ", ".join(f"{path_str(p)!r}: {t!r}" for p, t in self.ties)
         return f"tied({self.module!r}, {{{ties}}})"
+
+
+def _tied_state(t: Tied) -> dict[str, Any]:
+    """A ``Tied`` in a ``flax.serialization`` state dict: empty, as it has no leaves."""
+    return {}
+
+
+def _restore_tied(target: Tied, state: Any) -> Tied:
+    """The target's ``Tied`` back from ``flax.serialization.from_state_dict``."""
+    if isinstance(state, Mapping) and not state:
+        return target
+    found = getattr(state, "shape", None)
+    found = f"an array of shape {tuple(found)}" if found is not None else type(state).__name__
+    raise TieError(
+        f"flax.serialization: the state at {serialization.current_path()!r} holds {found} "
+        f"where the target holds {target!r}, a view with no values of its own (the state was "
+        "saved from an untied tree). Fix: restore into an untied template, then tie it with "
+        "st.tie (or sharetree.flax.tied(...).tie)."
+    )
+
+
+# to_bytes / from_bytes / to_state_dict keep ties: a Tied stores nothing and comes back
+# from the target (as Orbax restores it from the target's structure)
+serialization.register_serialization_state(Tied, _tied_state, _restore_tied, override=True)
 
 
 def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:

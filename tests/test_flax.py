@@ -526,3 +526,39 @@ def test_a_target_spelled_twice_is_an_error_not_a_silent_pick():
     ties = {"bias": st.Tied("kernel", st.reshape((3,))), ("bias",): "kernel"}
     with pytest.raises(st.TieError, match=r"'bias' and \('bias',\) name the same path"):
         tied(nn.Dense(3), ties)
+
+
+def test_lazy_init_ties_and_bind_reads_the_views_as_arrays():
+    model = tied(LM(), TIES)
+    tokens = jnp.zeros((2, SEQ), jnp.int32)
+    lazy = model.lazy_init(jax.random.key(0), jax.ShapeDtypeStruct(tokens.shape, jnp.int32))
+    assert lazy["params"]["head"]["kernel"] == TIES["head/kernel"]
+    variables = _init(model, tokens)
+    bound = model.bind(variables)
+    # the reference: the untied module bound to the hand-materialized params
+    params = variables["params"]
+    by_hand = {**params, "head": {"kernel": params["embed"]["embedding"].T}}
+    reference = LM().bind({"params": by_hand})
+    np.testing.assert_allclose(bound(tokens), reference(tokens), rtol=1e-6)
+    head = bound.variables["params"]["head"]["kernel"]
+    np.testing.assert_array_equal(head, by_hand["head"]["kernel"])
+    with pytest.raises(st.TieError, match=r"tied\(LM\)\.bind: expected the variables"):
+        model.bind([1])
+
+
+def test_flax_serialization_keeps_ties_and_refuses_an_untied_state_for_a_tie():
+    from flax import serialization
+
+    model = tied(LM(), TIES)
+    tokens = jnp.zeros((2, SEQ), jnp.int32)
+    variables = _init(model, tokens)
+    data = serialization.to_bytes(variables)
+    assert serialization.to_state_dict(variables)["params"]["head"] == {"kernel": {}}
+    back = serialization.from_bytes(_init(model, tokens, seed=1), data)
+    assert back["params"]["head"]["kernel"] == TIES["head/kernel"]
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(variables)):
+        np.testing.assert_array_equal(a, b)
+    untied = _init(LM(), tokens)
+    match = r"params/head/kernel' holds an array of shape \(16, 19\)"
+    with pytest.raises(st.TieError, match=match):
+        serialization.from_bytes(variables, serialization.to_bytes(untied))
