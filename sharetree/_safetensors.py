@@ -36,14 +36,14 @@ NATIVE_CODES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
     "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
     "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
-"""safetensors header dtype codes -> the dtype names ``st.save`` stores under their own code."""
+"""safetensors header dtype codes -> the dtype names ``st.save`` stores under their own code
+(every safetensors from the lowest supported on writes these; torch reads the float8 ones)."""
 
 # every code the raw fallback reader knows: the native ones and float8 (which numpy lacks)
 _CODES = {
-    **NATIVE_CODES,
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+    **NATIVE_CODES, "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }  # fmt: skip
 
 

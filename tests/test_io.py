@@ -188,6 +188,23 @@ def test_bfloat16_is_stored_natively_for_other_readers(tmp_path) -> None:
     assert header["c"]["dtype"] == "U8"  # no safetensors code: raw bytes, dtype in metadata
 
 
+def test_float8_is_stored_natively_so_torch_reads_its_dtype_and_shape(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    a = np.linspace(-2, 2, 6).astype(ml_dtypes.float8_e4m3fn).reshape(2, 3)
+    tree = {"a": a, "b": np.ones(3, ml_dtypes.float8_e5m2), "t": st.Tied("a", st.T)}
+    tree["fnuz"] = np.ones(2, ml_dtypes.float8_e4m3fnuz)  # no code every safetensors writes
+    st.save(tmp_path / "f8.safetensors", tree)
+    got = load_file(tmp_path / "f8.safetensors")
+    assert (got["a"].dtype, tuple(got["a"].shape)) == (torch.float8_e4m3fn, (2, 3))
+    assert (got["b"].dtype, tuple(got["b"].shape)) == (torch.float8_e5m2, (3,))
+    assert got["a"].view(torch.uint8).numpy().tobytes() == a.tobytes()
+    assert got["fnuz"].dtype == torch.uint8  # its raw bytes; the metadata has the dtype
+    back = st.load(tmp_path / "f8.safetensors")
+    assert back["a"].dtype == a.dtype and back["a"].tobytes() == a.tobytes()
+    assert back["fnuz"].dtype == ml_dtypes.float8_e4m3fnuz and back["t"] == tree["t"]
+
 def test_python_leaves_and_containers(tmp_path) -> None:
     tree = {
         "lst": [1, 2.5, "text", None, True, 1 + 2j, float("nan"), float("-inf"), 2**70],
