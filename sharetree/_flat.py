@@ -211,7 +211,7 @@ class Restructure:
             and 0 < self.size < 2**31
             and jax.default_backend() == "cpu"
         ):
-            return _split_at(flat, _opaque_offsets(flat, self.offsets), self.sizes)
+            return _split_at(flat, self.offsets, self.sizes)
         return _static_split(flat, self.sizes)
 
     def __call__(self, flat: Any) -> Any:
@@ -234,46 +234,34 @@ _OPAQUE_MIN = 8
 """From this many buffers on, a traced vector is cut at opaque offsets (on CPU)."""
 
 
-@jax.custom_batching.custom_vmap
-def _unbatched(pred: jax.Array) -> jax.Array:
-    """``pred`` as a scalar; under ``vmap`` the first example's (any value will do)."""
-    return pred.reshape(())
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _split_at(flat: jax.Array, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[jax.Array]:
+    """``lax.split`` at offsets XLA cannot fold back into constants.
 
-
-@_unbatched.def_vmap
-def _unbatched_vmap(axis_size: int, in_batched: Any, pred: jax.Array) -> Any:
-    return (_unbatched(pred[0]) if axis_size else jnp.bool_(True)), False
-
-
-def _opaque_offsets(flat: jax.Array, offsets: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """The offsets as values XLA cannot fold back into constants.
-
-    Both branches of the ``cond`` return the same offsets, so its predicate (read
-    from the vector, unbatched under ``vmap``) never changes a value; XLA cannot
-    evaluate it at compile time, so each slice takes its start from a buffer and
-    slices of equal size become one kernel. The predicate is a comparison, which
-    has no tangent, so autodiff never reaches the ``custom_vmap``.
+    The offsets come out of a ``cond`` whose two branches return them both, on
+    a predicate behind an optimization barrier: XLA cannot evaluate it at
+    compile time, so each slice takes its start from a buffer and slices of
+    equal size become one kernel. Only the slices read ``flat``, so the split
+    is linear in it (``jax.linear_transpose``, ``jet``) and ``vmap`` needs no
+    rule of its own.
     """
-    pred = _unbatched(jax.lax.slice(flat, (0,), (1,)) != 0)
+    pred = jax.lax.optimization_barrier(np.bool_(True))
     consts = tuple(np.int32(o) for o in offsets)
-    return tuple(jax.lax.cond(pred, lambda: consts, lambda: consts))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _split_at(flat: jax.Array, offsets: tuple[Any, ...], sizes: tuple[int, ...]) -> list[jax.Array]:
-    """``lax.split`` at offsets given as values: slices of equal size compile to one kernel."""
+    starts = jax.lax.cond(pred, lambda: consts, lambda: consts)
     # Offsets are never negative: no index wrapping (four fewer ops per buffer to trace).
     return [
         jax.lax.dynamic_slice(flat, (o,), (n,), allow_negative_indices=False)
-        for o, n in zip(offsets, sizes)
+        for o, n in zip(starts, sizes)
     ]
 
 
 @_split_at.defjvp
-def _split_at_jvp(sizes: tuple[int, ...], primals: Any, tangents: Any) -> Any:
+def _split_at_jvp(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], primals: Any, tangents: Any
+) -> Any:
     # The tangent is a static split: linear, so reverse mode transposes it into
     # concatenates (a dynamic_slice would transpose into a full-size pad per buffer).
-    (flat, offsets), (dflat, _) = primals, tangents
+    (flat,), (dflat,) = primals, tangents
     return _split_at(flat, offsets, sizes), _grouped_split(dflat, sizes)
 
 
