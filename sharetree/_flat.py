@@ -173,10 +173,20 @@ class Restructure:
                 "use jax.vmap(restructure) for a batch."
             )
         if shape[0] != self.size:
+            # a Python float/complex leaf is static here but a traced array inside jit
+            numbers = sum(type(s.value) in (float, complex) for _, s in self.statics)
+            hint = (
+                f" (this tree has {numbers} Python float/complex leaf/leaves, kept static "
+                "outside jit but traced arrays, so parameters, inside it: make them arrays "
+                "or keep them out of the tree)"
+                if 0 < shape[0] - self.size <= numbers
+                else ""
+            )
             raise TieError(
                 f"restructure: expected a vector of length {self.size} (the unique inexact "
                 f"parameters), got length {shape[0]} ({shape[0] - self.size:+d}). Fix: pass a "
-                "vector from the destructure of a tree with the same structure and shapes."
+                "vector from the destructure of a tree with the same structure and shapes"
+                f"{hint}."
             )
         if not jax.dtypes.issubdtype(dtype, jnp.inexact) and self.size:
             raise TieError(
@@ -457,7 +467,9 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     Dtypes are those JAX computes with: while x64 is off, float64 buffers come
     back from ``restructure`` as float32, as from any JAX function.
     Other leaves (integer arrays, Python numbers, strings, functions) stay static
-    inside ``restructure``.
+    inside ``restructure``. Inside ``jit`` a Python float argument is a traced
+    float array, so there it is a parameter: keep the destructure and the
+    vector on the same side of ``jit``.
 
     Args:
         tree: a canonical tree.

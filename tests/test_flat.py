@@ -595,3 +595,15 @@ def test_float8_buffers_next_to_other_floats_share_a_float32_vector():
     assert flat.dtype == jnp.float32 and flat.tolist() == [0.0, 1.0, 2.0, 1.0, 1.0]
     assert re(flat)["c"].dtype == jnp.float8_e4m3fn
     assert st.destructure({"a": tree["a"]})[0].dtype == jnp.float8_e4m3fn
+
+
+def test_a_python_float_traced_by_jit_is_named_when_the_vector_lengths_differ():
+    # outside jit 0.1 is static; passed through jit it is a float32 tracer, so a parameter
+    tree = {"lr": 0.1, "w": jnp.ones(2)}
+    inside = jax.jit(lambda t: st.destructure(t)[0])(tree)
+    assert inside.shape == (3,) and st.destructure(tree)[0].shape == (2,)
+    _, re = st.destructure(tree)
+    with pytest.raises(st.TieError, match=r"got length 3 \(\+1\).*1 Python float/complex leaf"):
+        re(inside)
+    with pytest.raises(st.TieError, match=r"got length 4 \(\+2\)\. Fix: .*shapes\.$"):
+        re(jnp.ones(4))  # more than the Python floats explain: no such hint
