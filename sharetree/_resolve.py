@@ -131,18 +131,19 @@ class _Resolver:
         if at in self.targets:
             return self.targets[at]
         t = self.tied_at[at]
-        if t.ref[: len(at)] == at or at[: len(t.ref)] == t.ref:
-            if t.ref == at:
+        ref = self._scoped(at, t.ref)
+        if ref[: len(at)] == at or at[: len(ref)] == ref:
+            if ref == at:
                 rel = "itself"
-            elif len(t.ref) > len(at):
+            elif len(ref) > len(at):
                 rel = "a path inside itself"
             else:
                 rel = "a subtree that contains it"
             raise TieError(
-                f"Tied at {path_str(at)!r} refers to {path_str(t.ref)!r}, {rel}: a view cannot "
+                f"Tied at {path_str(at)!r} refers to {path_str(ref)!r}, {rel}: a view cannot "
                 "be its own buffer. Fix: refer to a path outside it that holds the array."
             )
-        ref, post, seen = t.ref, [t.transform], [at]
+        post, seen = [t.transform], [at]
         while ref not in self.nodes:
             prefix = next(
                 (ref[:k] for k in range(len(ref) - 1, 0, -1) if ref[:k] in self.nodes), None
@@ -155,10 +156,30 @@ class _Resolver:
             seen.append(prefix)
             inner = self.tied_at[prefix]
             post.append(inner.transform)
-            ref = inner.ref + ref[len(prefix) :]
+            ref = self._scoped(prefix, inner.ref) + ref[len(prefix) :]
         # ``post`` lists transforms outermost first: the value is post[0](post[1](...(x)))
         self.targets[at] = (ref, chain(*reversed(post)))
         return self.targets[at]
+
+    def _reaches(self, ref: Path) -> bool:
+        """Whether ``ref`` names a node of the tree, or a path through a view."""
+        return ref in self.nodes or any(ref[:k] in self.tied_at for k in range(1, len(ref)))
+
+    def _scoped(self, at: Path, ref: Path) -> Path:
+        """``ref`` from the root when it is there, else from the nearest subtree holding ``at``.
+
+        A tied tree nested in a bigger one (Flax variables, a train state and its
+        optimizer moments, an Equinox module inside another) keeps its ties: a
+        ref the root lacks is looked up from each subtree that contains the tie,
+        innermost first (a path overlapping the tie itself never counts).
+        """
+        if self._reaches(ref):
+            return ref
+        for k in range(len(at) - 1, 0, -1):
+            scoped = at[:k] + ref
+            if scoped[: len(at)] != at and at[: len(scoped)] != scoped and self._reaches(scoped):
+                return scoped
+        return ref
 
     def _missing(self, at: Path, t: Tied, ref: Path, prefix: Path | None) -> TieError:
         head = f"Tied at {path_str(at)!r}: ref {path_str(t.ref)!r}"
@@ -182,7 +203,8 @@ class _Resolver:
             hint = f"the tree has {split!r}, a key with '/' in it: write the ref as that tuple"
         return TieError(
             f"{head} does not exist in the tree; {hint}. Fix: point the ref at an existing leaf "
-            "or subtree (paths are '/'-joined dict keys, indices and attribute names)."
+            "or subtree (paths are '/'-joined dict keys, indices and attribute names, from the "
+            "root or from a subtree that contains the tie)."
         )
 
     # -- resolving, depth first with an explicit stack ---------------------

@@ -110,3 +110,65 @@ def test_a_string_ref_to_a_key_with_a_slash_names_the_tuple():
     tree = {"a": {"b/c": np.ones(2)}, "d": st.Tied("a/b/c")}
     with pytest.raises(st.TieError, match=r"the tree has \('a', 'b/c'\), a key with '/' in it"):
         st.materialize(tree)
+
+
+# -- a tied tree nested in a bigger one keeps its ties ------------------------------
+
+
+def _lm_params(seed=0):
+    rng = np.random.default_rng(seed)
+    emb = rng.normal(size=(5, 3)).astype(np.float32)
+    return {"embed": emb, "head": st.Tied("embed", st.T), "b": np.zeros(5, np.float32)}
+
+
+def test_a_train_state_of_tied_params_and_their_adam_moments_materializes_per_tree(tmp_path):
+    optax = pytest.importorskip("optax")
+    params = _lm_params()
+    state = {"params": params, "opt_state": optax.adam(1e-2).init(params)}
+    grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), params)
+    _, state["opt_state"] = optax.adam(1e-2).update(grads, state["opt_state"], params)
+    m = st.materialize(state)
+    mu = state["opt_state"][0].mu
+    # each view is its own tree's buffer transposed: the moments' head is the moments' embed.T
+    np.testing.assert_array_equal(m["params"]["head"], params["embed"].T)
+    np.testing.assert_array_equal(m["opt_state"][0].mu["head"], np.asarray(mu["embed"]).T)
+    assert st.canonicalize(state).num_unique == 2 + 2 + 2 + 1  # params, mu, nu, count
+    st.save(tmp_path / "state.safetensors", state)
+    back = st.load(tmp_path / "state.safetensors", like=state)
+    assert back["opt_state"][0].nu["head"] == st.Tied("embed", st.T)
+    nu = state["opt_state"][0].nu
+    np.testing.assert_array_equal(back["opt_state"][0].nu["embed"], nu["embed"])
+
+
+def test_flax_style_variables_and_an_equinox_parent_keep_the_ties_of_their_parts():
+    variables = {"params": _lm_params(), "batch_stats": {"mean": np.ones(3, np.float32)}}
+    flat, re = st.destructure(variables)
+    assert flat.shape == (15 + 5 + 3,)
+    np.testing.assert_array_equal(re(flat)["params"]["head"], variables["params"]["embed"].T)
+    parent = {"ae0": _lm_params(0), "ae1": _lm_params(1)}
+    m = st.materialize(parent)
+    for k in ("ae0", "ae1"):  # each part's view reads its own buffer
+        np.testing.assert_array_equal(m[k]["head"], parent[k]["embed"].T)
+
+
+def test_a_ref_the_root_has_means_the_root_and_the_innermost_scope_wins_otherwise():
+    a, b, c = (np.full((2,), v, np.float32) for v in (1.0, 2.0, 3.0))
+    # the root's "enc/w" exists: a ref written from the root (as st.tie writes it) keeps it
+    tree = {"enc": {"w": a}, "block": {"enc": {"w": b}, "dec": st.Tied("enc/w")}}
+    assert st.materialize(tree)["block"]["dec"] is a
+    # absent at the root: the nearest subtree holding the tie that has it
+    tree = {"x": {"y": {"w": b, "v": st.Tied("w")}, "w": c}}
+    assert st.materialize(tree)["x"]["y"]["v"] is b
+    tree = {"x": {"y": {"v": st.Tied("w")}, "w": c}}
+    assert st.materialize(tree)["x"]["y"]["v"] is c
+    # through a view of the same nested tree
+    tree = {"m": {"w": np.ones((2, 3)), "v": st.Tied("w"), "u": st.Tied("v", st.T)}}
+    assert st.materialize(tree)["m"]["u"].shape == (3, 2)
+
+
+def test_a_scope_that_makes_the_tie_its_own_ref_is_skipped_and_a_missing_ref_says_so():
+    # at "a/b", ref "b" from the scope "a" would be the tie itself: not a match
+    with pytest.raises(st.TieError, match=r"ref 'b' does not exist.*from a subtree that contains"):
+        st.materialize({"a": {"b": st.Tied("b"), "c": np.ones(2)}})
+    with pytest.raises(st.TieError, match=r"refers to 'a', a subtree that contains it"):
+        st.materialize({"a": {"b": st.Tied("a"), "c": np.ones(2)}})
