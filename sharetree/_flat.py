@@ -89,7 +89,10 @@ class Restructure:
     (every view computed); :meth:`canonical` gives the canonical tree (``Tied``
     nodes kept). It is hashable and equal to any restructure of the same
     structure, layout and static leaves, so passing it to ``jit`` as a static
-    argument does not retrace.
+    argument does not retrace. Each buffer comes back in its own dtype (``dtypes``),
+    whatever floating dtype the vector has (unlike ``ravel_pytree``'s unravel,
+    which keeps a one-dtype vector's dtype): a float64 vector from SciPy gives
+    the float32 tree it came from. A complex vector for a real tree is an error.
 
     Splitting the vector is linear and its transpose is assembled by
     concatenates, so the gradient is written in one pass over the unique
