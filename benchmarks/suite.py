@@ -146,17 +146,22 @@ def eager_flatten(model: M.TiedMLP, rounds: int) -> Section:
     )
     # The first call on a new structure: sharetree resolves the sharing graph,
     # ravel_pytree compiles its concatenate for the new list of shapes (once each;
-    # a model two layers deeper, so no cache of either is warm).
-    fresh = M.make_model(model.n_leaves + 4, seed=1)
-    jax.block_until_ready(fresh.unique)
-    first = {}
-    for name, call in (
-        ("sharetree.destructure", lambda: st.destructure(fresh.canonical)[0]),
-        ("ravel_pytree", lambda: ravel_pytree(fresh.unique)[0]),
-    ):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        first[name] = time.perf_counter() - t0
+    # models two, four and six layers deeper, so no cache of either is warm). One
+    # call is one sample, and a garbage collection in it can triple it: the median
+    # of three structures.
+    samples: dict[str, list[float]] = {"sharetree.destructure": [], "ravel_pytree": []}
+    for extra in (4, 8, 12):
+        fresh = M.make_model(model.n_leaves + extra, seed=1)
+        jax.block_until_ready(fresh.unique)
+        for name, call in (
+            ("sharetree.destructure", lambda: st.destructure(fresh.canonical)[0]),
+            ("ravel_pytree", lambda: ravel_pytree(fresh.unique)[0]),
+        ):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            samples[name].append(time.perf_counter() - t0)
+    first = {name: statistics.median(v) for name, v in samples.items()}
+    sec.info["first call samples (s)"] = samples
     sec.add_rows("eager flatten, first call", first, "sharetree.destructure")
     sec.target(
         "eager destructure, first call: ravel_pytree / sharetree (speed-up)",
