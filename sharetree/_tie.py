@@ -63,10 +63,11 @@ def tie(
 ) -> Any:
     """Replace the leaf or subtree at each target path with a ``Tied``.
 
-    The value at the ref wins: the replaced values are dropped, unlooked at by
-    default (a fresh model's copies differ by construction). When importing a
-    checkpoint that stores a tied weight twice, pass ``atol`` so that nothing
-    is lost; to keep the other copy instead, tie the other way round.
+    The value at the ref wins: the replaced values are dropped, by default
+    without being compared (a fresh model's copies differ by construction).
+    When importing a checkpoint that stores a tied weight twice, pass ``atol``
+    so that nothing is lost; to keep the other copy instead, tie the other way
+    round.
 
     Args:
         tree: a pytree (it may already contain ``Tied`` nodes).
