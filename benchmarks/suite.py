@@ -154,8 +154,8 @@ def eager_flatten(model: M.TiedMLP, rounds: int) -> Section:
         fresh = M.make_model(model.n_leaves + extra, seed=1)
         jax.block_until_ready(fresh.unique)
         for name, call in (
-            ("sharetree.destructure", lambda: st.destructure(fresh.canonical)[0]),
-            ("ravel_pytree", lambda: ravel_pytree(fresh.unique)[0]),
+            ("sharetree.destructure", lambda m=fresh: st.destructure(m.canonical)[0]),
+            ("ravel_pytree", lambda m=fresh: ravel_pytree(m.unique)[0]),
         ):
             t0 = time.perf_counter()
             jax.block_until_ready(call())
