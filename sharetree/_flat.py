@@ -255,8 +255,8 @@ def _split_at(flat: jax.Array, offsets: tuple[int, ...], sizes: tuple[int, ...])
     a predicate behind an optimization barrier: XLA cannot evaluate it at
     compile time, so each slice takes its start from a buffer and slices of
     equal size become one kernel. Only the slices read ``flat``, so the split
-    is linear in it (``jax.linear_transpose``, ``jet``) and ``vmap`` needs no
-    rule of its own.
+    is linear in it (``jax.linear_transpose``) and ``vmap`` needs no rule of
+    its own.
     """
     pred = jax.lax.optimization_barrier(np.bool_(True))
     consts = tuple(np.int32(o) for o in offsets)
