@@ -390,7 +390,9 @@ def _html_table(
             f"{escape(more)}</td></tr>"
         )
     return (
-        f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
+        # a class, so that page themes (mkdocs-material styles `table:not([class])`) leave it be
+        f'<table class="sharetree-table" '
+        f'style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
         f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
 
