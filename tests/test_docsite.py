@@ -124,3 +124,20 @@ def test_python_blocks_of_the_page_run_and_print_what_is_shown(page):
 def test_the_pages_with_code_are_the_ones_written_for_the_site():
     assert set(SITE_PAGES) >= {
         "why_ties_as_data.md", "ties_and_transforms.md", "flat.md", "display.md"}  # fmt: skip
+
+
+def test_the_display_page_shows_the_demo_models_graph_made_at_build_time():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hooks", DOCS / "_ext" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert "docs/_ext/hooks.py" in CONFIG
+    page = (DOCS / "display.md").read_text()
+    assert page.count(hooks.MARK) == 1
+    html = hooks.on_page_markdown(page)
+    assert hooks.MARK not in html
+    # the subtree tie is one row with its 16 leaves behind a disclosure, and one edge
+    assert html.count("<details>") == 2 and "the 16 leaves of block_1</summary>" in html
+    assert "block_1  (16 leaves, " in html
