@@ -1,4 +1,4 @@
-"""``save`` / ``load`` / ``describe``: one safetensors file per canonical tree, each buffer once.
+"""``save`` / ``load``: one safetensors file per canonical tree, each buffer once.
 
 The file format (tensor names, the ``sharetree.*`` metadata keys, the JSON of
 the tree, the limits a reader enforces) is specified in one place:
@@ -24,13 +24,20 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import Sharding
 
 from sharetree._errors import TieError
-from sharetree._foreign import KEY_VERSION as _KEY_VERSION
-from sharetree._foreign import load_foreign, metadata_ties
-from sharetree._materialize import abstract_expanded, leaves_and_structure
+from sharetree._foreign import load_foreign
+from sharetree._format import (
+    FORMAT_VERSION,
+    KEY_LIBRARY,
+    KEY_TREE,
+    KEY_VERSION,
+    LIBRARY_VERSION,
+    PREFIX,
+)
+from sharetree._materialize import abstract_expanded
 from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
-from sharetree._report import SharingGraph
 from sharetree._safetensors import (
     NATIVE_CODES,
     DuplicateKey,
@@ -42,17 +49,10 @@ from sharetree._safetensors import (
     unique_pairs,
 )
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import Transform, _is_int, _is_real, parts_of, transform_from_spec
+from sharetree._transforms import _is_int, _is_real, transform_from_spec
 from sharetree._transforms import _Unresolved as _Unresolved
 
-__all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
-
-FORMAT_VERSION = 2
-"""The newest file format version: :func:`load` reads versions up to it.
-
-:func:`save` writes version 1 unless the tree holds a typed PRNG key array, so that
-files without keys stay readable by every version-1 reader (see the file format).
-"""
+__all__ = ["save", "load", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
 
 MAX_DEPTH = 200
 """The deepest nesting of containers :func:`save` writes and :func:`load` reads (the root is 0)."""
@@ -63,9 +63,6 @@ _MAX_JSON_DEPTH = 2 * MAX_DEPTH + 16
 KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 """The PRNG implementations of typed key arrays (``jax.random.key``) a file may hold."""
 
-_KEY_TREE = "sharetree.tree"
-_KEY_LIBRARY = "sharetree.library_version"
-_PREFIX = "sharetree."
 _RESAVE = (
     "The file was edited or damaged after st.save wrote it. Fix: save the tree again with "
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
@@ -264,9 +261,9 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
                 f"save: the metadata entry {k!r}: {v!r} is not valid UTF-8 text (it holds a lone "
                 "surrogate). Fix: pass text that encodes to UTF-8."
             ) from None
-        if k.startswith(_PREFIX):
+        if k.startswith(PREFIX):
             raise TieError(
-                f"save: the metadata key {k!r} starts with {_PREFIX!r}, which sharetree keeps "
+                f"save: the metadata key {k!r} starts with {PREFIX!r}, which sharetree keeps "
                 "for its own entries. Fix: choose another key, e.g. without the prefix."
             )
     return dict(metadata)
@@ -335,13 +332,11 @@ def save(
             "type per dict (all str or all int)."
         ) from e
     abstract_expanded(tree)  # validate the graph and every view's shape first
-    from sharetree import __version__
-
     meta = {
         **user,
-        _KEY_VERSION: "2" if writer.has_keys else "1",
-        _KEY_LIBRARY: __version__,
-        _KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
+        KEY_VERSION: "2" if writer.has_keys else "1",
+        KEY_LIBRARY: LIBRARY_VERSION,
+        KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
     if jax.process_index() != 0:
         return  # every process gathered; process 0 writes
@@ -352,7 +347,7 @@ def save(
     except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
         raise TieError(
             f"save: safetensors cannot write {path!r} ({one_line(e)}); its header would hold "
-            f"{len(meta[_KEY_TREE]):,} bytes of tree JSON (structure, str leaves) and "
+            f"{len(meta[KEY_TREE]):,} bytes of tree JSON (structure, str leaves) and "
             f"{sum(len(k) + len(v) for k, v in user.items()):,} of metadata=, and no reader "
             "takes a header over 100 MB. Nothing was written. Fix: store large text as arrays "
             "or keep it out of the tree and metadata."
@@ -377,7 +372,7 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
         {'format': 'pt'}
     """
     meta = Reader(file_path(path, "read_metadata"), "read_metadata").metadata
-    return {k: v for k, v in meta.items() if not k.startswith(_PREFIX)}
+    return {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
 
 
 def _json_depth(text: str, limit: int) -> int:
@@ -402,20 +397,6 @@ def _json_depth(text: str, limit: int) -> int:
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*+"|[\[\]{}"]', re.S)
 _STEPS = {"[": 1, "{": 1, "]": -1, "}": -1}
-
-
-class _AnyFunction(dict[str, Any]):
-    """``functions=`` for describing: every name maps to a stand-in that is never called."""
-
-    def __contains__(self, name: object) -> bool:
-        return True
-
-    def __missing__(self, name: str) -> Any:
-        return _Unresolved(name)
-
-
-def _is_described(t: Transform) -> bool:
-    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts_of(t))
 
 
 def load(
@@ -484,7 +465,7 @@ def load(
         )
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
-    if os.path.isdir(path) or _KEY_VERSION not in (reader := Reader(path)).metadata:
+    if os.path.isdir(path) or KEY_VERSION not in (reader := Reader(path)).metadata:
         tree = load_foreign(path, like=like, ties=ties, atol=atol)
         return tree if shardings is None else _place(path, tree, shardings)
     if ties is not None or atol is not None:
@@ -529,107 +510,6 @@ def load(
     return tree
 
 
-# ----------------------------------------------------------------------------- describe
-
-
-class _FileGraph(SharingGraph):
-    """The sharing graph of a file: ``st.fn`` views are named, never called."""
-
-    _uncalled = staticmethod(_is_described)
-
-
-def describe(path: PathOrStr, max_rows: int = 20) -> str:
-    """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
-
-    For a file written by :func:`save`: its size, format version and the
-    sharing summary of its tree (as :func:`sharetree.summary` prints it), from
-    the header and metadata only; ``st.fn`` views are shown by their stored
-    name (``fn(mylib.ops:softcap)``), never imported or called, so without
-    shape and dtype. For another safetensors file: its tensors and bytes.
-
-    Args:
-        path: the file.
-        max_rows: the most rows shown per table.
-
-    Returns:
-        Several lines of text, without a trailing newline.
-
-    Raises:
-        TieError: any problem (a missing or unreadable file, malformed
-            metadata, a bad graph), as one line naming the file.
-
-    Example:
-        >>> import os, tempfile, numpy as np, sharetree as st
-        >>> from sharetree._io import describe
-        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
-        >>> st.save(path, {"emb": np.zeros((4, 2), np.float32), "head": st.Tied("emb", st.T)})
-        >>> print(describe(path).splitlines()[1])
-        sharing graph: 1 buffer, 1 view
-    """
-    from sharetree._display import format_bytes, summary
-
-    path = file_path(path, "inspect")
-    if not _is_int(max_rows) or max_rows < 1:
-        raise TieError(
-            f"inspect: max_rows must be an int of at least 1, found {type(max_rows).__name__} "
-            f"{max_rows!r:.80}. Fix: pass e.g. max_rows=20."
-        )
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise TieError(f"inspect: cannot read {path!r} ({one_line(e)}).") from e
-    reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
-    meta = reader.metadata
-    if _KEY_VERSION not in meta:
-        data = sum(info.nbytes for info in reader.infos.values())
-        ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
-        said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
-        head = (
-            f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
-            f"{_KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
-            f"{format_bytes(data)} of tensor data, "
-            + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
-        )
-        rows = [
-            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
-            for info in list(reader.infos.values())[:max_rows]
-        ]
-        if len(reader.infos) > max_rows:
-            rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
-        return "\n".join([head, *rows])
-    builder = _Builder(reader, reader.infos, _AnyFunction())
-    tree = builder.run()
-    try:
-        leaves, structure = leaves_and_structure(tree)
-        graph = _FileGraph(structure, leaves)
-        # the file's keys are in the tables: no character of theirs moves a terminal
-        text = "".join(
-            c if c.isprintable() or c == "\n" else repr(c)[1:-1]
-            for c in summary(graph, max_rows=max_rows)
-        )
-    except TieError as e:
-        raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
-    head = (
-        f"{path}: {size:,} bytes, sharetree format {meta[_KEY_VERSION]} "
-        f"(written by sharetree {_printable(meta.get(_KEY_LIBRARY, '?'))})"
-    )
-    notes = []
-    named = sum(_is_described(v.transform) for v in graph.structure.views)
-    if named:
-        notes.append(
-            f"note: {named:,} view(s) use st.fn functions the file names; they were not "
-            "imported or called, so their shape and dtype are not shown"
-        )
-    if builder.keys:
-        notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
-    return "\n".join([head, text, *notes])
-
-
-def _printable(text: str) -> str:
-    """``text`` as it is when printable, else its ``repr`` (file content never moves a terminal)."""
-    return text if text.isprintable() else repr(text)
-
-
 # ----------------------------------------------------------------------------- the builder
 
 
@@ -652,8 +532,8 @@ class _Builder:
         self.keys: list[Path] = []
 
     def run(self) -> Any:
-        version, where = self.meta[_KEY_VERSION], f"{self.verb}: {self.path!r}"
-        of_tree = f"{self.verb}: the {_KEY_TREE!r} metadata of {self.path!r}"
+        version, where = self.meta[KEY_VERSION], f"{self.verb}: {self.path!r}"
+        of_tree = f"{self.verb}: the {KEY_TREE!r} metadata of {self.path!r}"
         if not (version.isascii() and version.isdigit() and len(version) < 10):
             raise TieError(
                 f"{where} has a malformed format version {_shown(version)}; expected a decimal "
@@ -663,22 +543,22 @@ class _Builder:
         if self.version > FORMAT_VERSION:
             raise TieError(
                 f"{where} has format version {self.version}, written by sharetree "
-                f"{self.meta.get(_KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
+                f"{self.meta.get(KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
                 f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
             )
-        if _KEY_TREE not in self.meta:
+        if KEY_TREE not in self.meta:
             raise TieError(
-                f"{where} has a format version but no {_KEY_TREE!r} metadata, so its tree "
+                f"{where} has a format version but no {KEY_TREE!r} metadata, so its tree "
                 f"structure is lost. {_RESAVE}"
             )
-        depth = _json_depth(self.meta[_KEY_TREE], _MAX_JSON_DEPTH)
+        depth = _json_depth(self.meta[KEY_TREE], _MAX_JSON_DEPTH)
         if depth > _MAX_JSON_DEPTH:
             raise TieError(
                 f"{of_tree} is nested {depth} or more levels deep; a file written by st.save "
                 f"nests at most {_MAX_JSON_DEPTH} (trees of at most {MAX_DEPTH} levels). {_RESAVE}"
             )
         try:
-            structure = json.loads(self.meta[_KEY_TREE], object_pairs_hook=unique_pairs)
+            structure = json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs)
         except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
             raise TieError(
                 f"{of_tree} names the field {e.key!r} twice in one object, so one of the two "
@@ -888,8 +768,6 @@ _VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
 
 def _place(path: str, tree: Any, shardings: Any) -> Any:
     """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
-    from jax.sharding import Sharding
-
     want = dict(
         leaves_with_paths(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
     )

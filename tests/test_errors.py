@@ -381,7 +381,7 @@ def test_36_ties_for_a_sharetree_file(tmp_path):
 
 
 def test_37_describe_problems_are_one_line(tmp_path):
-    from sharetree._io import describe
+    from sharetree.__main__ import describe
 
     for bad, match in [(tmp_path / "none.safetensors", "cannot read"), (tmp_path, "directory")]:
         with pytest.raises(st.TieError, match=match) as e:
@@ -545,7 +545,7 @@ def test_54_int_too_long_for_text(tmp_path):
 
 
 def test_55_keyword_of_the_wrong_type(tmp_path):
-    from sharetree._io import describe
+    from sharetree.__main__ import describe
 
     path = tmp_path / "m.safetensors"
     with pytest.raises(st.TieError, match=r"save: gather must be True or False, found str"):
@@ -553,7 +553,7 @@ def test_55_keyword_of_the_wrong_type(tmp_path):
     st.save(path, {"w": W})
     with pytest.raises(st.TieError, match=r"load: functions must be a mapping"):
         st.load(path, functions=["m:f"])
-    with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int of at least 1"):
+    with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int >= 1"):
         describe(path, max_rows=0)
 
 

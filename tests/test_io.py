@@ -28,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 import sharetree as st
 from sharetree import _io, _safetensors
+from sharetree.__main__ import describe
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -732,7 +733,7 @@ def test_load_never_imports_or_calls_a_named_function(
         rf"called.*st\.load\(path, functions=",
     ):
         st.load(bad)
-    text = _io.describe(bad)  # inspect shows the name, calls nothing
+    text = describe(bad)  # inspect shows the name, calls nothing
     assert f"fn({name})" in text
     monkeypatch.undo()
     assert SIDE_EFFECT_MODULE not in sys.modules
@@ -767,7 +768,7 @@ def test_describe_a_sharetree_file(tmp_path) -> None:
         "f": st.Tied("w", st.T >> st.fn(jnp.flipud)),
     }
     st.save(path, tree)
-    text = _io.describe(path)
+    text = describe(path)
     lines = text.splitlines()
     assert (
         lines[0] == f"{path}: {os.path.getsize(path):,} bytes, sharetree format 1 (written by "
@@ -789,39 +790,39 @@ def test_describe_reads_no_tensor_data(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(_safetensors.Reader, "tensors", lambda self: pytest.fail("read data"))
     # the same text as the summary of the tree that was saved
     assert (
-        _io.describe(path, max_rows=3).splitlines()[1:] == st.summary(TIED, max_rows=3).splitlines()
+        describe(path, max_rows=3).splitlines()[1:] == st.summary(TIED, max_rows=3).splitlines()
     )
 
 
 def test_describe_a_foreign_file_and_problems(tmp_path) -> None:
     path = tmp_path / "torch.safetensors"
     save_file({"a": np.ones(3), "b": np.zeros((2, 2), np.float32)}, str(path))
-    text = _io.describe(path)
+    text = describe(path)
     assert "not written by sharetree" in text and "2 tensors, 40 B of tensor data" in text
     assert text.splitlines()[1:] == ["  a  F64[3]", "  b  F32[2, 2]"]
     save_file({"evil\x1b[2J\nname": np.ones(1)}, str(path))
-    text = _io.describe(path)  # a name from the file never moves the terminal
+    text = describe(path)  # a name from the file never moves the terminal
     assert text.count("\n") == 1 and "'evil\\x1b[2J\\nname'" in text and "\x1b" not in text
     for bad, match in [
         (tmp_path / "missing.safetensors", "cannot read"),
         (tmp_path, "is a directory"),
     ]:
         with pytest.raises(st.TieError, match=match) as e:
-            _io.describe(bad)
+            describe(bad)
         assert "\n" not in str(e.value)
     (tmp_path / "garbage.safetensors").write_bytes(b"\xff" * 100)
     with pytest.raises(st.TieError, match="not a readable safetensors file") as e:
-        _io.describe(tmp_path / "garbage.safetensors")
+        describe(tmp_path / "garbage.safetensors")
     assert "\n" not in str(e.value)
     deep = tampered(tmp_path, TIED, lambda t, m, s: s.update(x=[[[[[[[[]]]]]]]]))
-    _io.describe(deep)  # an unknown extra field is ignored, like load does
+    describe(deep)  # an unknown extra field is ignored, like load does
     dangling = tampered(
         tmp_path,
         TIED,
         lambda t, m, s: s["children"][s["keys"].index("head")].update(ref=["embedd"]),
     )
     with pytest.raises(st.TieError, match=r"inspect: .*bad sharing graph.*'embedd'") as e:
-        _io.describe(dangling)
+        describe(dangling)
     assert "\n" not in str(e.value)
 
 
@@ -954,7 +955,7 @@ def test_deeply_nested_metadata_is_a_tie_error(tmp_path) -> None:
         ):
             st.load(tmp_path / "b.safetensors")
         with pytest.raises(st.TieError, match="nested"):
-            _io.describe(tmp_path / "b.safetensors")
+            describe(tmp_path / "b.safetensors")
     # an unterminated string of escaped quotes: scanned once (linear), then not JSON
     meta["sharetree.tree"] = '["' + '\\"' * 200_000
     write_with_metadata(tmp_path / "b.safetensors", tensors, meta)
@@ -1255,7 +1256,7 @@ def test_a_path_that_names_no_file_is_a_tie_error(tmp_path, path) -> None:
     for verb, call in [
         ("save", lambda: st.save(path, TIED)),
         ("load", lambda: st.load(path)),
-        ("inspect", lambda: _io.describe(path)),
+        ("inspect", lambda: describe(path)),
         ("read_metadata", lambda: _io.read_metadata(path)),
     ]:
         with pytest.raises(st.TieError, match=rf"^{verb}: the path .*(should be a str|is empty)"):
@@ -1264,7 +1265,7 @@ def test_a_path_that_names_no_file_is_a_tie_error(tmp_path, path) -> None:
     raw = os.fsencode(good)  # bytes are a path, as for open()
     st.save(raw, TIED)
     assert_same_tree(st.load(raw), TIED)
-    assert "sharing graph" in _io.describe(raw)
+    assert "sharing graph" in describe(raw)
 
 
 def test_save_to_a_directory_writes_nothing(tmp_path) -> None:
@@ -1329,8 +1330,8 @@ def test_keywords_of_the_wrong_type_are_tie_errors(tmp_path) -> None:
     with pytest.raises(st.TieError, match=r"load: functions must be a mapping.*found list"):
         st.load(path, functions=["jax.numpy:flipud"])
     for rows in ("3", 0, 2.0):
-        with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int of at least 1"):
-            _io.describe(path, max_rows=rows)
+        with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int >= 1"):
+            describe(path, max_rows=rows)
 
 
 def test_foreign_files_take_shardings_too(tmp_path) -> None:
@@ -1358,7 +1359,7 @@ def test_a_pretrained_directory_holding_a_sharetree_file_is_not_read_flat(tmp_pa
 def test_describe_a_foreign_file_shows_the_ties_its_metadata_records(tmp_path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"emb": np.ones((3, 2), np.float32)}, str(path), metadata={"head": "emb"})
-    assert "1 tie(s) in its metadata: head <- emb" in _io.describe(path)
+    assert "1 tie(s) in its metadata: head <- emb" in describe(path)
     with pytest.warns(UserWarning, match="restored the ties"):
         assert st.load(path)["head"] == st.Tied("emb")
 
