@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -56,9 +55,6 @@ __all__ = ["save", "load", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_
 
 MAX_DEPTH = 200
 """The deepest nesting of containers :func:`save` writes and :func:`load` reads (the root is 0)."""
-
-_MAX_JSON_DEPTH = 2 * MAX_DEPTH + 16
-"""Nesting of the ``sharetree.tree`` JSON text that a tree of ``MAX_DEPTH`` levels can reach."""
 
 KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 """The PRNG implementations of typed key arrays (``jax.random.key``) a file may hold."""
@@ -375,30 +371,6 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
     return {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
 
 
-def _json_depth(text: str, limit: int) -> int:
-    r"""The nesting of ``[`` / ``{`` in JSON text, strings skipped; stops once above ``limit``.
-
-    Linear in the text and without recursion, whatever the text (an unterminated
-    string ends the scan: such text is not JSON, which the parser then reports).
-
-    Example:
-        >>> from sharetree._io import _json_depth
-        >>> _json_depth('{"a": [[1], "[[[\\"]"]}', 10), _json_depth("[" * 5000, 10)
-        (3, 11)
-    """
-    depth = deepest = 0
-    for m in _TOKENS.finditer(text):  # a whole string, a bracket, or a quote that opens no string
-        if m.group() == '"' or deepest > limit:
-            break
-        depth += _STEPS.get(m.group(), 0)  # a string: 0
-        deepest = max(deepest, depth)
-    return deepest
-
-
-_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*+"|[\[\]{}"]', re.S)
-_STEPS = {"[": 1, "{": 1, "]": -1, "}": -1}
-
-
 def load(
     path: PathOrStr,
     like: Any = None,
@@ -514,12 +486,17 @@ def load(
 
 
 class _Builder:
-    """Rebuilds a canonical tree from the JSON structure, checking every value's type.
+    """Rebuilds a canonical tree from a file's JSON structure, trusting none of it.
 
     ``tensors`` maps names to arrays (load) or to :class:`TensorInfo` (describe,
-    which builds ``jax.ShapeDtypeStruct`` leaves). Recursion is bounded: the
-    JSON is at most ``_MAX_JSON_DEPTH`` deep (checked before parsing) and the
-    tree at most ``MAX_DEPTH``.
+    which builds ``jax.ShapeDtypeStruct`` leaves). A node's fields are read by
+    indexing (a missing one is named by :meth:`build`) and checked by what
+    consumes them: ``Tied`` checks a ref, ``transform_from_spec`` a spec, the
+    tensor's header (read by safetensors) a buffer's dtype and shape; only JSON
+    types are checked here. Every error names the file, the node's path and the
+    field. Recursion is bounded: ``json.loads`` stops at Python's recursion
+    limit (a ``RecursionError``, reported as a ``TieError``) and the tree at
+    ``MAX_DEPTH``.
     """
 
     def __init__(self, reader: Reader, tensors: Mapping[str, Any], functions: Any) -> None:
@@ -551,12 +528,10 @@ class _Builder:
                 f"{where} has a format version but no {KEY_TREE!r} metadata, so its tree "
                 f"structure is lost. {_RESAVE}"
             )
-        depth = _json_depth(self.meta[KEY_TREE], _MAX_JSON_DEPTH)
-        if depth > _MAX_JSON_DEPTH:
-            raise TieError(
-                f"{of_tree} is nested {depth} or more levels deep; a file written by st.save "
-                f"nests at most {_MAX_JSON_DEPTH} (trees of at most {MAX_DEPTH} levels). {_RESAVE}"
-            )
+        deep = TieError(
+            f"{of_tree} is nested deeper than Python recurses; a file written by st.save holds "
+            f"a tree of at most {MAX_DEPTH} levels. {_RESAVE}"
+        )
         try:
             structure = json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs)
         except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
@@ -564,9 +539,14 @@ class _Builder:
                 f"{of_tree} names the field {e.key!r} twice in one object, so one of the two "
                 f"would be silently lost. {_RESAVE}"
             ) from None
+        except RecursionError:
+            raise deep from None
         except ValueError as e:
             raise TieError(f"{of_tree} is not valid JSON ({one_line(e)}). {_RESAVE}") from e
-        tree = self.build(structure, ())
+        try:
+            tree = self.build(structure, ())
+        except RecursionError:  # a value nested almost as deep, echoed in a message
+            raise deep from None
         unused = sorted(set(self.tensors) - self.used)
         if unused:
             raise TieError(
@@ -580,19 +560,11 @@ class _Builder:
     def bad(self, path: Path, what: str) -> TieError:
         return self.fail(f"malformed node at {path_str(path)!r}: {what}.")
 
-    def field(
-        self, node: dict[str, Any], name: str, path: Path, ok: Any = None, want: str = ""
-    ) -> Any:
-        """``node[name]``, checked by ``ok`` (default: the check of ``_FIELDS[name]``)."""
-        if ok is None:
-            ok, want = _FIELDS[name]
-        if name not in node:
-            raise self.bad(path, f"the field {name!r} ({want}) is missing")
-        v = node[name]
-        if not ok(v):
-            raise self.bad(
-                path, f"the field {name!r} should be {want}, found {type(v).__name__} {_shown(v)}"
-            )
+    def check(self, ok: bool, path: Path, name: str, v: Any, want: str) -> Any:
+        """``v``, the field ``name`` of the node at ``path``, if ``ok``; else a TieError."""
+        if not ok:
+            found = f"{type(v).__name__} {_shown(v)}"
+            raise self.bad(path, f"the field {name!r} should be {want}, found {found}")
         return v
 
     def build(self, node: Any, path: Path) -> Any:
@@ -600,10 +572,15 @@ class _Builder:
             raise self.bad(path[:8], f"the tree is nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict):
             raise self.bad(path, f"expected a JSON object, found {type(node).__name__}")
-        t = self.field(node, "t", path)
-        if t in ("none", "static"):
-            return None if t == "none" else self.static(node, path)
-        if t in ("tied", "value", "buffer"):
+        try:
+            return self.node(node, path)
+        except KeyError as e:  # only a node's own fields are looked up by indexing
+            raise self.bad(path, f"the field {e.args[0]!r} is missing") from None
+
+    def node(self, node: dict[str, Any], path: Path) -> Any:
+        t = node["t"]
+        self.check(isinstance(t, str), path, "t", t, "a node kind")
+        if t in ("none", "static", "tied", "value", "buffer"):
             return getattr(self, t)(node, path)
         if t not in _CONTAINERS and t != "node":
             raise self.fail(
@@ -612,10 +589,13 @@ class _Builder:
                 "",
             )
         if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
-            self.generic.append((path, self.field(node, "type", path)))
-        children = self.field(node, "children", path)
+            self.generic.append((path, self.type_name(node, path)))
+        children = node["children"]
+        self.check(isinstance(children, list), path, "children", children, "a list of nodes")
         sequence = t in ("list", "tuple")
-        keys = list(range(len(children))) if sequence else self.field(node, "keys", path)
+        keys = list(range(len(children))) if sequence else node["keys"]
+        ok = isinstance(keys, list) and all(type(k) in (str, int) for k in keys)
+        self.check(ok, path, "keys", keys, "a list of str or int keys")
         if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
             raise self.bad(
                 path,
@@ -633,67 +613,82 @@ class _Builder:
             return _CONTAINERS[t](values)
         return _CONTAINERS.get(t, dict)(zip(map(str, keys) if t == "node" else keys, values))
 
+    def none(self, node: dict[str, Any], path: Path) -> None:
+        return None
+
+    def type_name(self, node: dict[str, Any], path: Path) -> str:
+        """A ``module.qualname`` as ``save`` writes it (printable: it is shown in messages)."""
+        v = node["type"]
+        ok = isinstance(v, str) and 0 < len(v) <= 500 and v.isprintable()
+        return self.check(ok, path, "type", v, "a type name (printable, at most 500 characters)")
+
     def static(self, node: dict[str, Any], path: Path) -> _Static:
-        self.statics.append((path, self.field(node, "type", path)))
+        self.statics.append((path, self.type_name(node, path)))
         return _Static(self.statics[-1][1])
 
     def tied(self, node: dict[str, Any], path: Path) -> Tied:
-        ref, spec = (self.field(node, f, path) for f in ("ref", "transform"))
+        ref, spec, where = node["ref"], node["transform"], path_str(path)
+        self.check(isinstance(ref, list), path, "ref", ref, "a non-empty list of keys")
         try:
             transform = self.resolve(spec)
         except TieError as e:
             fix = "" if "Fix:" in str(e) else _RESAVE
-            raise self.fail(f"the tie at {path_str(path)!r} cannot be rebuilt: {e}", fix) from None
+            what = f"the tie at {where!r} cannot be rebuilt from its field 'transform': {e}"
+            raise self.fail(what, fix) from None
         try:
             return Tied(tuple(ref), transform)
         except TieError as e:
-            raise self.fail(f"the tie at {path_str(path)!r} is malformed: {e}") from None
+            raise self.fail(f"the tie at {where!r} is malformed: its field 'ref': {e}") from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
-        ok = lambda v: isinstance(v, str) and v in _VALUE_TYPES  # noqa: E731
-        kind = self.field(node, "type", path, ok, "bool, int, float, complex or str")
-        v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
+        kind, v = node["type"], node["value"]
+        ok = isinstance(kind, str) and kind in _VALUE_TYPES
+        self.check(ok, path, "type", kind, "bool, int, float, complex or str")
+        self.check(_VALUE_TYPES[kind](v), path, "value", v, f"a {kind} value")
         if kind == "complex":
             return complex(*v)
         return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name, dtype_name, shape, raw = (self.field(node, f, path) for f in _BUFFER_FIELDS)
-        scalar = node.get("scalar", False)
+        name, dtype, shape, raw = node["tensor"], node["dtype"], node["shape"], node["raw"]
+        scalar, impl, where = node.get("scalar", False), node.get("key"), path_str(path)
+        self.check(_is_dtype_name(dtype), path, "dtype", dtype, "a numeric dtype name")
+        ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        self.check(ok, path, "shape", shape, "a list of sizes >= 0")
+        self.check(type(raw) is bool, path, "raw", raw, "true or false")
         if not isinstance(scalar, bool) or (scalar and shape):
             raise self.bad(
                 path,
                 f"the field 'scalar' should be true (for shape []) or false, "
-                f"found {scalar!r} for shape {list(shape)}",
+                f"found {_shown(scalar)} for shape {_shown(shape)}",
             )
-        impl = node.get("key")
         if impl is not None and (
-            self.version < 2 or impl not in KEY_IMPLS or dtype_name != "uint32" or raw
+            self.version < 2 or impl not in KEY_IMPLS or dtype != "uint32" or raw
         ):
             raise self.bad(
                 path,
                 f"the field 'key' should be one of {list(KEY_IMPLS)} on uint32 data in a file "
-                f"of format version 2, found {impl!r} on {dtype_name} (version {self.version})",
+                f"of format version 2, found {_shown(impl)} on {dtype} (version {self.version})",
             )
-        if name not in self.tensors:
+        if not isinstance(name, str) or name not in self.tensors:
             raise self.fail(
-                f"the buffer at {path_str(path)!r} needs the tensor {name!r}, which the file "
+                f"the buffer at {where!r} needs the tensor {_shown(name)}, which the file "
                 "does not hold."
             )
         if name in self.used:
             raise self.fail(
-                f"the tensor {name!r} is used twice (again at {path_str(path)!r}); each buffer "
+                f"the tensor {name!r} is used twice (again at {where!r}); each buffer "
                 "has a tensor of its own."
             )
         self.used.add(name)
-        want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype_name)), self.tensors[name]
+        want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)), self.tensors[name]
         info = isinstance(found, TensorInfo)
         got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
         got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
-        shown, where = format_aval(want), f"tensor {name!r} at {path_str(path)!r}"
+        shown, where = _shown(None, format_aval(want)), f"tensor {name!r} at {where!r}"
         if raw and got != f"uint8[{want.size * want.dtype.itemsize}]":
             raise self.fail(f"{where} should hold the raw bytes of {shown}, found {got}.")
-        if not raw and got != shown:
+        if not raw and got != format_aval(want):
             raise self.fail(f"{where} is {got} but the metadata says {shown}.")
         if impl is not None:
             self.keys.append(path)
@@ -709,61 +704,31 @@ class _Builder:
         return a[()] if scalar else a
 
 
-def _shown(v: Any) -> str:
-    """``repr(v)``, cut to 60 characters (a file's content is echoed in messages, never all)."""
-    return repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+def _shown(v: Any, text: str | None = None) -> str:
+    """``repr(v)`` (or ``text``), cut to 60 characters: a file's content is never echoed whole."""
+    text = repr(v) if text is None else text
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _is_type_name(v: Any) -> bool:
-    """A ``module.qualname`` as ``save`` writes it: printable, of a sane length."""
-    return isinstance(v, str) and 0 < len(v) <= 500 and v.isprintable()
-
-
-def _is_key_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
+_VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": _is_int,
+    "float": _is_real,
+    "str": lambda v: isinstance(v, str),
+    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
+}
+"""The Python leaves a file holds: each ``value`` node's type and the check of its value."""
 
 
 def _is_dtype_name(v: Any) -> bool:
-    if not isinstance(v, str) or not v.isidentifier():
+    """A numeric dtype's name, as ``jnp.dtype`` reads it (``"float32"``, never ``"f4"``)."""
+    if not isinstance(v, str) or not v.isidentifier():  # numpy parses more (SyntaxError)
         return False
     try:
         d = jnp.dtype(v)
     except TypeError:
         return False
     return d.name == v and _is_numeric(d)
-
-
-def _is_shape(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
-
-
-def _of(*types: type) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, types)
-
-
-_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "t": (_of(str), "a node kind"),
-    "children": (_of(list), "a list of nodes"),
-    "keys": (_is_key_list, "a list of str or int keys"),
-    "type": (_is_type_name, "a type name (printable, at most 500 characters)"),
-    "ref": (_is_key_list, "a non-empty list of keys"),
-    "transform": (_of(dict), "a spec"),
-    "tensor": (_of(str), "a tensor name"),
-    "dtype": (_is_dtype_name, "a numeric dtype name"),
-    "shape": (_is_shape, "a list of sizes >= 0"),
-    "raw": (_of(bool), "true or false"),
-}
-"""Each field of a node: its check and what it should be (``_Builder.field`` names both)."""
-
-_BUFFER_FIELDS = ("tensor", "dtype", "shape", "raw")
-
-_VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
-    "bool": _of(bool),
-    "int": _is_int,
-    "float": _is_real,
-    "str": _of(str),
-    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
-}
 
 
 def _place(path: str, tree: Any, shardings: Any) -> Any:

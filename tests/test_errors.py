@@ -315,10 +315,10 @@ def test_30_nesting_limits(tmp_path):
 
     from safetensors.numpy import save_file
 
-    text = '{"t":"list","children":' + "[" * 1000 + "]" * 1000 + "}"
+    text = '{"t":"list","children":' + "[" * 100_000 + "]" * 100_000 + "}"
     meta = {"sharetree.format_version": "1", "sharetree.tree": text}
     save_file({}, str(tmp_path / "n.safetensors"), metadata=meta)
-    with pytest.raises(st.TieError, match=r"nested 417 or more levels deep.*at most 416"):
+    with pytest.raises(st.TieError, match=r"nested deeper than Python recurses.*at most 200"):
         st.load(tmp_path / "n.safetensors")
 
 
@@ -555,6 +555,8 @@ def test_55_keyword_of_the_wrong_type(tmp_path):
         st.load(path, functions=["m:f"])
     with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int >= 1"):
         describe(path, max_rows=0)
+    with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
+        st.summary({"a": W}, max_rows=1.5)
 
 
 def test_56_header_too_large_for_readers(tmp_path):
@@ -601,11 +603,6 @@ def test_62_find_ties_traced_or_bad_transforms():
         jax.jit(st.find_ties)({"a": jnp.arange(3.0)})
     with pytest.raises(st.TieError, match=r"expected a sequence of transforms, found _Transpose"):
         st.find_ties({"a": W}, st.T)
-
-
-def test_63_max_rows_not_a_positive_int():
-    with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
-        st.summary({"a": W}, max_rows=1.5)
 
 
 def test_64_rules_not_a_collection():

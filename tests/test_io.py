@@ -206,6 +206,7 @@ def test_float8_is_stored_natively_so_torch_reads_its_dtype_and_shape(tmp_path) 
     assert back["a"].dtype == a.dtype and back["a"].tobytes() == a.tobytes()
     assert back["fnuz"].dtype == ml_dtypes.float8_e4m3fnuz and back["t"] == tree["t"]
 
+
 def test_python_leaves_and_containers(tmp_path) -> None:
     tree = {
         "lst": [1, 2.5, "text", None, True, 1 + 2j, float("nan"), float("-inf"), 2**70],
@@ -789,9 +790,7 @@ def test_describe_reads_no_tensor_data(tmp_path, monkeypatch) -> None:
     st.save(path, TIED)
     monkeypatch.setattr(_safetensors.Reader, "tensors", lambda self: pytest.fail("read data"))
     # the same text as the summary of the tree that was saved
-    assert (
-        describe(path, max_rows=3).splitlines()[1:] == st.summary(TIED, max_rows=3).splitlines()
-    )
+    assert describe(path, max_rows=3).splitlines()[1:] == st.summary(TIED, max_rows=3).splitlines()
 
 
 def test_describe_a_foreign_file_and_problems(tmp_path) -> None:
@@ -947,17 +946,22 @@ def test_deeply_nested_metadata_is_a_tie_error(tmp_path) -> None:
     good = tmp_path / "g.safetensors"
     st.save(good, TIED)
     tensors, meta = read_raw(good)
-    for text in ["[" * 100_000 + "]" * 100_000, '{"t":"list","children":' + "[" * 5000]:
+    deep = r"b\.safetensors'.*nested deeper than Python recurses.*at most 200 levels"
+    lists = '{"t":"list","children":[' * 250 + '{"t":"none"}' + "]}" * 250
+    for text, match in [
+        ("[" * 100_000 + "]" * 100_000, deep),  # json.loads stops at the recursion limit
+        ('{"t":"list","children":' + "[" * 5000, deep),
+        (lists, r"b\.safetensors'.*nested deeper than 200 levels"),  # parsed, refused by depth
+        # parsed or not (that depends on the stack), a value echoed in the message
+        *[(f'{{"t":"static","type":{"[" * n}{"]" * n}}}', f"{deep}|'type'") for n in (600, 990)],
+    ]:
         meta["sharetree.tree"] = text
         write_with_metadata(tmp_path / "b.safetensors", tensors, meta)
-        with pytest.raises(
-            st.TieError, match=r"b\.safetensors'.*nested 417 or more levels deep.*at most 416"
-        ):
+        with pytest.raises(st.TieError, match=match):
             st.load(tmp_path / "b.safetensors")
-        with pytest.raises(st.TieError, match="nested"):
+        with pytest.raises(st.TieError, match="nested|'type'"):
             describe(tmp_path / "b.safetensors")
-    # an unterminated string of escaped quotes: scanned once (linear), then not JSON
-    meta["sharetree.tree"] = '["' + '\\"' * 200_000
+    meta["sharetree.tree"] = '["' + '\\"' * 200_000  # an unterminated string
     write_with_metadata(tmp_path / "b.safetensors", tensors, meta)
     with pytest.raises(st.TieError, match="not valid JSON"):
         st.load(tmp_path / "b.safetensors")
@@ -999,20 +1003,20 @@ _DROP = object()
         (_set("ref", [], "head"), "head", r"empty key"),
         (_set("ref", "embed", "head"), "head", r"field 'ref' should be a non-empty list of keys"),
         (_set("ref", [None], "head"), "head", r"field 'ref'"),
-        (_set("transform", "T", "head"), "head", r"field 'transform' should be a spec"),
+        (_set("transform", "T", "head"), "head", r"field 'transform'.*expected a dict"),
         (_set("transform", {"name": "chain", "parts": 3}, "head"), "head", r"'parts'"),
         (_set("t", 3), "enc/w", r"field 't' should be a node kind"),
         (_set("shape", [2, -3]), "enc/w", r"field 'shape' should be a list of sizes >= 0"),
         (_set("shape", [2.0, 3]), "enc/w", r"field 'shape'"),
         (_set("shape", [True, 3]), "enc/w", r"field 'shape'"),
-        (_set("shape", _DROP), "enc/w", r"field 'shape' .* is missing"),
+        (_set("shape", _DROP), "enc/w", r"field 'shape' is missing"),
         (_set("dtype", "object"), "enc/w", r"field 'dtype' should be a numeric dtype name"),
         (_set("dtype", ["f4"]), "enc/w", r"field 'dtype'"),
         (_set("dtype", "float64"), "enc/w", r"'enc/w' is float32\[2, 3\] but the metadata says"),
         (_set("raw", "no"), "enc/w", r"field 'raw' should be true or false"),
         (_set("raw", True), "enc/w", r"should hold the raw bytes of float32\[2, 3\]"),
         (_set("scalar", True), "enc/w", r"field 'scalar'"),
-        (_set("tensor", 7), "enc/w", r"field 'tensor' should be a tensor name"),
+        (_set("tensor", 7), "enc/w", r"needs the tensor 7, which the file does not hold"),
         (_set("tensor", "embed"), "enc/w", r"'embed' is used twice"),
         (_set("key", "threefry2x32"), "enc/w", r"field 'key'"),
         (_set("key", "os.system"), "enc/w", r"field 'key'"),
