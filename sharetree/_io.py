@@ -49,7 +49,6 @@ from sharetree._safetensors import (
 )
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import _is_int, _is_real, transform_from_spec
-from sharetree._transforms import _Unresolved as _Unresolved
 
 __all__ = ["save", "load", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
 
