@@ -21,7 +21,7 @@ from sharetree._paths import closest
 from sharetree._safetensors import DuplicateKey, Reader, unique_pairs
 from sharetree._tie import tie
 from sharetree._tied import Tied
-from sharetree._transforms import T, Transform, _Transpose, identity
+from sharetree._transforms import identity
 
 __all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -187,15 +187,6 @@ def _read_index(index: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- ties
 
 
-def _inverse(t: Transform) -> Transform | None:
-    """The inverse of an axis permutation (``identity``, ``T``, ``transpose``), else ``None``."""
-    if t is identity or t == T:
-        return t
-    if isinstance(t, _Transpose) and t.axes is not None:
-        return _Transpose(tuple(int(i) for i in np.argsort(t.axes)))
-    return None
-
-
 def _apply_ties(
     label: str,
     tensors: dict[str, Any],
@@ -209,7 +200,7 @@ def _apply_ties(
     for target, t in asked.items():  # first the moves, so that any tie may refer to a moved buffer
         (ref,) = t.ref
         if target in tree and ref not in tree and ref not in asked:
-            back = _inverse(t.transform)  # the file stores only the target: move its buffer
+            back = t.transform.inverse()  # the file stores only the target: move its buffer
             if back is None:
                 raise TieError(
                     f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
@@ -218,8 +209,7 @@ def _apply_ties(
                     f"ties={{{ref!r}: st.Tied({target!r}, <inverse>)}}."
                 )
             a = tree[target]
-            axes = back.axes if isinstance(back, _Transpose) else None
-            tree[ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
+            tree[ref] = a if back is identity else np.ascontiguousarray(back.numpy(a))
     compare: dict[tuple[str, ...], Tied] = {}
     for target, t in asked.items():
         if target in tree:
