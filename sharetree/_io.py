@@ -649,42 +649,44 @@ class _Builder:
         return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name, dtype, shape, raw = node["tensor"], node["dtype"], node["shape"], node["raw"]
-        scalar, impl, where = node.get("scalar", False), node.get("key"), path_str(path)
-        self.check(_is_dtype_name(dtype), path, "dtype", dtype, "a numeric dtype name")
+        name, dtype_name, shape, raw = node["tensor"], node["dtype"], node["shape"], node["raw"]
+        self.check(_is_dtype_name(dtype_name), path, "dtype", dtype_name, "a numeric dtype name")
         ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
         self.check(ok, path, "shape", shape, "a list of sizes >= 0")
         self.check(type(raw) is bool, path, "raw", raw, "true or false")
+        scalar = node.get("scalar", False)
         if not isinstance(scalar, bool) or (scalar and shape):
             raise self.bad(
                 path,
                 f"the field 'scalar' should be true (for shape []) or false, "
                 f"found {_shown(scalar)} for shape {_shown(shape)}",
             )
+        impl = node.get("key")
         if impl is not None and (
-            self.version < 2 or impl not in KEY_IMPLS or dtype != "uint32" or raw
+            self.version < 2 or impl not in KEY_IMPLS or dtype_name != "uint32" or raw
         ):
             raise self.bad(
                 path,
                 f"the field 'key' should be one of {list(KEY_IMPLS)} on uint32 data in a file "
-                f"of format version 2, found {_shown(impl)} on {dtype} (version {self.version})",
+                f"of format version 2, found {_shown(impl)} on {dtype_name} "
+                f"(version {self.version})",
             )
         if not isinstance(name, str) or name not in self.tensors:
             raise self.fail(
-                f"the buffer at {where!r} needs the tensor {_shown(name)}, which the file "
+                f"the buffer at {path_str(path)!r} needs the tensor {_shown(name)}, which the file "
                 "does not hold."
             )
         if name in self.used:
             raise self.fail(
-                f"the tensor {name!r} is used twice (again at {where!r}); each buffer "
+                f"the tensor {name!r} is used twice (again at {path_str(path)!r}); each buffer "
                 "has a tensor of its own."
             )
         self.used.add(name)
-        want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)), self.tensors[name]
+        want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype_name)), self.tensors[name]
         info = isinstance(found, TensorInfo)
         got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
         got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
-        shown, where = _shown(None, format_aval(want)), f"tensor {name!r} at {where!r}"
+        shown, where = _shown(None, format_aval(want)), f"tensor {name!r} at {path_str(path)!r}"
         if raw and got != f"uint8[{want.size * want.dtype.itemsize}]":
             raise self.fail(f"{where} should hold the raw bytes of {shown}, found {got}.")
         if not raw and got != format_aval(want):
