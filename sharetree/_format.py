@@ -2,17 +2,14 @@
 
 ``_io`` writes and reads the format (specified in ``docs/saving_and_scaling.md``,
 "The file format"); ``_foreign`` tells its files from other tools' by
-``KEY_VERSION``. ``sharetree.__version__`` is defined here too, as every file
-records it.
+``KEY_VERSION``. ``sharetree.__version__`` is defined here, as every file records it.
 """
 
 from __future__ import annotations
 
 __all__ = ["FORMAT_VERSION", "KEY_LIBRARY", "KEY_TREE", "KEY_VERSION", "LIBRARY_VERSION", "PREFIX"]
 
-LIBRARY_VERSION = "0.1.0.dev0"
-"""``sharetree.__version__``, written into every file under ``KEY_LIBRARY``."""
-
+LIBRARY_VERSION = "0.1.0.dev0"  # sharetree.__version__, written into every file
 FORMAT_VERSION = 2
 """The newest file format version: ``load`` reads versions up to it.
 
@@ -20,14 +17,7 @@ FORMAT_VERSION = 2
 files without keys stay readable by every version-1 reader (see the file format).
 """
 
-PREFIX = "sharetree."
-"""The prefix of sharetree's own metadata keys (refused in ``save(metadata=)``)."""
-
-KEY_VERSION = PREFIX + "format_version"
-"""The metadata key that marks a file written by ``sharetree.save``: its format version."""
-
-KEY_TREE = PREFIX + "tree"
-"""The metadata key of the tree's JSON structure."""
-
-KEY_LIBRARY = PREFIX + "library_version"
-"""The metadata key of the version of sharetree that wrote the file."""
+PREFIX = "sharetree."  # of sharetree's own metadata keys (refused in save(metadata=))
+KEY_VERSION = PREFIX + "format_version"  # marks a file st.save wrote: its format version
+KEY_TREE = PREFIX + "tree"  # the JSON structure of the tree
+KEY_LIBRARY = PREFIX + "library_version"  # the version of sharetree that wrote the file
