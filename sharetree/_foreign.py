@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sharetree._errors import TieError
+from sharetree._format import KEY_VERSION
 from sharetree._materialize import abstract_expanded
 from sharetree._paths import closest
 from sharetree._safetensors import DuplicateKey, Reader, unique_pairs
@@ -22,10 +23,7 @@ from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import identity
 
-__all__ = ["load_foreign", "metadata_ties", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
-
-KEY_VERSION = "sharetree.format_version"
-"""The metadata key that marks a file written by :func:`sharetree.save`."""
+__all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
 SINGLE_FILE = "model.safetensors"
 """The weights file of a ``save_pretrained`` directory."""
