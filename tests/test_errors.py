@@ -654,3 +654,18 @@ def test_70_view_of_a_shape_struct():
     tree = {"a": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": st.Tied("a", st.T)}
     with pytest.raises(st.TieError, match=r"view 'b': its buffer 'a' is a jax\.ShapeDtypeStruct"):
         st.materialize(tree)
+
+
+def test_90_load_sharding_that_does_not_fit(tmp_path):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("model",))
+    path = _saved(tmp_path, {"w": W, "t": st.Tied("w", st.T)})
+    bad = NamedSharding(mesh, P(None, None, "model"))  # three entries for two dimensions
+    with pytest.raises(
+        st.TieError,
+        match=r"sharding at 'w' does not fit its buffer of shape \(2, 3\): "
+        r"PartitionSpec\(None, None, 'model'\) on the mesh axes \{'model': 1\}",
+    ):
+        st.load(path, shardings={"w": bad, "t": None})
