@@ -6,6 +6,7 @@ caller's ``ties=`` (see :func:`load_foreign`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ from sharetree._paths import closest
 from sharetree._safetensors import (
     _CODES,
     DuplicateKey,
+    Pending,
     Reader,
     Tensor,
     check_fits,
@@ -31,7 +33,7 @@ from sharetree._safetensors import (
 )
 from sharetree._tie import tie
 from sharetree._tied import Tied
-from sharetree._transforms import T, Transform, _Transpose, identity
+from sharetree._transforms import Transform, identity
 
 __all__ = ["load_foreign", "metadata_ties", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -201,15 +203,6 @@ def _read_index(index: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- ties
 
 
-def _inverse(t: Transform) -> Transform | None:
-    """The inverse of an axis permutation (``identity``, ``T``, ``transpose``), else ``None``."""
-    if t is identity or t == T:
-        return t
-    if isinstance(t, _Transpose) and t.axes is not None:
-        return _Transpose(tuple(int(i) for i in np.argsort(t.axes)))
-    return None
-
-
 def _apply_ties(
     label: str,
     tensors: dict[str, Tensor],
@@ -228,7 +221,7 @@ def _apply_ties(
     for target, t in asked.items():  # first the moves, so that any tie may refer to a moved buffer
         (ref,) = t.ref
         if target in tree and ref not in tree and ref not in asked:
-            back = _inverse(t.transform)  # the file stores only the target: move its buffer
+            back = t.transform.inverse()  # the file stores only the target: move its buffer
             if back is None:
                 raise TieError(
                     f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
@@ -236,7 +229,7 @@ def _apply_ties(
                     "inverse to compute the ref from it. Fix: tie the other way round, "
                     f"ties={{{ref!r}: st.Tied({target!r}, <inverse>)}}."
                 )
-            tree[ref], moved = _transposed(tree[target], back), moved | {target}
+            tree[ref], moved = _moved(tree[target], back), moved | {target}
     compare: dict[tuple[str, ...], Tied] = {}
     for target, t in asked.items():
         if target in tree:
@@ -266,17 +259,40 @@ def _apply_ties(
     return dict(sorted(out.items())), copies
 
 
-def _transposed(x: Tensor, back: Transform) -> Tensor:
-    """``x`` transposed by the axis permutation ``back``, transposed part by part as it is read."""
+def _moved(x: Pending, back: Transform) -> Pending:
+    """``back`` of the tensor ``x``: the buffer of a ref that the file stores as its tie's target.
+
+    An axis permutation (``T``, ``transpose``) is read part by part, each part
+    transposed as it is read; any other inverse is computed on the host.
+    """
     if back is identity:
         return x
     n = len(x.shape)
-    axes = back.axes if isinstance(back, _Transpose) and back.axes is not None else None
-    axes = tuple(range(n))[::-1] if axes is None else axes
-    if x.axes is not None:
-        axes = tuple(x.axes[a] for a in axes)
-    shape = tuple(x.shape[a] for a in axes)
-    return Tensor(x.reader, x.name, shape, x.dtype, axes=tuple(axes))
+    axes = back.axis_names(tuple(range(n)), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    if isinstance(x, Tensor) and axes is not None and sorted(axes) == list(range(n)):
+        rel = tuple(int(a) for a in axes)  # axis k of the ref is axis rel[k] of x
+        shape = tuple(x.shape[a] for a in rel)
+        perm = rel if x.axes is None else tuple(x.axes[a] for a in rel)
+        return Tensor(x.reader, x.name, shape, x.dtype, axes=perm)
+    aval = back.abstract(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return _Computed(x, back, tuple(aval.shape), aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Computed(Pending):
+    """``transform`` of another pending leaf, computed on the host as it is read."""
+
+    source: Pending
+    transform: Transform
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def read(self) -> np.ndarray:
+        return np.ascontiguousarray(self.transform.numpy(self.source.read()))
+
+    def place(self, sharding: Any) -> jax.Array:
+        host = self.read()  # not an axis permutation: whole on the host, then each shard
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _compare(
@@ -305,7 +321,7 @@ def _compare(
             except TieError as e:
                 raise TieError(f"load {label} with ties: {e}") from None
             continue
-        view = jax.jit(t)(buffer)
+        view = t(buffer)  # on the devices of the buffer (eager ops run where their inputs are)
         check_fits(name, view.shape, view.sharding)
         copy = copies[name].place(view.sharding)
         with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does

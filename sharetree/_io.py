@@ -417,7 +417,7 @@ class _AnyFunction(dict[str, Any]):
 
 
 def _is_described(t: Transform) -> bool:
-    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts_of(t))
+    return any(isinstance(getattr(p, "function", None), _Unresolved) for p in parts_of(t))
 
 
 def load(
