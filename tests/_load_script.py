@@ -116,6 +116,17 @@ else:
             "head": repr(tree["head" if name == "own" else "lm_head.weight"]),
         }
     out["file_kernel_equal"] = bool(np.array_equal(file["kernel"], KER))
+    both = os.path.join(DIR, "both.safetensors")  # both copies: compared on the devices
+    save_file({"emb": EMB, "head": np.ascontiguousarray(EMB.T)}, both)
+    tied = {"ties": {"head": st.Tied("emb", st.T)}, "shardings": {"emb": rows, "head": None}}
+    out["both_head"] = repr(st.load(both, **tied)["head"])
+    off = np.ascontiguousarray(EMB.T)
+    off[7, 1000] += 0.5
+    save_file({"emb": EMB, "head": off}, both)
+    try:
+        st.load(both, **tied)
+    except st.TieError as e:
+        out["both_error"] = str(e)
     try:
         three = NamedSharding(mesh, P(None, "model", None))  # three entries, two dimensions
         st.load(own, shardings={**cases["own"][2], "embed": three})

@@ -67,6 +67,9 @@ def test_with_shardings_each_part_is_read_once_and_shards_equal_the_file(tmp_pat
             sizes = [b for n, _, b in got["reads"] if n == tensor]
             assert sum(sizes) == 4 * math.prod(shape)  # all of it, once, in 8 or 4 parts
             assert max(sizes) < 4 * math.prod(shape)  # never the whole tensor
+    assert out["both_head"] == "Tied('emb', T)"  # equal copies: tied
+    assert "'head' and T of 'emb' differ by up to 0.5" in out["both_error"]
+    assert "1 of 2097152 elements above atol=0.0" in out["both_error"]
     assert "sharding at 'embed' does not fit its buffer of shape (1024, 2048)" in out["rank_error"]
     assert "{'data': 2, 'model': 4}" in out["fit_error"]
     assert "sharding at 'bias' does not fit its buffer of shape (10,)" in out["fit_error"]
