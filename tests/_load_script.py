@@ -21,12 +21,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _memory import PeakAnon, fixed_mmap_threshold  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import sharetree as st  # noqa: E402
+from benchmarks.memory import PeakAnon, fixed_mmap_threshold  # noqa: E402
 from sharetree import _safetensors  # noqa: E402
 
 warnings.simplefilter("ignore")  # the foreign-file warning

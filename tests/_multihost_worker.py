@@ -66,9 +66,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sharetree as st  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _memory import PeakAnon  # noqa: E402
+from benchmarks.memory import PeakAnon  # noqa: E402
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 64, 16, 32, 8, 9
 STEPS, SAVE_AT = 6, 3
