@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from benchmarks.timing import machine_info
 
+    machine = machine_info()  # before the run: the load average it started at
     rounds = 1 if args.quick else args.rounds
     embed, kernel = (QUICK_EMBED, QUICK_KERNEL) if args.quick else (EMBED, KERNEL)
     with tempfile.TemporaryDirectory(prefix="sharetree-bench-") as d:
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import datetime
 
-    machine = machine_info()
+    machine["loadavg_end"] = list(os.getloadavg())
     out = args.out or RESULTS / f"{datetime.date.today().isoformat()}-load.json"
     result = {"machine": machine, "file_bytes": size, "embed": embed, "kernel": kernel}
     out.write_text(json.dumps({**result, "rounds": rounds, "rows": rows}, indent=1))

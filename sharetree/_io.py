@@ -454,7 +454,8 @@ def load(
             transforms.
         shardings: a tree of ``jax.sharding.Sharding`` with the canonical
             structure (``Tied`` positions ignored, ``None`` keeps a buffer on
-            the host); each buffer is placed with ``jax.device_put``.
+            the host); each process reads only the parts of each buffer its
+            devices hold (each part once), straight onto them.
 
     Returns:
         The canonical tree.
@@ -463,7 +464,8 @@ def load(
         FileNotFoundError: the file does not exist (other ``OSError``\ s pass
             through too).
         TieError: a bad argument, or anything wrong with the file (naming the
-            file and the path), a template or ``shardings`` that does not match.
+            file and the path), a template or ``shardings`` that does not match,
+            a sharding that does not split its buffer into equal shards.
 
     Example:
         >>> import os, tempfile, numpy as np, jax.numpy as jnp, sharetree as st

@@ -5,8 +5,9 @@
 job on a free loopback port, with one deadline, and kills every process it
 started when one fails. The module runs three jobs, once:
 
-1. ``train``: the tied LM trained on the global (2, 4) mesh, an Orbax save
-   after 3 steps;
+1. ``train``: first ``st.load`` by shard of the checkpoints
+   :func:`write_load_checkpoints` wrote (``load_<i>.json``); then the tied LM
+   trained on the global (2, 4) mesh, an Orbax save after 3 steps;
 2. ``resume``: a fresh pair restores that checkpoint and trains on; then it
    starts another save and process 1 is killed during the write;
 3. ``single``: one process with 8 devices: the same model, the same model
