@@ -8,6 +8,7 @@ from sharetree._detect import find_ties, tie_identical
 from sharetree._display import MaterializedDisplay, summary, treescope_materialized
 from sharetree._errors import TieError, TieTypeError
 from sharetree._flat import Restructure, destructure
+from sharetree._format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._grad_by_use import grad_by_use
 from sharetree._grad_report import GradReport, grad_report
 from sharetree._io import load, save
@@ -32,8 +33,6 @@ from sharetree._transforms import (
     transpose,
 )
 from sharetree._untie import untie, untie_state
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "Buffer",

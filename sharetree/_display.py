@@ -10,17 +10,27 @@ escaped before it goes into HTML, SVG or DOT.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError
+from sharetree._grad_report import grad_report
 from sharetree._materialize import expand_leaves as _expand_leaves
 from sharetree._paths import format_aval, path_str, plural
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
-from sharetree._tied import Tied
+from sharetree._tables import (
+    MAX_ROWS,
+    _first,
+    _html_table,
+    _more,
+    _page,
+    _svg,
+    _table,
+    check_max_rows,
+)
+from sharetree._tied import DISPLAY, Tied
 from sharetree._transforms import Transform, identity
 
 __all__ = [
@@ -32,9 +42,6 @@ __all__ = [
     "treescope_materialized",
     "MaterializedDisplay",
 ]
-
-MAX_ROWS = 20
-"""Default number of rows per table (and views per drawing) before cutting."""
 
 _BUFFER_FILL = "#dbeafe"
 _BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
@@ -69,25 +76,6 @@ def saved_percent(unique: int, expanded: int) -> float:
         (50.0, 0.0)
     """
     return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
-
-
-def check_max_rows(max_rows: Any, where: str) -> None:
-    """Raise a TieError unless ``max_rows`` (rows per table) is an int >= 1."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise TieError(
-            f"{where}: max_rows must be an int >= 1 (rows per table), got "
-            f"{type(max_rows).__name__} {max_rows!r}. Fix: pass e.g. max_rows=50."
-        )
-
-
-def _more(total: int, shown: int, what: str) -> str:
-    """The ``... and K more WHAT`` line of a table or drawing cut after ``shown`` of ``total``."""
-    return f"... and {total - shown:,} more {what}" if total > shown else ""
-
-
-def _first(names: Sequence[str], n: int) -> str:
-    """The first ``n`` of ``names``, comma-separated, then ``, ... (K more)``."""
-    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 class _Section(NamedTuple):
@@ -150,13 +138,6 @@ def _headline(g: SharingGraph) -> str:
 # text
 
 
-def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
-    """The lines of a text table (indented, columns padded), then the ``more`` line if any."""
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = [("  " + "  ".join(map(str.ljust, r, widths))).rstrip() for r in [header, *rows]]
-    return lines + (["  " + more] if more else [])
-
-
 def summary(
     tree: Any,
     grads_by_use: Mapping[str, Mapping[str, Any]] | None = None,
@@ -204,56 +185,12 @@ def summary(
         body = _table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
         lines += [f"{sec.title}:", *body]
     if grads_by_use is not None:
-        from sharetree._grad_report import grad_report  # it renders with this module's tables
-
         lines.append(str(grad_report(grads_by_use, max_rows=max_rows)))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
 # HTML and SVG
-
-_CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e5e7eb;"
-_NUM = "padding:2px 8px;text-align:right;border-bottom:1px solid #e5e7eb;"
-_MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
-
-
-def _html_table(
-    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: Set[int], more: str = ""
-) -> str:
-    def cells(tag: str, r: Sequence[str]) -> str:
-        return "".join(
-            f'<{tag} style="{_NUM if i in numeric else _CELL}">{escape(x)}</{tag}>'
-            for i, x in enumerate(r)
-        )
-
-    body = [f"<tr>{cells('td', r)}</tr>" for r in rows]
-    if more:
-        body.append(
-            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">'
-            f"{escape(more)}</td></tr>"
-        )
-    return (
-        f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
-        f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-    )
-
-
-def _page(kind: str, headline: str, parts: Iterable[str]) -> str:
-    """An HTML block of class ``kind``: a bold ``headline``, then ``parts`` (inline styles only)."""
-    return (
-        f'<div class="{kind}" style="{_MONO}font-size:12px;line-height:1.35;">'
-        f"<div><b>{escape(headline)}</b></div>{''.join(parts)}</div>"
-    )
-
-
-def _svg(width: float, height: float, font_px: int, body: Iterable[str]) -> str:
-    """An inline ``<svg>`` element of the given size holding ``body``."""
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:{font_px}px;">'
-        f"{''.join(body)}</svg>"
-    )
 
 
 def _clip(s: str, n: int) -> str:
@@ -551,3 +488,7 @@ def treescope_materialized(tree: Any) -> MaterializedDisplay:
         }
     """
     return MaterializedDisplay(tree)
+
+
+# the renderers that Tied and SharingGraph look up (the core never imports this module)
+DISPLAY.update(tied_treescope=tied_treescope_repr, graph_html=graph_html, graph_dot=graph_dot)

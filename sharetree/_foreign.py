@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
+from sharetree._format import KEY_VERSION
 from sharetree._materialize import abstract_expanded, leaves_and_structure
 from sharetree._paths import closest
 from sharetree._safetensors import (
@@ -35,10 +36,7 @@ from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, identity
 
-__all__ = ["load_foreign", "metadata_ties", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
-
-KEY_VERSION = "sharetree.format_version"
-"""The metadata key that marks a file written by :func:`sharetree.save`."""
+__all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
 SINGLE_FILE = "model.safetensors"
 """The weights file of a ``save_pretrained`` directory."""

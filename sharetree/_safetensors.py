@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import Sharding
 
 from sharetree._errors import TieError
 from sharetree._paths import Path, leaves_with_paths, path_str
@@ -347,7 +348,7 @@ class Tensor(Pending):
         return out
 
     def place(
-        self, sharding: jax.sharding.Sharding, wrap: Callable[[jax.Array], jax.Array] | None = None
+        self, sharding: Sharding, wrap: Callable[[jax.Array], jax.Array] | None = None
     ) -> jax.Array:
         """One global array with ``sharding``: each addressable shard read from the file, once.
 
@@ -391,8 +392,6 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
     fit its buffer) before any tensor is read; then each tensor is read once,
     in one pass.
     """
-    from jax.sharding import Sharding
-
     got = dict(leaves_with_paths(tree, is_tied))
     want: dict[Path, Any] = {}
     if shardings is not None:

@@ -315,10 +315,10 @@ def test_30_nesting_limits(tmp_path):
 
     from safetensors.numpy import save_file
 
-    text = '{"t":"list","children":' + "[" * 1000 + "]" * 1000 + "}"
+    text = '{"t":"list","children":' + "[" * 100_000 + "]" * 100_000 + "}"
     meta = {"sharetree.format_version": "1", "sharetree.tree": text}
     save_file({}, str(tmp_path / "n.safetensors"), metadata=meta)
-    with pytest.raises(st.TieError, match=r"nested 417 or more levels deep.*at most 416"):
+    with pytest.raises(st.TieError, match=r"nested deeper than Python recurses.*at most 200"):
         st.load(tmp_path / "n.safetensors")
 
 
@@ -381,7 +381,7 @@ def test_36_ties_for_a_sharetree_file(tmp_path):
 
 
 def test_37_describe_problems_are_one_line(tmp_path):
-    from sharetree._io import describe
+    from sharetree.__main__ import describe
 
     for bad, match in [(tmp_path / "none.safetensors", "cannot read"), (tmp_path, "directory")]:
         with pytest.raises(st.TieError, match=match) as e:
@@ -545,7 +545,7 @@ def test_54_int_too_long_for_text(tmp_path):
 
 
 def test_55_keyword_of_the_wrong_type(tmp_path):
-    from sharetree._io import describe
+    from sharetree.__main__ import describe
 
     path = tmp_path / "m.safetensors"
     with pytest.raises(st.TieError, match=r"save: gather must be True or False, found str"):
@@ -553,8 +553,10 @@ def test_55_keyword_of_the_wrong_type(tmp_path):
     st.save(path, {"w": W})
     with pytest.raises(st.TieError, match=r"load: functions must be a mapping"):
         st.load(path, functions=["m:f"])
-    with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int of at least 1"):
+    with pytest.raises(st.TieError, match=r"inspect: max_rows must be an int >= 1"):
         describe(path, max_rows=0)
+    with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
+        st.summary({"a": W}, max_rows=1.5)
 
 
 def test_56_header_too_large_for_readers(tmp_path):
@@ -601,11 +603,6 @@ def test_62_find_ties_traced_or_bad_transforms():
         jax.jit(st.find_ties)({"a": jnp.arange(3.0)})
     with pytest.raises(st.TieError, match=r"expected a sequence of transforms, found _Transpose"):
         st.find_ties({"a": W}, st.T)
-
-
-def test_63_max_rows_not_a_positive_int():
-    with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
-        st.summary({"a": W}, max_rows=1.5)
 
 
 def test_64_rules_not_a_collection():
