@@ -330,9 +330,10 @@ class Tensor(Pending):
             view = (self.dtype, self.shape) if self.view else None
             return self.reader.read(self.name, index, view)
         # the stored tensor's part: its axis axes[k] is this array's axis k
-        stored: list[slice] = [slice(None)] * len(self.axes)
+        stored, shape = [slice(0)] * len(self.axes), [0] * len(self.axes)
         for k, a in enumerate(self.axes):
-            stored[a] = index[k]
+            stored[a], shape[a] = index[k], self.shape[k]
+        view = (self.dtype, tuple(shape)) if self.view else None
         first = range(*index[0].indices(self.shape[0]))
         out = np.empty(
             tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)), self.dtype
@@ -343,7 +344,7 @@ class Tensor(Pending):
         for i in range(0, len(first), step):  # a bounded part at a time: never two whole copies
             rows = slice(first.start + i, min(first.start + i + step, first.stop))
             stored[self.axes[0]] = rows
-            part = self.reader.read(self.name, tuple(stored))
+            part = self.reader.read(self.name, tuple(stored), view)
             out[i : i + step] = np.transpose(part, self.axes)
         return out
 
