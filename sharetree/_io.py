@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import Sharding
 
 from sharetree._errors import TieError
 from sharetree._foreign import load_foreign
@@ -40,11 +39,14 @@ from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_pa
 from sharetree._safetensors import (
     NATIVE_CODES,
     DuplicateKey,
+    Pending,
     Reader,
+    Tensor,
     TensorInfo,
     atomic_write,
     file_path,
     one_line,
+    read_tree,
     unique_pairs,
 )
 from sharetree._tied import Tied, is_tied
@@ -436,17 +438,19 @@ def load(
         )
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
-    if os.path.isdir(path) or KEY_VERSION not in (reader := Reader(path)).metadata:
-        tree = load_foreign(path, like=like, ties=ties, atol=atol)
-        return tree if shardings is None else _place(path, tree, shardings)
+    reader = None if os.path.isdir(path) else Reader(path)
+    if reader is None or KEY_VERSION not in reader.metadata:
+        return load_foreign(
+            path, like=like, ties=ties, atol=atol, shardings=shardings, reader=reader
+        )
     if ties is not None or atol is not None:
         raise TieError(
             f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    builder = _Builder(reader, dict(reader.tensors()), functions)
-    tree = builder.run()
+    builder = _Builder(reader, reader.infos, functions, lazy=True)
+    tree = builder.run()  # buffers not read yet: every check first, then one pass over the file
     if like is not None:
         tree = _restore_like(path, tree, like)
     elif builder.statics:
@@ -476,9 +480,7 @@ def load(
         abstract_expanded(tree)
     except TieError as e:
         raise TieError(f"load: {path!r} holds a bad sharing graph: {e}") from None
-    if shardings is not None:
-        tree = _place(path, tree, shardings)
-    return tree
+    return read_tree(repr(path), tree, shardings)
 
 
 # ----------------------------------------------------------------------------- the builder
@@ -487,8 +489,9 @@ def load(
 class _Builder:
     """Rebuilds a canonical tree from a file's JSON structure, trusting none of it.
 
-    ``tensors`` maps names to arrays (load) or to :class:`TensorInfo` (describe,
-    which builds ``jax.ShapeDtypeStruct`` leaves). A node's fields are read by
+    ``tensors`` maps names to their :class:`TensorInfo`; buffers are
+    :class:`_Buffer` leaves that :func:`read_tree` reads later (``lazy``, for
+    load) or ``jax.ShapeDtypeStruct`` leaves (describe). A node's fields are read by
     indexing (a missing one is named by :meth:`build`) and checked by what
     consumes them: ``Tied`` checks a ref, ``transform_from_spec`` a spec, the
     tensor's header (read by safetensors) a buffer's dtype and shape; only JSON
@@ -498,9 +501,11 @@ class _Builder:
     ``MAX_DEPTH``.
     """
 
-    def __init__(self, reader: Reader, tensors: Mapping[str, Any], functions: Any) -> None:
+    def __init__(
+        self, reader: Reader, tensors: Mapping[str, TensorInfo], functions: Any, lazy: bool = False
+    ) -> None:
         self.path, self.verb, self.meta = reader.path, reader.verb, reader.metadata
-        self.tensors = tensors
+        self.reader, self.tensors, self.lazy = reader, tensors, lazy
         self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
@@ -683,9 +688,7 @@ class _Builder:
             )
         self.used.add(name)
         want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype_name)), self.tensors[name]
-        info = isinstance(found, TensorInfo)
-        got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
-        got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
+        got = f"{NATIVE_CODES.get(found.code, found.code)}{list(found.shape)}"  # as format_aval
         shown, where = _shown(None, format_aval(want)), f"tensor {name!r} at {path_str(path)!r}"
         if raw and got != f"uint8[{want.size * want.dtype.itemsize}]":
             raise self.fail(f"{where} should hold the raw bytes of {shown}, found {got}.")
@@ -693,16 +696,17 @@ class _Builder:
             raise self.fail(f"{where} is {got} but the metadata says {shown}.")
         if impl is not None:
             self.keys.append(path)
-        if info:
+        if not self.lazy:
             return want
-        a = np.frombuffer(found.tobytes(), want.dtype).reshape(want.shape) if raw else found
+        aval = want
         if impl is not None:
             try:
-                return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
+                aval = jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=impl), want)
             except (ValueError, TypeError) as e:
                 what = f"key data {format_aval(want)} does not fit {impl} keys ({one_line(e)})"
                 raise self.bad(path, what) from e
-        return a[()] if scalar else a
+        tensor = Tensor(self.reader, name, want.shape, want.dtype, view=raw)
+        return _Buffer(tensor, aval.shape, aval.dtype, scalar, impl)
 
 
 def _shown(v: Any, text: str | None = None) -> str:
@@ -732,32 +736,27 @@ def _is_dtype_name(v: Any) -> bool:
     return d.name == v and _is_numeric(d)
 
 
-def _place(path: str, tree: Any, shardings: Any) -> Any:
-    """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
-    want = dict(
-        leaves_with_paths(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
-    )
-    got = dict(leaves_with_paths(tree, is_tied))
-    missing, extra = _only({p for p, x in got.items() if _is_array(x)}, want), _only(want, got)
-    if missing != "none" or extra != "none":
-        raise TieError(
-            f"load: shardings= does not match {path!r}: buffers without a sharding: "
-            f"{missing}; paths the file does not have: {extra}. "
-            "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
-            "sharding, abstract_tree) (Tied positions are ignored)."
-        )
-    leaves = []
-    for p, x in got.items():
-        s = want.get(p)
-        if _is_array(x) and s is not None and not is_tied(s):
-            if not isinstance(s, Sharding):
-                raise TieError(
-                    f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
-                    "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
-                )
-            x = jax.device_put(x, s)
-        leaves.append(x)
-    return jtu.tree_unflatten(jtu.tree_structure(tree, is_leaf=is_tied), leaves)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Buffer(Pending):
+    """A buffer of a file, not read yet: shape and dtype of what :meth:`read` gives."""
+
+    tensor: Tensor
+    shape: tuple[int, ...]
+    dtype: Any
+    scalar: bool = False  # a NumPy scalar (np.float32(1.0)) on the host
+    key: str | None = None  # typed PRNG keys of this implementation, from their key data
+
+    def _wrap(self, data: jax.Array) -> jax.Array:
+        return jax.random.wrap_key_data(data, impl=self.key)
+
+    def read(self) -> Any:
+        a = self.tensor.read()
+        if self.key is not None:
+            return self._wrap(jnp.asarray(a))
+        return a[()] if self.scalar else a
+
+    def place(self, sharding: Any) -> jax.Array:
+        return self.tensor.place(sharding, None if self.key is None else self._wrap)
 
 
 def _only(paths: Iterable[Path], other: Iterable[Path]) -> Any:
@@ -809,7 +808,7 @@ def _restore_like(path: str, tree: Any, like: Any) -> Any:
                 else "tie the template as the saved tree was tied"
             )
         elif isinstance(f, _Static) or (
-            _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
+            isinstance(f, Pending) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
             if hasattr(t, "shape") and hasattr(t, "dtype")
             else type(f) is type(t)
         ):

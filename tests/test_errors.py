@@ -677,3 +677,18 @@ def test_73_transform_argument_of_the_wrong_type():
 def test_74_spec_fields_the_class_rejects():
     with pytest.raises(st.TieError, match=r"the fields of 'slice' do not build.*empty or reversed"):
         st.transform_from_spec({"name": "slice", "start": 4, "stop": 1, "axis": 0})
+
+
+def test_90_load_sharding_that_does_not_fit(tmp_path):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("model",))
+    path = _saved(tmp_path, {"w": W, "t": st.Tied("w", st.T)})
+    bad = NamedSharding(mesh, P(None, None, "model"))  # three entries for two dimensions
+    with pytest.raises(
+        st.TieError,
+        match=r"sharding at 'w' does not fit its buffer of shape \(2, 3\): "
+        r"PartitionSpec\(None, None, 'model'\) on the mesh axes \{'model': 1\}",
+    ):
+        st.load(path, shardings={"w": bad, "t": None})
