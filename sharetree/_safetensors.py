@@ -357,7 +357,10 @@ class Tensor(Pending):
         is freed once it is on its devices, so the host holds at most one
         part beyond the device buffers. No whole-tensor host copy is made
         for a sharded array, and no host array is put on a sharding this
-        process does not fully address.
+        process does not fully address. (``jax.make_array_from_callback`` holds
+        every part on the host until all are put: up to twice the local
+        shards where XLA copies them, 1.03-1.8x a tensor on 8 CPU devices
+        against 1.17-1.3x here.)
 
         Args:
             sharding: the array's sharding (checked with :func:`check_fits` first).
