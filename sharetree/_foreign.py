@@ -395,7 +395,9 @@ def load_foreign(
     Args:
         path: the file or directory.
         like: must be ``None``: a flat state dict has no tree to check against.
-        ties: ``{target: ref}`` of tensor names (or ``None``).
+        ties: ``{target: ref}`` of tensor names, a ref given as a name or as
+            ``st.Tied(name, transform)`` (e.g. q, k and v as ``st.slice`` views
+            of a fused ``c_attn``); or ``None``.
         atol: ``None`` or ``0.0``: tied copies must be bit-identical (up to
             NaNs in the same places); a number: their largest absolute
             difference. Only with ``ties``.

@@ -653,6 +653,32 @@ def test_70_view_of_a_shape_struct():
         st.materialize(tree)
 
 
+def test_71_slice_or_index_outside_its_buffer():
+    with pytest.raises(
+        st.TieError, match=r"view 'b'.*float32\[2, 3\].*range 0:5 of axis 1 \(size 3"
+    ):
+        st.materialize({"a": W, "b": st.Tied("a", st.slice(0, 5, axis=1))})
+    with pytest.raises(st.TieError, match=r"view 'b'.*index\(0, axis=2\) needs axis 2.*Fix:"):
+        st.materialize({"a": W, "b": st.Tied("a", st.index(0, axis=2))})
+
+
+def test_72_empty_or_reversed_slice():
+    with pytest.raises(st.TieError, match=r"st\.slice\(5, 2, axis=0\): the range 5:2 is empty"):
+        st.slice(5, 2)
+
+
+def test_73_transform_argument_of_the_wrong_type():
+    for make in (lambda: st.scale("2"), lambda: st.fn(3), lambda: st.slice(0.5, 2)):
+        with pytest.raises(TypeError, match="Fix:") as e:
+            make()
+        assert isinstance(e.value, st.TieError) and isinstance(e.value, st.TieTypeError)
+
+
+def test_74_spec_fields_the_class_rejects():
+    with pytest.raises(st.TieError, match=r"the fields of 'slice' do not build.*empty or reversed"):
+        st.transform_from_spec({"name": "slice", "start": 4, "stop": 1, "axis": 0})
+
+
 def test_90_load_sharding_that_does_not_fit(tmp_path):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
