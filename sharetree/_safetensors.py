@@ -470,10 +470,11 @@ def check_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
         sharetree._errors.TieError: load: the sharding at 'emb' does not fit its buffer ...
     """
     try:
-        sharding.check_compatible_aval(shape)
+        if (rank := getattr(sharding, "check_compatible_aval", None)) is not None:
+            rank(shape)  # more spec entries than the array has axes
         sharding.shard_shape(shape)
         return
-    except Exception as e:  # IndivisibleError, a rank JAX rejects
+    except (ValueError, IndexError) as e:  # IndivisibleError (a ValueError), a rank
         reason = one_line(e)
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
     if mesh is not None and spec is not None:
