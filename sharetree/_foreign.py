@@ -450,7 +450,11 @@ def load_foreign(
     if file_ties:
         said += f"; restored the ties its safetensors metadata records: {_describe(file_ties)}"
     if asked:
-        said += f"; tied as asked (ties=): {_describe({k: t.ref[0] for k, t in asked.items()})}"
+        shown = ", ".join(
+            f"{k!r} <- {t.ref[0]!r}" + ("" if t.transform == identity else f" ({t.transform!r})")
+            for k, t in asked.items()
+        )
+        said += f"; tied as asked (ties=): {shown}"
     else:
         said += (
             ". If the model ties weights that the file omits or stores once (Hugging Face "

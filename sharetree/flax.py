@@ -7,8 +7,9 @@ stored once, a ``Tied`` node at each view) and materializes it on every
 optax chain see each buffer once and keep the ties.
 
 A tie may name a partition box (``nn.with_logical_partitioning``): the view is
-then the whole box, rebuilt with the buffer's partition names permuted by the
-transform, which ``init`` checks are the target's own; tie the ``value`` leaf to
+then the whole box, rebuilt with the buffer's partition names moved by the
+transform (``Transform.axis_names``: a slice keeps them, an index drops one),
+which ``init`` checks are the target's own; tie the ``value`` leaf to
 keep the target's box (docs/integrations.md, "Partition boxes").
 
 Importing it also registers ``Tied`` with ``flax.serialization``: ``to_bytes`` /

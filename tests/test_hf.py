@@ -168,7 +168,9 @@ def test_gpt2_fused_c_attn_loads_as_one_buffer_with_q_k_v_slice_views(tmp_path) 
             ties[f"transformer.h.{layer}.attn.{name}.weight"] = st.Tied(
                 fused, st.slice(k * n, (k + 1) * n, axis=1)
             )
-    with pytest.warns(UserWarning, match="not written by sharetree"):
+    said = r"'transformer.h.1.attn.v.weight' <- 'transformer.h.1.attn.c_attn.weight' "
+    said += r"\(slice\(64, 96, axis=1\)\)"
+    with pytest.warns(UserWarning, match=said):
         tree = st.load(tmp_path / "src", ties=ties)
     m = st.materialize(tree)
     for layer in range(config.n_layer):

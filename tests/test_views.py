@@ -275,6 +275,14 @@ def test_shardings_by_path_of_a_tree_with_views_shards_the_buffer_only():
     assert s["head"] == abstract["head"] and s["q"] == abstract["q"]
     shapes = jax.eval_shape(st.materialize, abstract)
     assert shapes["head"].shape == (8, 30) and shapes["q"].shape == (8, 8)
+    # on a real mesh: the buffers placed by their shardings, the views computed under jit
+    mesh = jax.make_mesh((1,), ("model",))
+    tree = {"embed": EMBED, "head": st.Tied("embed", st.slice(0, V) >> st.T)}
+    s = st.shardings_by_path(tree, mesh, {"embed": P("model", None)})
+    placed = jax.device_put(tree, s)
+    assert placed["embed"].sharding == s["embed"] and placed["head"] == tree["head"]
+    m = jax.jit(st.materialize, in_shardings=(s,))(placed)
+    np.testing.assert_array_equal(m["head"], EMBED[:V].T)
 
 
 def test_save_stores_each_buffer_once_and_the_views_in_metadata(tmp_path):
