@@ -357,7 +357,10 @@ class Tensor(Pending):
         is freed once it is on its devices, so the host holds at most one
         part beyond the device buffers. No whole-tensor host copy is made
         for a sharded array, and no host array is put on a sharding this
-        process does not fully address.
+        process does not fully address. (``jax.make_array_from_callback`` holds
+        every part on the host until all are put: up to twice the local
+        shards where XLA copies them, 1.03-1.8x a tensor on 8 CPU devices
+        against 1.17-1.3x here.)
 
         Args:
             sharding: the array's sharding (checked with :func:`check_fits` first).
@@ -467,10 +470,11 @@ def check_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
         sharetree._errors.TieError: load: the sharding at 'emb' does not fit its buffer ...
     """
     try:
-        sharding.check_compatible_aval(shape)
+        if (rank := getattr(sharding, "check_compatible_aval", None)) is not None:
+            rank(shape)  # more spec entries than the array has axes
         sharding.shard_shape(shape)
         return
-    except Exception as e:  # IndivisibleError, a rank JAX rejects
+    except (ValueError, IndexError) as e:  # IndivisibleError (a ValueError), a rank
         reason = one_line(e)
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
     if mesh is not None and spec is not None:

@@ -48,22 +48,41 @@ _MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
 
 
 def _html_table(
-    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: Set[int], more: str = ""
+    header: tuple[str, ...],
+    rows: Sequence[tuple[str, ...]],
+    numeric: Set[int],
+    more: str = "",
+    details: Sequence[Sequence[tuple[str, ...]]] = (),
 ) -> str:
+    """An HTML table; a row with ``details`` is followed by a disclosure holding them."""
+
     def cells(tag: str, r: Sequence[str]) -> str:
         return "".join(
             f'<{tag} style="{_NUM if i in numeric else _CELL}">{escape(x)}</{tag}>'
             for i, x in enumerate(r)
         )
 
-    body = [f"<tr>{cells('td', r)}</tr>" for r in rows]
+    body = []
+    for k, r in enumerate(rows):
+        body.append(f"<tr>{cells('td', r)}</tr>")
+        inner = details[k] if k < len(details) else ()
+        if inner:
+            leaves = f"{len(inner):,} leaf" if len(inner) == 1 else f"{len(inner):,} leaves"
+            body.append(
+                f'<tr><td colspan="{len(header)}" style="padding:0 8px 4px 24px;">'
+                f'<details><summary style="cursor:pointer;color:#4b5563;">'
+                f"the {leaves} of {escape(r[0])}</summary>"
+                f"{_html_table(header, inner, numeric)}</details></td></tr>"
+            )
     if more:
         body.append(
             f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">'
             f"{escape(more)}</td></tr>"
         )
     return (
-        f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
+        # a class, so that page themes (mkdocs-material styles `table:not([class])`) leave it be
+        f'<table class="sharetree-table" '
+        f'style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
         f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
 
