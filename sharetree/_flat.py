@@ -99,9 +99,12 @@ class Restructure:
     state of it or ``vmap`` over it leave it untouched, and passed to ``jit``
     it is static.
 
-    Under ``jit`` on CPU with many buffers, the vector is cut at offsets XLA
-    cannot fold into constants, so slices of equal size share one kernel
-    (benchmarks/README.md); values and gradients are those of a plain split.
+    Under ``jit`` with many buffers, a program lowered for CPU cuts the vector
+    at offsets XLA cannot fold into constants, so slices of equal size share one
+    kernel (benchmarks/README.md); values and gradients are those of a plain
+    split, which is what other platforms get (chosen per platform at lowering,
+    ``jax.lax.platform_dependent``, so an export for ``cuda`` from a CPU host
+    has no trace of it).
 
     Attributes:
         structure: the resolved sharing structure of the canonical tree.
@@ -215,14 +218,22 @@ class Restructure:
         return leaves
 
     def _split(self, flat: jax.Array) -> list[jax.Array]:
+        sizes = self.sizes
         if (
             isinstance(flat, jax.core.Tracer)
-            and len(self.sizes) >= _OPAQUE_MIN
+            and len(sizes) >= _OPAQUE_MIN
             and 0 < self.size < 2**31
-            and jax.default_backend() == "cpu"
         ):
-            return _split_at(flat, self.offsets, self.sizes)
-        return _static_split(flat, self.sizes)
+            # XLA:CPU's trick, chosen when the program is lowered for a platform (an export
+            # for cuda or tpu from a CPU host gets the plain split)
+            return list(
+                jax.lax.platform_dependent(
+                    flat,
+                    cpu=functools.partial(_split_at, offsets=self.offsets, sizes=sizes),
+                    default=functools.partial(_static_split, sizes=sizes),
+                )
+            )
+        return _static_split(flat, sizes)
 
     def __call__(self, flat: Any) -> Any:
         """The materialized tree whose unique parameters are ``flat``."""
