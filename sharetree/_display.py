@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 
 from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves as _expand_leaves
-from sharetree._paths import format_aval, path_str, plural
+from sharetree._paths import format_aval, key_str, path_str, plural
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, identity
@@ -117,10 +117,13 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     buffers, views = g.buffers, list(g.views.values())
     shared_first = sorted(range(len(buffers)), key=lambda i: not buffers[i].num_views)
     b_rows = [
-        (b.path, *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
+        (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
         for b in (buffers[i] for i in sorted(shared_first[:max_rows]))
     ]
-    v_rows = [(v.path, v.buffer, repr(v.transform), *_shape_dtype(v)) for v in views[:max_rows]]
+    v_rows = [
+        (key_str(v.path), key_str(v.buffer), repr(v.transform), *_shape_dtype(v))
+        for v in views[:max_rows]
+    ]
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
                  _more(len(buffers), len(b_rows), "buffers"), "(none)", frozenset({3, 4})),
@@ -297,8 +300,8 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     shown = sorted(itertools.islice(g.views.values(), max_rows), key=lambda v: order[v.buffer])
     more = _more(len(g.views), len(shown), "views")
     char_w, row_h, clip, top = 7.0, 26, 36, 12
-    left_w = max(len(_clip(v.buffer, clip)) for v in shown) * char_w + 2 * _PAD
-    right_w = max(len(_clip(v.path, clip)) for v in shown) * char_w + 2 * _PAD
+    left_w = max(len(_clip(key_str(v.buffer), clip)) for v in shown) * char_w + 2 * _PAD
+    right_w = max(len(_clip(key_str(v.path), clip)) for v in shown) * char_w + 2 * _PAD
     label_w = max(len(_clip(repr(v.transform), 28)) for v in shown) * char_w
     gap = max(70.0, label_w + 90)
     x0, x1 = 4.0 + left_w, 4.0 + left_w + gap  # where the edges start and end (the views' left)
@@ -313,7 +316,8 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for buf, group in itertools.groupby(enumerate(shown), key=lambda kv: kv[1].buffer):
         vs = [(v, top + k * row_h + _BOX_H / 2) for k, v in group]  # each view and its height
         by = sum(y for _, y in vs) / len(vs)
-        out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
+        name = key_str(buf)
+        out.append(_box(f"buffer {name}", 4.0, by, left_w, _clip(name, clip), _BUFFER_STYLE))
         for v, y in vs:
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
@@ -325,8 +329,8 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                     f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
                     f'fill="#374151">{escape(_clip(repr(v.transform), 28))}</text>'
                 )
-            title = f"view {v.path} = {v.transform!r}({v.buffer})"
-            out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
+            title = f"view {key_str(v.path)} = {v.transform!r}({key_str(v.buffer)})"
+            out.append(_box(title, x1, y, right_w, _clip(key_str(v.path), clip), _VIEW_STYLE))
     if more:
         out.append(
             f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
