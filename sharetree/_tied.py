@@ -23,10 +23,11 @@ class Tied:
     tie through unchanged. :func:`sharetree.materialize` computes the value.
 
     Args:
-        ref: the path it refers to, ``"encoder/kernel"`` or ``("encoder", "kernel")``:
-            from the root of the tree, or, where the root has no such path, from
-            the nearest subtree that holds this tie and has it (so a tied tree
-            keeps its ties nested in a bigger one, such as a train state).
+        ref: the path it refers to, ``"encoder/kernel"`` or ``("encoder", "kernel")``,
+            lexically scoped: looked up from the innermost subtree that holds
+            this tie and has the path, then each enclosing one, out to the root.
+            So a tied tree means the same standing alone or nested in a bigger
+            one (a train state, a bigger model), whatever keys that one has.
             It may point at a leaf, a whole subtree, or another ``Tied``
             (chains compose their transforms).
         transform: a sharetree transform applied to the referenced value
