@@ -14,15 +14,7 @@ from sharetree._paths import Path, format_aval, leaves_with_paths, node_paths, p
 from sharetree._resolve import ref_to
 from sharetree._tie import bit_equal, tie
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import (
-    T,
-    Transform,
-    _Reshape,
-    _Transpose,
-    check_transform,
-    identity,
-    parts_of,
-)
+from sharetree._transforms import T, Transform, check_transform, identity
 
 __all__ = ["tie_identical", "find_ties"]
 
@@ -121,16 +113,9 @@ class _View(NamedTuple):
 
 
 def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
-    """``t(a)``: a NumPy view (no copy) for axis permutations and reshapes, else computed."""
+    """``t(a)`` with NumPy (no copy where ``t`` has a NumPy view); ``None`` if it fails on ``a``."""
     try:
-        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts_of(t)):
-            return np.asarray(t(a))
-        for p in parts_of(t):
-            if isinstance(p, _Transpose):
-                a = np.transpose(a, p.axes)
-            elif isinstance(p, _Reshape):
-                a = np.reshape(a, p.shape)
-        return a
+        return t.numpy(a)
     except Exception:
         return None
 

@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sharetree._display import (
+from sharetree._errors import TieError
+from sharetree._paths import closest, key_str, plural
+from sharetree._tables import (
     _CELL,
     MAX_ROWS,
     _first,
@@ -25,8 +27,6 @@ from sharetree._display import (
     _table,
     check_max_rows,
 )
-from sharetree._errors import TieError
-from sharetree._paths import closest, key_str, plural
 
 __all__ = ["GradReport", "BufferUses", "Use", "grad_report"]
 

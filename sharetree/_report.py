@@ -18,7 +18,7 @@ import numpy as np
 from sharetree._materialize import leaf_aval, leaves_and_structure, transform_error
 from sharetree._paths import aval_nbytes, format_aval, path_key, plural
 from sharetree._resolve import Structure
-from sharetree._tied import Tied
+from sharetree._tied import DISPLAY, Tied
 from sharetree._transforms import Transform
 
 __all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
@@ -172,15 +172,11 @@ class SharingGraph:
 
     def _repr_html_(self) -> str:
         """HTML for Jupyter: totals, buffer and view tables, and an SVG drawing."""
-        from sharetree._display import graph_html  # the display layer depends on this one
-
-        return graph_html(self)
+        return DISPLAY["graph_html"](self)
 
     def to_dot(self, *, include_unshared: bool = False) -> str:
         """Graphviz DOT text of the graph (``dot -Tsvg``); see ``sharetree._display.graph_dot``."""
-        from sharetree._display import graph_dot
-
-        return graph_dot(self, include_unshared=include_unshared)
+        return DISPLAY["graph_dot"](self, include_unshared=include_unshared)
 
     def __repr__(self) -> str:
         counts = f"{plural(self.num_unique, 'buffer')}, {plural(self.num_views, 'view')}"

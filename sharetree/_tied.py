@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import jax
@@ -9,7 +10,12 @@ import jax
 from sharetree._paths import PathLike, path_key, path_str, to_path
 from sharetree._transforms import Transform, check_transform, identity
 
-__all__ = ["Tied", "is_tied"]
+__all__ = ["Tied", "is_tied", "DISPLAY"]
+
+DISPLAY: dict[str, Callable[..., Any]] = {}
+"""Renderers that ``sharetree._display`` registers when it is imported (``import sharetree``
+imports it): ``"tied_treescope"``, ``"graph_html"``, ``"graph_dot"``. Lower layers look their
+display up here and never import the display layer."""
 
 
 class Tied:
@@ -73,9 +79,7 @@ class Tied:
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Treescope rendering: ref and transform, coloured like the buffer it refers to."""
-        from sharetree._display import tied_treescope_repr
-
-        return tied_treescope_repr(self, path, subtree_renderer)
+        return DISPLAY["tied_treescope"](self, path, subtree_renderer)
 
     def __repr__(self) -> str:
         ref = repr(path_key(self.ref))
