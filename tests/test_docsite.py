@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 CONFIG = (ROOT / "mkdocs.yml").read_text()
 # pages whose ```python blocks are tested elsewhere: integrations.md by test_examples.py,
-# saving_and_scaling.md by test_docs.py; README sections by test_readme.py
-TESTED_ELSEWHERE = {"integrations.md", "saving_and_scaling.md"}
+# saving_and_scaling.md by test_docs.py, views.md by test_views_doc.py; README sections by
+# test_readme.py
+TESTED_ELSEWHERE = {"integrations.md", "saving_and_scaling.md", "views.md"}
 
 
 def _api_entries() -> list[str]:
@@ -57,7 +58,7 @@ def test_every_api_entry_names_a_public_object():
 
 def _nav_files() -> list[str]:
     nav = CONFIG.split("\nnav:\n", 1)[1]
-    return re.findall(r"^\s+- (?:[^:\n]+: )?([\w/.-]+\.(?:md|ipynb))\s*$", nav, re.M)
+    return re.findall(r"^\s+- (?:.+: )?([\w/.-]+\.(?:md|ipynb))\s*$", nav, re.M)
 
 
 def test_navigation_and_pages_agree():
@@ -141,3 +142,27 @@ def test_the_display_page_shows_the_demo_models_graph_made_at_build_time():
     # the subtree tie is one row with its 16 leaves behind a disclosure, and one edge
     assert html.count("<details>") == 2 and "the 16 leaves of block_1</summary>" in html
     assert "block_1  (16 leaves, " in html
+
+
+def _load_ext(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, DOCS / "_ext" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_griffe_extension_turns_roles_into_links_and_titles_examples():
+    ext = _load_ext("griffe_sharetree")
+    public = set(_public_names())
+    doc = ext.rewrite(sharetree.Restructure.__doc__, public)
+    assert ":func:" not in doc and ":class:" not in doc and ":meth:" not in doc
+    assert "[`destructure`][sharetree.destructure]" in doc  # a bare name of sharetree's
+    summary = ext.rewrite(sharetree.summary.__doc__, public)
+    assert "    Examples:\n" in summary and "    Example:\n" not in summary
+    assert "[`grad_report`][sharetree.grad_report]" in summary
+    # a private target is code, never a link to a page that does not exist
+    assert ext.rewrite(":func:`~sharetree._io.describe`", public) == "`describe`"
+    assert "extensions: [\"docs/_ext/griffe_sharetree.py:SharetreeDocstrings\"]" in CONFIG

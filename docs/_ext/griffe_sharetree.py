@@ -37,6 +37,8 @@ def rewrite(text: str, public: set[str]) -> str:
     Example:
         >>> rewrite(":func:`~sharetree.load` and :meth:`canonical`", {"sharetree.load"})
         '[`load`][sharetree.load] and `canonical`'
+        >>> rewrite(":func:`load`", {"sharetree.load"})
+        '[`load`][sharetree.load]'
         >>> rewrite("other ``OSError``\ s", set())
         'other ``OSError``s'
     """
@@ -45,10 +47,11 @@ def rewrite(text: str, public: set[str]) -> str:
         short, target = m.group(1), m.group(2)
         shown = target.rsplit(".", 1)[-1] if short else target
         shown = f"`{shown}{m.group(3) or ''}`"
-        # a method or attribute of a public class links too (sharetree.Restructure.canonical)
-        owner = target.rsplit(".", 1)[0]
-        if target in public or owner in public:
-            return f"[{shown}][{target}]"
+        # a bare name of sharetree's (``destructure``) and a method or attribute of a public
+        # class (``sharetree.Restructure.canonical``) link too
+        for full in (target, f"sharetree.{target}"):
+            if full in public or full.rsplit(".", 1)[0] in public - {"sharetree"}:
+                return f"[{shown}][{full}]"
         return shown
 
     return _ROLE.sub(role, _EXAMPLE.sub(r"\1Examples:", _RST_ESCAPE.sub("", text)))
