@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 
 from sharetree._grad_report import grad_report
 from sharetree._materialize import expand_leaves as _expand_leaves
-from sharetree._paths import format_aval, path_str, plural
+from sharetree._paths import format_aval, key_str, path_str, plural
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tables import (
     MAX_ROWS,
@@ -133,10 +133,11 @@ def _common_source(tie: str, views: Sequence[View]) -> str | None:
     """``B`` when every view ``tie/S`` reads buffer ``B/S`` for one ``B``, else ``None``."""
     found = set()
     for v in views:
-        suffix = v.path[len(tie) :]
-        if not (v.path.startswith(tie) and suffix.startswith("/") and v.buffer.endswith(suffix)):
+        path, buffer = key_str(v.path), key_str(v.buffer)
+        suffix = path[len(tie) :]
+        if not (path.startswith(tie) and suffix.startswith("/") and buffer.endswith(suffix)):
             return None
-        found.add(v.buffer[: -len(suffix)])
+        found.add(buffer[: -len(suffix)])
     return found.pop() if len(found) == 1 else None
 
 
@@ -150,16 +151,18 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
     """The views grouped by the ``Tied`` that made them, in flatten order."""
     by_tie: dict[str, list[View]] = {}
     for v in g.views.values():
-        by_tie.setdefault(v.tie, []).append(v)
-    ties = g.ties
+        by_tie.setdefault(key_str(v.tie), []).append(v)
+    ties = {key_str(k): t for k, t in g.ties.items()}
     out = []
     for tie, vs in by_tie.items():
-        if len(vs) == 1 and vs[0].path == tie:
-            out.append(_Group(tie, vs[0].buffer, repr(vs[0].transform), (vs[0],)))
+        if len(vs) == 1 and key_str(vs[0].path) == tie:
+            out.append(_Group(tie, key_str(vs[0].buffer), repr(vs[0].transform), (vs[0],)))
             continue
         source = _common_source(tie, vs)
         if source is None:  # the subtree holds ties to elsewhere: name the ref as written
-            source = path_str(ties[tie].ref) if tie in ties else _common(v.buffer for v in vs)
+            source = (
+                path_str(ties[tie].ref) if tie in ties else _common(key_str(v.buffer) for v in vs)
+            )
         out.append(_Group(tie, source, _common(repr(v.transform) for v in vs), tuple(vs)))
     return out
 
@@ -167,22 +170,24 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
 def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[_BufferRow]:
     """The buffers, those under a subtree that a subtree tie reads as one row each."""
     buffers = g.buffers
-    index = {b.path: i for i, b in enumerate(buffers)}
+    index = {key_str(b.path): i for i, b in enumerate(buffers)}
     sources = sorted({grp.buffer for grp in groups if grp.subtree and grp.buffer not in index})
     claimed: dict[int, str] = {}
     for src in sorted(sources, key=len):  # outermost first: a subtree inside one is in its row
         for i, b in enumerate(buffers):
-            if i not in claimed and b.path.startswith(src + "/"):
+            if i not in claimed and key_str(b.path).startswith(src + "/"):
                 claimed[i] = src
     members: dict[str, list[int]] = {}
     for i, src in claimed.items():
         members.setdefault(src, []).append(i)
     rows = [
-        _BufferRow(b.path, (b,), b.num_views, i) for i, b in enumerate(buffers) if i not in claimed
+        _BufferRow(key_str(b.path), (b,), b.num_views, i)
+        for i, b in enumerate(buffers)
+        if i not in claimed
     ]
     for src, ids in members.items():
-        inside = {buffers[i].path for i in ids}
-        readers = sum(any(v.buffer in inside for v in grp.views) for grp in groups)
+        inside = {key_str(buffers[i].path) for i in ids}
+        readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
         rows.append(_BufferRow(src, tuple(buffers[i] for i in sorted(ids)), readers, min(ids)))
     return sorted(rows, key=lambda r: r.first)
 
@@ -196,11 +201,12 @@ def _sum_bytes(xs: Iterable[Buffer | View]) -> str:
 
 
 def _buffer_cells(b: Buffer) -> tuple[str, ...]:
-    return (b.path, *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
+    return (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
 
 
 def _view_cells(v: View) -> tuple[str, ...]:
-    return (v.path, v.buffer, repr(v.transform), *_shape_dtype(v), format_bytes(v.nbytes))
+    path, buffer = key_str(v.path), key_str(v.buffer)
+    return (path, buffer, repr(v.transform), *_shape_dtype(v), format_bytes(v.nbytes))
 
 
 def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
@@ -218,7 +224,7 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     b_rows: list[tuple[str, ...]] = []
     b_details: list[Sequence[tuple[str, ...]]] = []
     for r in b_shown:
-        if len(r.buffers) == 1 and r.buffers[0].path == r.path:
+        if len(r.buffers) == 1 and key_str(r.buffers[0].path) == r.path:
             b_rows.append(_buffer_cells(r.buffers[0]))
             b_details.append(())
         else:
@@ -375,21 +381,25 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     groups = _view_groups(g)
     order: dict[str, int] = {}
     for i, b in enumerate(g.buffers):
-        order[b.path] = i
+        order[key_str(b.path)] = i
     for grp in groups:  # a subtree's place: its first buffer's
         if grp.buffer not in order:
             order[grp.buffer] = min(
-                (order[v.buffer] for v in grp.views if v.buffer in order), default=len(order)
+                (order[key_str(v.buffer)] for v in grp.views if key_str(v.buffer) in order),
+                default=len(order),
             )
     shown = sorted(groups[:max_rows], key=lambda grp: order[grp.buffer])
     more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
-    buffers = {b.path: b for b in g.buffers}
+    buffers = {key_str(b.path): b for b in g.buffers}
 
     def left_label(grp: _Group) -> str:
         if grp.buffer in buffers:
             return _clip(grp.buffer, 36)
-        inside = {v.buffer for v in grp.views}
-        n = sum(b.path.startswith(grp.buffer + "/") or b.path in inside for b in g.buffers)
+        inside = {key_str(v.buffer) for v in grp.views}
+        n = sum(
+            key_str(b.path).startswith(grp.buffer + "/") or key_str(b.path) in inside
+            for b in g.buffers
+        )
         return f"{_clip(grp.buffer, 36)}  ({_leaves_cell(n)})"
 
     def right_label(grp: _Group) -> str:
@@ -417,7 +427,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         first = rows[0][0]
         title = f"buffer {buf}"
         if first.subtree and buf not in buffers:
-            title += ": " + _first(sorted({v.buffer for v in first.views}), 20)
+            title += ": " + _first(sorted({key_str(v.buffer) for v in first.views}), 20)
         out.append(_box(title, 4.0, by, left_w, left_label(first), _BUFFER_STYLE))
         for grp, y in rows:
             out.append(
@@ -432,7 +442,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                 )
             title = f"view {grp.path} = {grp.transform}({grp.buffer})"
             if grp.subtree:
-                title += ": " + _first([v.path for v in grp.views], 20)
+                title += ": " + _first([key_str(v.path) for v in grp.views], 20)
             out.append(_box(title, x1, y, right_w, right_label(grp), _VIEW_STYLE))
     if more:
         out.append(

@@ -288,7 +288,9 @@ def save(
         metadata: extra ``str -> str`` entries (such as ``{"format": "pt"}``;
             ``sharetree.*`` keys are reserved), read back by :func:`read_metadata`.
         gather: ``True`` gathers buffers sharded over several processes and
-            process 0 writes, so **every process must call** ``save``;
+            process 0 writes, so **every process must call** ``save``; on
+            several processes it ends with a barrier, so that every process
+            returns once the file exists (any of them may read it next).
             ``False`` (default) makes such a buffer an error.
 
     Raises:
@@ -335,8 +337,21 @@ def save(
         KEY_LIBRARY: LIBRARY_VERSION,
         KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    if jax.process_index() != 0:
-        return  # every process gathered; process 0 writes
+    if writer.gather and jax.process_count() > 1:
+        # process 0 writes; every process returns only once the file is there (a barrier),
+        # so any process may read it next. The barrier is reached even if the write fails.
+        from jax.experimental import multihost_utils
+
+        try:
+            if jax.process_index() == 0:
+                _write(path, writer, meta, user)
+        finally:
+            multihost_utils.sync_global_devices(f"sharetree.save {path}")
+    elif jax.process_index() == 0:
+        _write(path, writer, meta, user)
+
+
+def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str]) -> None:
     from safetensors import SafetensorError
 
     try:

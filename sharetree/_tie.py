@@ -296,7 +296,8 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
             seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"
             inverse = t.inverse()
             back = (
-                f"tie {buffer!r} to {where!r} with the inverse of {t!r}"
+                f"write the values you want into {buffer!r} ({t!r} has no inverse to tie "
+                f"{buffer!r} to {where!r})"
                 if inverse is None
                 else f"st.tie(tree, {{{buffer!r}: {Tied(where, inverse)!r}}})"
             )

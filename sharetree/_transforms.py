@@ -257,9 +257,15 @@ def _doc(cls: type[Transform], field: str) -> str:
     return f"a value of type {kind if isinstance(kind, str) else getattr(kind, '__name__', kind)}"
 
 
-def _tuples(v: Any) -> Any:
-    """A JSON value with its lists as tuples (how dataclass fields hold sequences)."""
-    return tuple(map(_tuples, v)) if isinstance(v, list) else v
+def _tuples(v: Any, depth: int = 4) -> Any:
+    """A JSON value with its lists as tuples (how dataclass fields hold sequences).
+
+    Only ``depth`` levels: a file's content never drives a deep recursion (deeper
+    lists stay lists, which no transform field accepts, as they are unhashable).
+    """
+    if isinstance(v, list) and depth:
+        return tuple(_tuples(x, depth - 1) for x in v)
+    return v
 
 
 def _construct(cls: type[Transform], spec: Mapping[str, Any], values: dict[str, Any]) -> Transform:

@@ -443,6 +443,21 @@ def write(args: argparse.Namespace, out: dict, record: dict[str, np.ndarray]) ->
         json.dump(out, fh)
 
 
+def read_after_save(args: argparse.Namespace) -> None:
+    """Every process reads the export as soon as ``train`` returns: no sync after st.save.
+
+    ``st.save(gather=True)`` ends with a barrier, so the file process 0 wrote is
+    there when ``save`` returns on any process (process 1 reads it at once).
+    """
+    path = os.path.join(args.outdir, "model.safetensors")
+    facts = {"exists": os.path.exists(path)}
+    if facts["exists"]:
+        back = st.load(path)
+        facts.update(ties=ties_of(back), embed=np.asarray(back["embed"]).tolist())
+    with open(os.path.join(args.outdir, f"read_after_save_{jax.process_index()}.json"), "w") as fh:
+        json.dump(facts, fh)
+
+
 if __name__ == "__main__":
     initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id, ARGS.init_timeout)
     if ARGS.mode == "train" and os.path.isdir(os.path.join(ARGS.outdir, "load_hf")):
@@ -450,5 +465,7 @@ if __name__ == "__main__":
         with open(os.path.join(ARGS.outdir, f"load_{jax.process_index()}.json"), "w") as fh:
             json.dump(facts, fh)
     {"train": train, "resume": resume, "single": single}[ARGS.mode](ARGS)
+    if ARGS.mode == "train" and ST_SAVE_GATHERS:
+        read_after_save(ARGS)
     if ARGS.num_processes > 1:
         jax.distributed.shutdown()

@@ -692,3 +692,20 @@ def test_90_load_sharding_that_does_not_fit(tmp_path):
         r"PartitionSpec\(None, None, 'model'\) on the mesh axes \{'model': 1\}",
     ):
         st.load(path, shardings={"w": bad, "t": None})
+
+
+def test_80_a_tie_found_by_position_that_no_ref_can_name():
+    x = jnp.ones(2)
+    with pytest.raises(st.TieError, match=r"cannot tie 'sub/v' to 'a'.*'sub/a' is found there"):
+        st.tie_identical({"a": x, "sub": {"a": jnp.zeros(2), "v": x}})
+
+
+def test_81_nnx_split_ties_among_the_filters():
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    import sharetree.nnx
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(st.TieError, match=r"got a mapping .* among the filters.*ties="):
+        sharetree.nnx.split(model, {"bias": "kernel"})

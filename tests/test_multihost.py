@@ -232,6 +232,11 @@ def test_st_save_gathers_and_st_load_places_on_the_global_shardings(run: Run) ->
     if "gather" not in inspect.signature(st.save).parameters:
         pytest.skip("st.save(..., gather=True) is not in this sharetree")
     assert (run.work / "model.safetensors").exists()  # written once, by process 0
+    train_0 = run.json("train_0")
+    for i in range(2):  # read at once by each process after save returned (its barrier)
+        facts = run.json(f"read_after_save_{i}")
+        assert facts["exists"] is True and facts["ties"] == train_0["ties"]
+        np.testing.assert_array_equal(facts["embed"], run.arrays("train_0", "params/")["embed"])
     final = run.arrays("train_0", "params/")
     for i in range(2):
         facts = run.json(f"resume_{i}")

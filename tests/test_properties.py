@@ -7,10 +7,12 @@ table ``{target: (ref, transform chain)}`` and resolved here by plain recursion.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as hs
 
 import sharetree as st
+from sharetree._paths import node_paths
+from sharetree._resolve import ref_to
 
 SHAPES = [(), (3,), (2, 3), (3, 3), (2, 2, 2)]
 TRANSFORMS = [
@@ -77,9 +79,18 @@ def tied_trees(draw):
         ref = draw(hs.sampled_from(earlier + subtrees))
         table[target] = (ref, draw(hs.sampled_from(TRANSFORMS)))
     canonical = tree
+    positions = node_paths(leaves)
     for target, (ref, chain) in table.items():
+        try:  # refs are scoped (innermost subtree first): write the one that names `ref`
+            written = ref_to(ref, target, positions)
+        except st.TieError:
+            assume(False)  # no spelling names it from there (a subtree has the same path)
+        # ref_to sees nodes only: no inner scope may reach the ref through a view either
+        for k in range(len(target) - 1, 0, -1):
+            p = target[:k] + written
+            assume(not any(p[:m] in table for m in range(1, len(p) + 1)))
         canonical = _set(
-            canonical, target, st.Tied(ref, st.identity if not chain else _compose(chain))
+            canonical, target, st.Tied(written, st.identity if not chain else _compose(chain))
         )
     return tree, canonical, table
 
