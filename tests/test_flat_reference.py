@@ -1,0 +1,274 @@
+"""Every ``restructure`` path against a reference that shares no code with it.
+
+The reference is ``jax.flatten_util.ravel_pytree`` of the buffers (in the
+tree's flatten order) and each view written out by hand in ``jnp`` from a plain
+recipe (``("T",)``, ``("scale", c)``, ...); gradients, tangents and batches of
+the reference come from JAX's own AD and ``vmap`` of that function. sharetree's
+transform objects appear only where the canonical tree is built.
+
+Hypothesis draws trees of 1 to ~300 buffers, about a third of the positions
+views (tied through every transform, some through another view), so each path
+of ``restructure`` is reached with ties:
+
+- plain: eagerly, or under ``jit`` with fewer than ``_OPAQUE_MIN`` buffers, one
+  ``lax.split``;
+- opaque: under ``jit`` from ``_OPAQUE_MIN`` buffers on (dynamic slices at
+  offsets XLA cannot fold), its tangent one split;
+- grouped: from ``_GROUPED_MIN`` buffers, the tangent split in ~sqrt(n) groups;
+- fused: from ``_FUSED_GROUPS_MIN`` buffers, groups of ``_FUSED_GROUP``.
+
+Each example checks the flat vector, the values (eager, ``jit`` closed over and
+with the restructure as an argument, ``vmap`` over a batch of three), the
+gradient (``jit(grad)``, closed over and as an argument), ``jvp`` and
+``vmap(grad)``, and which path the traced program took. The number of
+examples per path keeps the file near a minute on 2 cores (a 300-buffer
+example compiles five programs); the small paths get the most examples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import event, given, settings
+from hypothesis import strategies as hs
+from jax.flatten_util import ravel_pytree
+
+import sharetree as st
+from sharetree import _flat
+
+SHAPES = [(), (1,), (3,), (2, 3), (3, 2), (2, 2, 2)]
+# (recipe, the sharetree transform it builds); a recipe is what the reference computes
+RECIPES = [
+    ((), st.identity),
+    ((("T",),), st.T),
+    ((("reshape", -1),), st.reshape(-1)),
+    ((("scale", -1.5),), st.scale(-1.5)),
+    ((("scale", 0.3),), st.scale(0.3)),
+    ((("astype", "float16"),), st.astype(jnp.float16)),
+    ((("T",), ("scale", 2.0)), st.T >> st.scale(2.0)),
+]
+F32_TOL = 1e-5  # float32: sums of a few cotangents may be added in another order
+HALF_TOL = 2 * float(jnp.finfo(jnp.float16).eps)  # a float16 rounding placed elsewhere by XLA
+
+# (first buffer count, last buffer count, examples) per path; the bounds come from
+# sharetree's own constants so the strategy follows them if they move
+PATHS = {
+    "plain": (1, _flat._OPAQUE_MIN - 1, 30),
+    "opaque": (_flat._OPAQUE_MIN, _flat._GROUPED_MIN - 1, 12),
+    "grouped": (_flat._GROUPED_MIN, _flat._FUSED_GROUPS_MIN - 1, 4),
+    "fused": (_flat._FUSED_GROUPS_MIN, _flat._FUSED_GROUPS_MIN + 44, 3),
+}
+
+
+def _by_hand(recipe, x):
+    """A view's value written out in jnp, one recipe step at a time."""
+    for kind, *arg in recipe:
+        if kind == "T":
+            x = jnp.transpose(x)
+        elif kind == "reshape":
+            x = jnp.reshape(x, arg)
+        elif kind == "scale":
+            x = x * arg[0]
+        elif kind == "astype":
+            x = x.astype(arg[0])
+        else:
+            raise AssertionError(kind)
+    return x
+
+
+class Case:
+    """A tree of buffers and views, its canonical form and the recipe of every view."""
+
+    def __init__(self, shapes, dtypes, views, seed):
+        rng = np.random.default_rng(seed)
+        n = len(shapes)
+        self.keys = [f"p{i:03d}" for i in range(n + len(views))]  # flatten order = this order
+        order = rng.permutation(len(self.keys))  # views interleaved with buffers
+        self.buffer_keys = [self.keys[i] for i in sorted(order[:n])]
+        view_keys = [self.keys[i] for i in sorted(order[n:])]
+        self.buffers = [
+            jnp.asarray(rng.normal(size=s), d) for s, d in zip(shapes, dtypes, strict=True)
+        ]
+        # view key -> (the key it points at, recipe, sharetree transform)
+        self.views = {}
+        for key, (target, on_view, which) in zip(view_keys, views, strict=True):
+            recipe, transform = RECIPES[which]
+            ref = self.buffer_keys[target % n]
+            earlier = [k for k in self.views if self.views[k][0] in self.buffer_keys]
+            if on_view and earlier:  # a view of a view: a chain the resolver composes
+                ref = earlier[target % len(earlier)]
+            self.views[key] = (ref, recipe, transform)
+        self.canonical = {k: b for k, b in zip(self.buffer_keys, self.buffers, strict=True)}
+        self.canonical.update({k: st.Tied(r, t) for k, (r, _, t) in self.views.items()})
+        self.half = any(b.dtype == jnp.float16 for b in self.buffers) or any(
+            step[0] == "astype" for k in self.views for step in self._chain(k)
+        )
+
+    def _chain(self, key):
+        if key in self.buffer_keys:
+            return ()
+        ref, recipe, _ = self.views[key]
+        return self._chain(ref) + recipe
+
+    def tree_by_hand(self, buffers):
+        """The materialized tree from a list of buffers, every view computed by hand."""
+        values = dict(zip(self.buffer_keys, buffers, strict=True))
+
+        def value(key):
+            if key not in values:
+                ref, recipe, _ = self.views[key]
+                values[key] = _by_hand(recipe, value(ref))
+            return values[key]
+
+        return {k: value(k) for k in self.keys}
+
+    def reference(self, t):
+        """``(flat, at)`` from ``ravel_pytree`` of the buffers, every view by hand.
+
+        ``at(v)`` gives the materialized tree at ``v``, the gradient of ``_loss``
+        (taken on the list of buffers, then raveled) and its tangent along ``t``.
+        """
+        flat, unravel = ravel_pytree(self.buffers)
+
+        def loss_of_buffers(buffers):
+            return _loss(self.tree_by_hand(buffers))
+
+        def at(v):
+            buffers = unravel(v)
+            gradient = ravel_pytree(jax.grad(loss_of_buffers)(buffers))[0]
+            tangent = jax.jvp(loss_of_buffers, (buffers,), (unravel(t),))[1]
+            return self.tree_by_hand(buffers), gradient, tangent
+
+        return flat, at
+
+
+def _loss(m):
+    # a different weight per position: a gradient sent to the wrong buffer shows
+    return sum(
+        (k % 5 + 1) * jnp.sum(jnp.sin(x.astype(jnp.float32)) * jnp.cos(0.5 * k))
+        for k, x in enumerate(m[key] for key in sorted(m))
+    )
+
+
+@hs.composite
+def cases(draw, path):
+    lo, hi, _ = PATHS[path]
+    n = draw(hs.integers(lo, hi))
+    shapes = draw(hs.lists(hs.sampled_from(SHAPES), min_size=n, max_size=n))
+    dtypes = [jnp.float16 if draw(hs.integers(0, 19)) == 0 else jnp.float32 for _ in range(n)]
+    n_views = draw(hs.integers(1, max(1, n // 2)))
+    views = draw(
+        hs.lists(
+            hs.tuples(hs.integers(0, 10**6), hs.booleans(), hs.integers(0, len(RECIPES) - 1)),
+            min_size=n_views,
+            max_size=n_views,
+        )
+    )
+    return Case(shapes, dtypes, views, draw(hs.integers(0, 2**32 - 1)))
+
+
+def _primitives(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        for v in eqn.params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(x, jax.extend.core.ClosedJaxpr):
+                    out.extend(_primitives(x.jaxpr))
+                elif isinstance(x, jax.extend.core.Jaxpr):
+                    out.extend(_primitives(x))
+    return out
+
+
+def _assert_path(path, re, flat):
+    """The traced gradient program is the one this path builds (so the example reached it)."""
+    n = len(re.sizes)
+    prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _loss(re(v))))(flat).jaxpr)
+    if path == "plain":
+        assert "cond" not in prims and "dynamic_slice" not in prims, prims
+        assert prims.count("concatenate") <= 1
+        return
+    assert prims.count("dynamic_slice") == n and prims.count("cond") == 1
+    per = {"opaque": n, "grouped": math.isqrt(n - 1) + 1, "fused": _flat._FUSED_GROUP}[path]
+    groups = -(-n // per)
+    assert prims.count("concatenate") == (1 if groups == 1 else groups + 1), (path, n)
+
+
+def _close(got, want):
+    """Equal trees, values to 4 units in the last place of their dtype.
+
+    The slices are exact; a chain of views may be folded by sharetree's normal form
+    (two scales become one product) or computed in float32 and rounded once by XLA
+    where the reference rounds at each step.
+    """
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+        rtol = 4 * float(jnp.finfo(a.dtype).eps)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
+
+
+def _check(case, path):
+    event(path)
+    flat, re = st.destructure(case.canonical)
+    t = jnp.cos(jnp.arange(flat.size, dtype=flat.dtype))
+    ref_flat, ref_at = case.reference(t)
+    assert re.size == ref_flat.size and len(re.sizes) == len(case.buffers)
+    np.testing.assert_array_equal(flat, ref_flat)  # buffers in flatten order, promoted
+    v = flat * 1.5 - 0.25  # another point than the tree's own values
+    batch = jnp.stack([v, -v, 0.5 * v])
+    tol = HALF_TOL if case.half else F32_TOL
+
+    def sharetree_at(r):
+        def at(v):
+            f = lambda u: _loss(r(u))  # noqa: E731
+            return r(v), jax.grad(f)(v), jax.jvp(f, (v,), (t,))[1]
+
+        return at
+
+    def with_batch(at):  # values, gradient and tangent at v; values and gradients of a batch
+        return lambda v, b: (at(v), jax.vmap(lambda u: at(u)[:2])(b))
+
+    want, want_batch = jax.jit(with_batch(ref_at))(v, batch)
+    if path == "plain":
+        _close(re(v), want[0])  # eagerly
+    # one compile per program: restructure closed over (with vmap), and as an argument
+    got, got_batch = jax.jit(with_batch(sharetree_at(re)))(v, batch)
+    as_arg = jax.jit(lambda v, r: sharetree_at(r)(v))(v, re)
+    for values, grad, tangent in (got, as_arg):
+        _close(values, want[0])
+        np.testing.assert_allclose(grad, want[1], rtol=tol, atol=tol)
+        np.testing.assert_allclose(tangent, want[2], rtol=tol, atol=tol)
+    for k in range(len(batch)):  # every element of the batch
+        pick = lambda x, k=k: x[k]  # noqa: E731
+        _close(jax.tree.map(pick, got_batch[0]), jax.tree.map(pick, want_batch[0]))
+        np.testing.assert_allclose(got_batch[1][k], want_batch[1][k], rtol=tol, atol=tol)
+    _assert_path(path, re, flat)
+
+
+@settings(max_examples=PATHS["plain"][2], deadline=None)
+@given(cases("plain"))
+def test_plain_split_equals_ravel_pytree_with_views_by_hand(case):
+    _check(case, "plain")
+
+
+@settings(max_examples=PATHS["opaque"][2], deadline=None)
+@given(cases("opaque"))
+def test_opaque_offsets_equal_ravel_pytree_with_views_by_hand(case):
+    _check(case, "opaque")
+
+
+@settings(max_examples=PATHS["grouped"][2], deadline=None)
+@given(cases("grouped"))
+def test_grouped_tangent_equals_ravel_pytree_with_views_by_hand(case):
+    _check(case, "grouped")
+
+
+@settings(max_examples=PATHS["fused"][2], deadline=None)
+@given(cases("fused"))
+def test_fused_groups_equal_ravel_pytree_with_views_by_hand(case):
+    _check(case, "fused")
