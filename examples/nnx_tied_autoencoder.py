@@ -1,6 +1,6 @@
 """A tied autoencoder in Flax NNX: the decoder kernel is the encoder kernel, transposed.
 
-``sharetree.nnx.split(model, ties)`` returns a graphdef and a canonical
+``sharetree.nnx.split(model, ties=ties)`` returns a graphdef and a canonical
 ``nnx.State`` in which ``dec/kernel`` is a leafless ``Tied``; the loss rebuilds
 the model with ``sharetree.nnx.merge``, and plain ``jax.grad`` + optax train
 the state. ``sharetree.nnx.update`` writes the result back into the model.
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> float:
 
     x = make_data(512, args.din, args.latent, args.seed)
     model = AutoEncoder(args.din, args.latent, rngs=nnx.Rngs(args.seed))
-    graphdef, state = stnnx.split(model, {"dec/kernel": st.Tied("enc/kernel", st.T)})
+    graphdef, state = stnnx.split(model, ties={"dec/kernel": st.Tied("enc/kernel", st.T)})
     print(jax.tree.map(jnp.shape, state))
     print(st.canonicalize(state))
 

@@ -6,8 +6,9 @@ the shared value goes. See the README for a tour.
 
 from sharetree._detect import find_ties, tie_identical
 from sharetree._display import MaterializedDisplay, summary, treescope_materialized
-from sharetree._errors import TieError
+from sharetree._errors import TieError, TieTypeError
 from sharetree._flat import Restructure, destructure
+from sharetree._format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._grad_by_use import grad_by_use
 from sharetree._grad_report import GradReport, grad_report
 from sharetree._io import load, save
@@ -24,14 +25,14 @@ from sharetree._transforms import (
     chain,
     fn,
     identity,
+    index,
     reshape,
     scale,
+    slice,
     transform_from_spec,
     transpose,
 )
 from sharetree._untie import untie, untie_state
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "Buffer",
@@ -41,6 +42,7 @@ __all__ = [
     "SharingGraph",
     "T",
     "TieError",
+    "TieTypeError",
     "Tied",
     "Transform",
     "View",
@@ -53,6 +55,7 @@ __all__ = [
     "grad_by_use",
     "grad_report",
     "identity",
+    "index",
     "label_by_path",
     "load",
     "mask_by_path",
@@ -61,6 +64,7 @@ __all__ = [
     "save",
     "scale",
     "shardings_by_path",
+    "slice",
     "summary",
     "tie",
     "tie_identical",

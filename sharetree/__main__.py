@@ -2,7 +2,8 @@
 
 ``demo`` trains the tied character-level language model of ``sharetree._demo``
 and prints its sharing summary and a sample; ``--out`` saves a checkpoint.
-``inspect`` prints the sharing graph of a checkpoint written by ``sharetree.save``.
+``inspect`` prints the sharing graph of a checkpoint written by ``sharetree.save``
+(:func:`describe`, which runs none of the file's code).
 Bad arguments and unreadable files: one line on stderr, exit code 2. A reader
 that leaves early (``python -m sharetree inspect FILE | head -2``): no
 traceback, exit code 141, as a shell reports for a program that SIGPIPE ended.
@@ -17,7 +18,18 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from sharetree._display import format_bytes, summary
+from sharetree._errors import TieError
+from sharetree._foreign import metadata_ties
+from sharetree._format import KEY_LIBRARY, KEY_VERSION
+from sharetree._io import PathOrStr, _Builder, save
+from sharetree._materialize import leaves_and_structure
+from sharetree._report import SharingGraph
+from sharetree._safetensors import Reader, file_path, one_line
+from sharetree._tables import check_max_rows
+from sharetree._transforms import Transform, _Unresolved, parts_of
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
 
@@ -90,8 +102,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--out {out!r}: the directory {parent!r} does not exist")
         if not os.access(parent, os.W_OK):
             parser.error(f"--out {out!r}: the directory {parent!r} is not writable")
-    from sharetree import _demo, save
-    from sharetree._display import format_bytes
+    from sharetree import _demo  # needs flax, optax and tqdm (checked above)
 
     params = _demo.run(args.steps, seed=args.seed, sample=args.sample, quiet=args.quiet)
     if out is not None:
@@ -105,9 +116,6 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from sharetree import TieError
-    from sharetree._io import describe  # size and sharing graph, running none of the file's code
-
     path = args.file
     if not os.path.exists(path):
         parser.error(f"no such file: {path!r}")
@@ -122,6 +130,112 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for w in caught:
         print(f"note: {' '.join(str(w.message).split())}", file=sys.stderr)
     print(text)
+
+
+class _AnyFunction(dict[str, Any]):
+    """``functions=`` for describing: every name maps to a stand-in that is never called."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __missing__(self, name: str) -> Any:
+        return _Unresolved(name)
+
+
+def _is_described(t: Transform) -> bool:
+    return any(isinstance(getattr(p, "function", None), _Unresolved) for p in parts_of(t))
+
+
+class _FileGraph(SharingGraph):
+    """The sharing graph of a file: ``st.fn`` views are named, never called."""
+
+    _uncalled = staticmethod(_is_described)
+
+
+def describe(path: PathOrStr, max_rows: int = 20) -> str:
+    """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
+
+    For a file written by :func:`sharetree.save`: its size, format version and the
+    sharing summary of its tree (as :func:`sharetree.summary` prints it), from
+    the header and metadata only; ``st.fn`` views are shown by their stored
+    name (``fn(mylib.ops:softcap)``), never imported or called, so without
+    shape and dtype. For another safetensors file: its tensors and bytes.
+
+    Args:
+        path: the file.
+        max_rows: the most rows shown per table.
+
+    Returns:
+        Several lines of text, without a trailing newline.
+
+    Raises:
+        TieError: any problem (a missing or unreadable file, malformed
+            metadata, a bad graph), as one line naming the file.
+
+    Example:
+        >>> import os, tempfile, numpy as np, sharetree as st
+        >>> from sharetree.__main__ import describe
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        >>> st.save(path, {"emb": np.zeros((4, 2), np.float32), "head": st.Tied("emb", st.T)})
+        >>> print(describe(path).splitlines()[1])
+        sharing graph: 1 buffer, 1 view
+    """
+    path = file_path(path, "inspect")
+    check_max_rows(max_rows, "inspect")
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise TieError(f"inspect: cannot read {path!r} ({one_line(e)}).") from e
+    reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
+    meta = reader.metadata
+    if KEY_VERSION not in meta:
+        data = sum(info.nbytes for info in reader.infos.values())
+        ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
+        said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
+        head = (
+            f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
+            f"{KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
+            f"{format_bytes(data)} of tensor data, "
+            + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
+        )
+        rows = [
+            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
+            for info in list(reader.infos.values())[:max_rows]
+        ]
+        if len(reader.infos) > max_rows:
+            rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
+        return "\n".join([head, *rows])
+    builder = _Builder(reader, reader.infos, _AnyFunction())
+    tree = builder.run()
+    try:
+        leaves, structure = leaves_and_structure(tree)
+        graph = _FileGraph(structure, leaves)
+        # the file's keys are in the tables: no character of theirs moves a terminal
+        text = "".join(
+            c if c.isprintable() or c == "\n" else repr(c)[1:-1]
+            for c in summary(graph, max_rows=max_rows)
+        )
+    except TieError as e:
+        raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
+    head = (
+        f"{path}: {size:,} bytes, sharetree format {meta[KEY_VERSION]} "
+        f"(written by sharetree {_printable(meta.get(KEY_LIBRARY, '?'))})"
+    )
+    notes = []
+    named = sum(_is_described(v.transform) for v in graph.structure.views)
+    if named:
+        notes.append(
+            f"note: {named:,} view(s) use st.fn functions the file names; they were not "
+            "imported or called, so their shape and dtype are not shown"
+        )
+    if builder.keys:
+        notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
+    return "\n".join([head, text, *notes])
+
+
+def _printable(text: str) -> str:
+    """``text`` as it is when printable, else its ``repr`` (file content never moves a terminal)."""
+    return text if text.isprintable() else repr(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,18 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, format_aval, leaves_with_paths, path_key, path_str
+from sharetree._paths import Path, format_aval, leaves_with_paths, node_paths, path_key, path_str
+from sharetree._resolve import ref_to
 from sharetree._tie import bit_equal, tie
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import (
-    T,
-    Transform,
-    _Reshape,
-    _Transpose,
-    check_transform,
-    identity,
-    parts_of,
-)
+from sharetree._transforms import T, Transform, check_transform, identity
 
 __all__ = ["tie_identical", "find_ties"]
 
@@ -47,9 +40,11 @@ def tie_identical(tree: Any) -> Any:
     """
     first: dict[int, Path] = {}  # each array object's first position
     ties: dict[Path, Tied] = {}
-    for path, x in leaves_with_paths(tree, is_tied):
+    leaves = leaves_with_paths(tree, is_tied)
+    nodes = node_paths(p for p, _ in leaves)  # refs are scoped: see ref_to
+    for path, x in leaves:
         if isinstance(x, (jax.Array, np.ndarray)) and first.setdefault(id(x), path) != path:
-            ties[path] = Tied(first[id(x)])
+            ties[path] = Tied(ref_to(first[id(x)], path, nodes))
     return tie(tree, ties, check=False) if ties else tree
 
 
@@ -118,16 +113,9 @@ class _View(NamedTuple):
 
 
 def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
-    """``t(a)``: a NumPy view (no copy) for axis permutations and reshapes, else computed."""
+    """``t(a)`` with NumPy (no copy where ``t`` has a NumPy view); ``None`` if it fails on ``a``."""
     try:
-        if not all(p is identity or isinstance(p, (_Transpose, _Reshape)) for p in parts_of(t)):
-            return np.asarray(t(a))
-        for p in parts_of(t):
-            if isinstance(p, _Transpose):
-                a = np.transpose(a, p.axes)
-            elif isinstance(p, _Reshape):
-                a = np.reshape(a, p.shape)
-        return a
+        return t.numpy(a)
     except Exception:
         return None
 
@@ -166,7 +154,9 @@ def _comparable(x: Any, path: Path) -> bool:
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
-    for path, x in leaves_with_paths(tree, is_tied):
+    leaves = leaves_with_paths(tree, is_tied)
+    nodes = node_paths(p for p, _ in leaves)  # refs are scoped: see ref_to
+    for path, x in leaves:
         if not _comparable(x, path):
             continue
         a = np.asarray(x)
@@ -176,7 +166,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
         hits = [v for v in seen.get(_key(a, sample, atol), []) if _close(v.sample, sample, atol)]
         match = next((v for v in hits if _close(v.value, a, atol)), None)
         if match is not None:
-            found[path] = Tied(match.path, match.transform)
+            found[path] = Tied(ref_to(match.path, path, nodes), match.transform)
             continue
         for t in transforms:
             value = _np_view(t, a)

@@ -10,17 +10,27 @@ escaped before it goes into HTML, SVG or DOT.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError
+from sharetree._grad_report import grad_report
 from sharetree._materialize import expand_leaves as _expand_leaves
-from sharetree._paths import format_aval, path_str, plural
+from sharetree._paths import format_aval, key_str, path_str, plural
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
-from sharetree._tied import Tied
+from sharetree._tables import (
+    MAX_ROWS,
+    _first,
+    _html_table,
+    _more,
+    _page,
+    _svg,
+    _table,
+    check_max_rows,
+)
+from sharetree._tied import DISPLAY, Tied
 from sharetree._transforms import Transform, identity
 
 __all__ = [
@@ -32,9 +42,6 @@ __all__ = [
     "treescope_materialized",
     "MaterializedDisplay",
 ]
-
-MAX_ROWS = 20
-"""Default number of rows per table (and views per drawing) before cutting."""
 
 _BUFFER_FILL = "#dbeafe"
 _BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
@@ -71,36 +78,6 @@ def saved_percent(unique: int, expanded: int) -> float:
     return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
-def check_max_rows(max_rows: Any, where: str) -> None:
-    """Raise a TieError unless ``max_rows`` (rows per table) is an int >= 1."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise TieError(
-            f"{where}: max_rows must be an int >= 1 (rows per table), got "
-            f"{type(max_rows).__name__} {max_rows!r}. Fix: pass e.g. max_rows=50."
-        )
-
-
-def _more(total: int, shown: int, what: str) -> str:
-    """The ``... and K more WHAT`` line of a table or drawing cut after ``shown`` of ``total``."""
-    return f"... and {total - shown:,} more {what}" if total > shown else ""
-
-
-def _first(names: Sequence[str], n: int) -> str:
-    """The first ``n`` of ``names``, comma-separated, then ``, ... (K more)``."""
-    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
-
-
-class _Section(NamedTuple):
-    """One table of a summary: its title, header, the rows shown and the ``... more`` line."""
-
-    title: str
-    header: tuple[str, ...]
-    rows: Sequence[tuple[str, ...]]
-    more: str  # the "... and K more" line, or ""
-    none: str  # the text shown when there are no rows
-    numeric: frozenset[int]  # columns aligned right in HTML
-
-
 def _shape_dtype(x: Buffer | View) -> tuple[str, str]:
     """Its shape and dtype cells: ``(2, 3)`` and ``float32``, or ``static`` and ``-``."""
     if x.shape is None:
@@ -108,24 +85,174 @@ def _shape_dtype(x: Buffer | View) -> tuple[str, str]:
     return "(" + ", ".join(map(str, x.shape)) + (",)" if len(x.shape) == 1 else ")"), str(x.dtype)
 
 
+class _Section(NamedTuple):
+    """One table of a summary: its title, header, the rows shown and the ``... more`` line.
+
+    ``details`` holds, for each row, the rows behind its disclosure in HTML: the
+    leaves of a subtree tie (empty for a row that is one leaf).
+    """
+
+    title: str
+    header: tuple[str, ...]
+    rows: Sequence[tuple[str, ...]]
+    more: str  # the "... and K more" line, or ""
+    none: str  # the text shown when there are no rows
+    numeric: frozenset[int]  # columns aligned right in HTML
+    details: Sequence[Sequence[tuple[str, ...]]] = ()
+
+
+class _Group(NamedTuple):
+    """One row of the view table: a ``Tied`` and the views it makes.
+
+    A leaf tie makes one view at its own path; a subtree tie (``Tied("block_0")``
+    at ``block_1``) makes one view per leaf of the subtree, shown as one row
+    ``block_1 <- block_0`` with its leaf count and bytes.
+    """
+
+    path: str  # where the Tied is written
+    buffer: str  # the buffer it reads, or the subtree that holds the buffers it reads
+    transform: str  # the composed transform, or "mixed" when the leaves differ
+    views: tuple[View, ...]
+
+    @property
+    def subtree(self) -> bool:
+        """Whether the tie is a subtree's: several views, or one below the tie's path."""
+        return len(self.views) != 1 or self.views[0].path != self.path
+
+
+class _BufferRow(NamedTuple):
+    """One row of the buffer table: a buffer, or the buffers under a subtree a tie reads."""
+
+    path: str
+    buffers: tuple[Buffer, ...]
+    num_views: int  # views of a leaf; rows of the view table that read a subtree
+    first: int  # flatten index of its first buffer (the rows keep flatten order)
+
+
+def _common_source(tie: str, views: Sequence[View]) -> str | None:
+    """``B`` when every view ``tie/S`` reads buffer ``B/S`` for one ``B``, else ``None``."""
+    found = set()
+    for v in views:
+        path, buffer = key_str(v.path), key_str(v.buffer)
+        suffix = path[len(tie) :]
+        if not (path.startswith(tie) and suffix.startswith("/") and buffer.endswith(suffix)):
+            return None
+        found.add(buffer[: -len(suffix)])
+    return found.pop() if len(found) == 1 else None
+
+
+def _common(values: Iterable[str], mixed: str = "mixed") -> str:
+    """The one value of ``values``, or ``mixed`` when they differ."""
+    seen = set(values)
+    return seen.pop() if len(seen) == 1 else mixed
+
+
+def _view_groups(g: SharingGraph) -> list[_Group]:
+    """The views grouped by the ``Tied`` that made them, in flatten order."""
+    by_tie: dict[str, list[View]] = {}
+    for v in g.views.values():
+        by_tie.setdefault(key_str(v.tie), []).append(v)
+    ties = {key_str(k): t for k, t in g.ties.items()}
+    out = []
+    for tie, vs in by_tie.items():
+        if len(vs) == 1 and key_str(vs[0].path) == tie:
+            out.append(_Group(tie, key_str(vs[0].buffer), repr(vs[0].transform), (vs[0],)))
+            continue
+        source = _common_source(tie, vs)
+        if source is None:  # the subtree holds ties to elsewhere: name the ref as written
+            source = (
+                path_str(ties[tie].ref) if tie in ties else _common(key_str(v.buffer) for v in vs)
+            )
+        out.append(_Group(tie, source, _common(repr(v.transform) for v in vs), tuple(vs)))
+    return out
+
+
+def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[_BufferRow]:
+    """The buffers, those under a subtree that a subtree tie reads as one row each."""
+    buffers = g.buffers
+    index = {key_str(b.path): i for i, b in enumerate(buffers)}
+    sources = sorted({grp.buffer for grp in groups if grp.subtree and grp.buffer not in index})
+    claimed: dict[int, str] = {}
+    for src in sorted(sources, key=len):  # outermost first: a subtree inside one is in its row
+        for i, b in enumerate(buffers):
+            if i not in claimed and key_str(b.path).startswith(src + "/"):
+                claimed[i] = src
+    members: dict[str, list[int]] = {}
+    for i, src in claimed.items():
+        members.setdefault(src, []).append(i)
+    rows = [
+        _BufferRow(key_str(b.path), (b,), b.num_views, i)
+        for i, b in enumerate(buffers)
+        if i not in claimed
+    ]
+    for src, ids in members.items():
+        inside = {key_str(buffers[i].path) for i in ids}
+        readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
+        rows.append(_BufferRow(src, tuple(buffers[i] for i in sorted(ids)), readers, min(ids)))
+    return sorted(rows, key=lambda r: r.first)
+
+
+def _leaves_cell(n: int) -> str:
+    return f"{n:,} leaf" if n == 1 else f"{n:,} leaves"
+
+
+def _sum_bytes(xs: Iterable[Buffer | View]) -> str:
+    return format_bytes(sum(x.nbytes for x in xs))
+
+
+def _buffer_cells(b: Buffer) -> tuple[str, ...]:
+    return (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
+
+
+def _view_cells(v: View) -> tuple[str, ...]:
+    path, buffer = key_str(v.path), key_str(v.buffer)
+    return (path, buffer, repr(v.transform), *_shape_dtype(v), format_bytes(v.nbytes))
+
+
 def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     """The buffer and view tables, each cut after ``max_rows`` rows.
 
-    Buffers that have views come first when the table must be cut (they are
-    the interesting ones), but rows keep flatten order.
+    A subtree tie is one row of the view table, and the buffers under the
+    subtree it reads one row of the buffer table, each with its leaves as
+    details. Rows that have views come first when the table must be cut (they
+    are the interesting ones), but rows keep flatten order.
     """
-    buffers, views = g.buffers, list(g.views.values())
-    shared_first = sorted(range(len(buffers)), key=lambda i: not buffers[i].num_views)
-    b_rows = [
-        (b.path, *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
-        for b in (buffers[i] for i in sorted(shared_first[:max_rows]))
-    ]
-    v_rows = [(v.path, v.buffer, repr(v.transform), *_shape_dtype(v)) for v in views[:max_rows]]
+    groups = _view_groups(g)
+    brows = _buffer_rows(g, groups)
+    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i].num_views)
+    b_shown = [brows[i] for i in sorted(shared_first[:max_rows])]
+    b_rows: list[tuple[str, ...]] = []
+    b_details: list[Sequence[tuple[str, ...]]] = []
+    for r in b_shown:
+        if len(r.buffers) == 1 and key_str(r.buffers[0].path) == r.path:
+            b_rows.append(_buffer_cells(r.buffers[0]))
+            b_details.append(())
+        else:
+            dtype = _common(_shape_dtype(b)[1] for b in r.buffers)
+            cells = (r.path, _leaves_cell(len(r.buffers)), dtype, _sum_bytes(r.buffers))
+            b_rows.append((*cells, str(r.num_views)))
+            b_details.append([_buffer_cells(b) for b in r.buffers])
+    v_shown = groups[:max_rows]
+    v_rows: list[tuple[str, ...]] = []
+    v_details: list[Sequence[tuple[str, ...]]] = []
+    for grp in v_shown:
+        if not grp.subtree:
+            v_rows.append(_view_cells(grp.views[0]))
+            v_details.append(())
+        else:
+            dtype = _common(_shape_dtype(v)[1] for v in grp.views)
+            head = (grp.path, grp.buffer, grp.transform, _leaves_cell(len(grp.views)), dtype)
+            v_rows.append((*head, _sum_bytes(grp.views)))
+            v_details.append([_view_cells(v) for v in grp.views])
+    n_buffers = sum(len(r.buffers) for r in b_shown)
+    n_views = sum(len(grp.views) for grp in v_shown)
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
-                 _more(len(buffers), len(b_rows), "buffers"), "(none)", frozenset({3, 4})),
-        _Section("views", ("path", "buffer", "transform", "shape", "dtype"), v_rows,
-                 _more(len(views), len(v_rows), "views"), "(none: nothing is shared)", frozenset()),
+                 _more(len(g.buffers), n_buffers, "buffers"), "(none)", frozenset({3, 4}),
+                 b_details),
+        _Section("views", ("path", "buffer", "transform", "shape", "dtype", "bytes"), v_rows,
+                 _more(len(g.views), n_views, "views"), "(none: nothing is shared)",
+                 frozenset({5}), v_details),
     ]  # fmt: skip
 
 
@@ -143,18 +270,14 @@ _TOTALS = ("", "unique", "expanded", "saved")
 
 
 def _headline(g: SharingGraph) -> str:
-    return f"sharing graph: {plural(g.num_unique, 'buffer')}, {plural(g.num_views, 'view')}"
+    """``sharing graph: 20 buffers, 17 views``, then ``(from 2 ties)`` when a tie is a subtree's."""
+    head = f"sharing graph: {plural(g.num_unique, 'buffer')}, {plural(g.num_views, 'view')}"
+    ties = len({v.tie for v in g.views.values()})
+    return head + (f" (from {plural(ties, 'tie')})" if ties != g.num_views else "")
 
 
 # ---------------------------------------------------------------------------
 # text
-
-
-def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
-    """The lines of a text table (indented, columns padded), then the ``more`` line if any."""
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = [("  " + "  ".join(map(str.ljust, r, widths))).rstrip() for r in [header, *rows]]
-    return lines + (["  " + more] if more else [])
 
 
 def summary(
@@ -167,8 +290,12 @@ def summary(
 
     Shows the totals (unique vs expanded, and the share sharing saves), the
     buffers and the views, as in the example; buffers that have views are kept
-    first when a table is cut. Given :func:`~sharetree.grad_by_use` output, it
-    ends with its :func:`~sharetree.grad_report`.
+    first when a table is cut. A subtree tie (``Tied("block_0")`` at
+    ``block_1``) is one row of the view table, ``block_1  block_0  identity
+    16 leaves``, and the buffers under ``block_0`` one row of the buffer table;
+    ``canonicalize(tree).views`` lists every leaf. Given
+    :func:`~sharetree.grad_by_use` output, it ends with its
+    :func:`~sharetree.grad_report`.
 
     Args:
         tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
@@ -194,8 +321,8 @@ def summary(
           path  shape   dtype    bytes  views
           enc   (2, 3)  float32  24 B   1
         views:
-          path  buffer  transform  shape   dtype
-          dec   enc     T          (3, 2)  float32
+          path  buffer  transform  shape   dtype    bytes
+          dec   enc     T          (3, 2)  float32  24 B
     """
     g = tree if isinstance(tree, SharingGraph) else canonicalize(tree)
     check_max_rows(max_rows, "summary")
@@ -204,56 +331,12 @@ def summary(
         body = _table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
         lines += [f"{sec.title}:", *body]
     if grads_by_use is not None:
-        from sharetree._grad_report import grad_report  # it renders with this module's tables
-
         lines.append(str(grad_report(grads_by_use, max_rows=max_rows)))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
 # HTML and SVG
-
-_CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e5e7eb;"
-_NUM = "padding:2px 8px;text-align:right;border-bottom:1px solid #e5e7eb;"
-_MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
-
-
-def _html_table(
-    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: Set[int], more: str = ""
-) -> str:
-    def cells(tag: str, r: Sequence[str]) -> str:
-        return "".join(
-            f'<{tag} style="{_NUM if i in numeric else _CELL}">{escape(x)}</{tag}>'
-            for i, x in enumerate(r)
-        )
-
-    body = [f"<tr>{cells('td', r)}</tr>" for r in rows]
-    if more:
-        body.append(
-            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">'
-            f"{escape(more)}</td></tr>"
-        )
-    return (
-        f'<table style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
-        f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-    )
-
-
-def _page(kind: str, headline: str, parts: Iterable[str]) -> str:
-    """An HTML block of class ``kind``: a bold ``headline``, then ``parts`` (inline styles only)."""
-    return (
-        f'<div class="{kind}" style="{_MONO}font-size:12px;line-height:1.35;">'
-        f"<div><b>{escape(headline)}</b></div>{''.join(parts)}</div>"
-    )
-
-
-def _svg(width: float, height: float, font_px: int, body: Iterable[str]) -> str:
-    """An inline ``<svg>`` element of the given size holding ``body``."""
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:{font_px}px;">'
-        f"{''.join(body)}</svg>"
-    )
 
 
 def _clip(s: str, n: int) -> str:
@@ -276,8 +359,10 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """A small drawing of the sharing DAG as inline SVG: buffers left, views right.
 
     Only buffers that have views are drawn; each edge is labelled with the
-    composed transform (an edge without a label is an identity view). No
-    system graphviz is needed.
+    composed transform (an edge without a label is an identity view). A
+    subtree tie (``Tied("block_0")`` at ``block_1``) is one edge between two
+    boxes that give its leaf count and bytes; hovering a box lists its leaves.
+    No system graphviz is needed.
 
     Returns:
         An ``<svg>`` element, or ``""`` when the graph has no views.
@@ -292,14 +377,40 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """
     if not g.views:
         return ""
-    order = {b.path: i for i, b in enumerate(g.buffers)}
     check_max_rows(max_rows, "graph_svg")
-    shown = sorted(itertools.islice(g.views.values(), max_rows), key=lambda v: order[v.buffer])
-    more = _more(len(g.views), len(shown), "views")
-    char_w, row_h, clip, top = 7.0, 26, 36, 12
-    left_w = max(len(_clip(v.buffer, clip)) for v in shown) * char_w + 2 * _PAD
-    right_w = max(len(_clip(v.path, clip)) for v in shown) * char_w + 2 * _PAD
-    label_w = max(len(_clip(repr(v.transform), 28)) for v in shown) * char_w
+    groups = _view_groups(g)
+    order: dict[str, int] = {}
+    for i, b in enumerate(g.buffers):
+        order[key_str(b.path)] = i
+    for grp in groups:  # a subtree's place: its first buffer's
+        if grp.buffer not in order:
+            order[grp.buffer] = min(
+                (order[key_str(v.buffer)] for v in grp.views if key_str(v.buffer) in order),
+                default=len(order),
+            )
+    shown = sorted(groups[:max_rows], key=lambda grp: order[grp.buffer])
+    more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
+    buffers = {key_str(b.path): b for b in g.buffers}
+
+    def left_label(grp: _Group) -> str:
+        if grp.buffer in buffers:
+            return _clip(grp.buffer, 36)
+        inside = {key_str(v.buffer) for v in grp.views}
+        n = sum(
+            key_str(b.path).startswith(grp.buffer + "/") or key_str(b.path) in inside
+            for b in g.buffers
+        )
+        return f"{_clip(grp.buffer, 36)}  ({_leaves_cell(n)})"
+
+    def right_label(grp: _Group) -> str:
+        if not grp.subtree:
+            return _clip(grp.path, 36)
+        return f"{_clip(grp.path, 36)}  ({_leaves_cell(len(grp.views))}, {_sum_bytes(grp.views)})"
+
+    char_w, row_h, top = 7.0, 26, 12
+    left_w = max(len(left_label(grp)) for grp in shown) * char_w + 2 * _PAD
+    right_w = max(len(right_label(grp)) for grp in shown) * char_w + 2 * _PAD
+    label_w = max(len(_clip(grp.transform, 28)) for grp in shown) * char_w
     gap = max(70.0, label_w + 90)
     x0, x1 = 4.0 + left_w, 4.0 + left_w + gap  # where the edges start and end (the views' left)
     height = top + len(shown) * row_h + 4 + (row_h if more else 0)
@@ -310,23 +421,29 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
         f'fill="#6b7280"/></marker></defs>',
     ]
-    for buf, group in itertools.groupby(enumerate(shown), key=lambda kv: kv[1].buffer):
-        vs = [(v, top + k * row_h + _BOX_H / 2) for k, v in group]  # each view and its height
-        by = sum(y for _, y in vs) / len(vs)
-        out.append(_box(f"buffer {buf}", 4.0, by, left_w, _clip(buf, clip), _BUFFER_STYLE))
-        for v, y in vs:
+    for buf, run in itertools.groupby(enumerate(shown), key=lambda kv: kv[1].buffer):
+        rows = [(grp, top + k * row_h + _BOX_H / 2) for k, grp in run]  # each row and its height
+        by = sum(y for _, y in rows) / len(rows)
+        first = rows[0][0]
+        title = f"buffer {buf}"
+        if first.subtree and buf not in buffers:
+            title += ": " + _first(sorted({key_str(v.buffer) for v in first.views}), 20)
+        out.append(_box(title, 4.0, by, left_w, left_label(first), _BUFFER_STYLE))
+        for grp, y in rows:
             out.append(
                 f'<path d="M{x0:.0f},{by:.1f} C{x0 + gap / 2:.0f},{by:.1f} '
                 f'{x1 - label_w - 30:.0f},{y:.1f} {x1 - 1:.0f},{y:.1f}" fill="none" '
                 f'stroke="#6b7280" marker-end="url(#{mid})"/>'
             )
-            if v.transform != identity:
+            if grp.transform != repr(identity):
                 out.append(
                     f'<text x="{x1 - 10:.0f}" y="{y - 4:.1f}" text-anchor="end" '
-                    f'fill="#374151">{escape(_clip(repr(v.transform), 28))}</text>'
+                    f'fill="#374151">{escape(_clip(grp.transform, 28))}</text>'
                 )
-            title = f"view {v.path} = {v.transform!r}({v.buffer})"
-            out.append(_box(title, x1, y, right_w, _clip(v.path, clip), _VIEW_STYLE))
+            title = f"view {grp.path} = {grp.transform}({grp.buffer})"
+            if grp.subtree:
+                title += ": " + _first([key_str(v.path) for v in grp.views], 20)
+            out.append(_box(title, x1, y, right_w, right_label(grp), _VIEW_STYLE))
     if more:
         out.append(
             f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
@@ -354,7 +471,7 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     parts = [_html_table(_TOTALS, _totals(g), numeric={1, 2, 3})]
     for sec in (buffers, views) if views.rows else (buffers,):
         parts.append(f"<div><b>{sec.title}</b></div>")
-        parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more))
+        parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more, sec.details))
     parts.append(graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS)
     return _page("sharetree-graph", _headline(g), parts)
 
@@ -551,3 +668,7 @@ def treescope_materialized(tree: Any) -> MaterializedDisplay:
         }
     """
     return MaterializedDisplay(tree)
+
+
+# the renderers that Tied and SharingGraph look up (the core never imports this module)
+DISPLAY.update(tied_treescope=tied_treescope_repr, graph_html=graph_html, graph_dot=graph_dot)

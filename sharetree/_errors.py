@@ -1,8 +1,8 @@
-"""The one exception type of sharetree."""
+"""The exception types of sharetree: TieError, and TieTypeError for arguments of a wrong type."""
 
 from __future__ import annotations
 
-__all__ = ["TieError"]
+__all__ = ["TieError", "TieTypeError"]
 
 
 class TieError(ValueError):
@@ -15,4 +15,17 @@ class TieError(ValueError):
         >>> import sharetree as st
         >>> issubclass(st.TieError, ValueError)
         True
+    """
+
+
+class TieTypeError(TieError, TypeError):
+    """A :class:`TieError` for an argument of the wrong type; also a ``TypeError``.
+
+    Example:
+        >>> import sharetree as st
+        >>> try:
+        ...     st.scale("2")
+        ... except TypeError as e:
+        ...     print(type(e).__name__, isinstance(e, st.TieError))
+        TieTypeError True
     """

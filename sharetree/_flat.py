@@ -47,27 +47,23 @@ def _kind(x: Any, cpu: bool) -> int:
     return _OTHER
 
 
-def _is_prng_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 class _Static:
-    """A non-parameter leaf kept by ``restructure``; compared by value (arrays by content)."""
+    """A non-parameter leaf kept by ``restructure``: arrays by identity, other values by value.
+
+    Nothing here reads an array's contents: an array leaf (NumPy, ``jax.Array``,
+    a PRNG key, a tracer) is the same static leaf only as the same object, so
+    comparing and hashing cost the same for 32 bytes as for 80 MB (and never
+    copy from a device). Hashable Python values (ints, strings, NumPy scalars)
+    compare by value.
+    """
 
     __slots__ = ("_key", "value")
 
     def __init__(self, value: Any) -> None:
         self.value = value
         self._key: Any
-        if isinstance(value, jax.core.Tracer):  # an integer leaf under jit: same trace only
-            self._key = ("id", id(value))
-        elif _is_prng_key(value):  # typed keys have no NumPy form: compare impl and key data
-            data = np.asarray(jax.random.key_data(value))
-            impl = str(jax.random.key_impl(value))
-            self._key = ("key", impl, data.shape, data.dtype.str, data.tobytes())
-        elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
-            arr = np.asarray(value)
-            self._key = ("array", arr.shape, arr.dtype.str, arr.tobytes())
+        if isinstance(value, (jax.Array, np.ndarray)):
+            self._key = ("id", id(value))  # ``value`` is held, so the id stays its own
         else:
             try:
                 hash(value)
@@ -88,8 +84,9 @@ class Restructure:
     Returned by :func:`destructure`. Calling it gives the **materialized** tree
     (every view computed); :meth:`canonical` gives the canonical tree (``Tied``
     nodes kept). It is hashable and equal to any restructure of the same
-    structure, layout and static leaves, so passing it to ``jit`` as a static
-    argument does not retrace. Each buffer comes back in its own dtype (``dtypes``),
+    structure, layout and static leaves (static arrays compared by identity,
+    see :func:`destructure`), so passing it to ``jit`` as a static argument does
+    not retrace. Each buffer comes back in its own dtype (``dtypes``),
     whatever floating dtype the vector has (unlike ``ravel_pytree``'s unravel,
     which keeps a one-dtype vector's dtype): a float64 vector from SciPy gives
     the float32 tree it came from. A complex vector for a real tree is an error.
@@ -102,9 +99,12 @@ class Restructure:
     state of it or ``vmap`` over it leave it untouched, and passed to ``jit``
     it is static.
 
-    Under ``jit`` on CPU with many buffers, the vector is cut at offsets XLA
-    cannot fold into constants, so slices of equal size share one kernel
-    (benchmarks/README.md); values and gradients are those of a plain split.
+    Under ``jit`` with many buffers, a program lowered for CPU cuts the vector
+    at offsets XLA cannot fold into constants, so slices of equal size share one
+    kernel (benchmarks/README.md); values and gradients are those of a plain
+    split, which is what other platforms get (chosen per platform at lowering,
+    ``jax.lax.platform_dependent``, so an export for ``cuda`` from a CPU host
+    has no trace of it).
 
     Attributes:
         structure: the resolved sharing structure of the canonical tree.
@@ -218,14 +218,22 @@ class Restructure:
         return leaves
 
     def _split(self, flat: jax.Array) -> list[jax.Array]:
+        sizes = self.sizes
         if (
             isinstance(flat, jax.core.Tracer)
-            and len(self.sizes) >= _OPAQUE_MIN
+            and len(sizes) >= _OPAQUE_MIN
             and 0 < self.size < 2**31
-            and jax.default_backend() == "cpu"
         ):
-            return _split_at(flat, self.offsets, self.sizes)
-        return _static_split(flat, self.sizes)
+            # XLA:CPU's trick, chosen when the program is lowered for a platform (an export
+            # for cuda or tpu from a CPU host gets the plain split)
+            return list(
+                jax.lax.platform_dependent(
+                    flat,
+                    cpu=functools.partial(_split_at, offsets=self.offsets, sizes=sizes),
+                    default=functools.partial(_static_split, sizes=sizes),
+                )
+            )
+        return _static_split(flat, sizes)
 
     def __call__(self, flat: Any) -> Any:
         """The materialized tree whose unique parameters are ``flat``."""
@@ -440,8 +448,9 @@ _WARNED: set[Any] = set()
 def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) -> None:
     """Warn once per leaf when only static leaves changed since the previous destructure.
 
-    ``Restructure`` compares static leaves by value, so a ``jit`` that takes it as an
-    argument retraces whenever one changes (a step counter: every step).
+    ``Restructure`` compares static arrays by identity and other static leaves by
+    value, so a ``jit`` that takes it as an argument retraces whenever one changes
+    (a step counter: every step).
     """
     key = restructure._key[:4] + restructure._key[5:]  # all but the static values
     if previous._key[:4] + previous._key[5:] != key:
@@ -450,13 +459,18 @@ def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) ->
         if old != new and (key, i) not in _WARNED:
             _WARNED.add((key, i))
             where = path_str(restructure.structure.buffer_paths[i])
+            what = (
+                "is another array object than at the last destructure of a tree of this "
+                "structure (static arrays are compared by identity, never by their contents)"
+                if new._key[0] == "id"
+                else "changed since the last destructure of a tree of this structure"
+            )
             warnings.warn(
-                f"destructure: the static leaf {where!r} ({format_aval(new.value)}) changed "
-                "since the last destructure of a tree of this structure. restructure keeps "
-                "static leaves as values, so a jit that takes it as an argument retraces every "
-                "time this leaf changes. Fix: keep values that change every step (a step "
-                "counter) out of the tree you destructure, e.g. destructure state.params rather "
-                "than the whole train state.",
+                f"destructure: the static leaf {where!r} ({format_aval(new.value)}) {what}. "
+                "restructure keeps static leaves as they are, so a jit that takes it as an "
+                "argument retraces every time this leaf changes. Fix: keep values that change "
+                "every step (a step counter) out of the tree you destructure, e.g. destructure "
+                "state.params rather than the whole train state.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -473,6 +487,18 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     inside ``restructure``. Inside ``jit`` a Python float argument is a traced
     float array, so there it is a parameter: keep the destructure and the
     vector on the same side of ``jit``.
+
+    Static leaves cost nothing per call: ``restructure`` holds each one as it is
+    (the same object, never a copy) and compares them without reading their
+    contents: arrays by identity, other values (ints, strings) by value. So a
+    ``restructure`` is equal to another only if their static arrays are the
+    same objects; a changed static leaf (a new step counter, an int array
+    rebuilt with the same values) gives an unequal ``restructure``, and a
+    ``jit`` that takes it as a static argument retraces; eager calls warn once
+    per leaf when only a static leaf changed. A NumPy static leaf mutated in
+    place is seen as it is now (nothing was copied). Under a transformation
+    (``jit``, ``vmap``...) a traced integer leaf stays in the ``restructure``
+    of that trace only: nothing traced is kept between calls.
 
     Args:
         tree: a canonical tree.
@@ -494,10 +520,15 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
         Array([16., 16.,  0.,  0.], dtype=float32)
     """
     leaves, structure = leaves_and_structure(tree)
-    # The layout depends only on the leaves' types, shapes, dtypes and static values:
-    # the last one is kept per structure and checked against the next tree.
     types = tuple(map(type, leaves))
     config = (jax.default_backend(), bool(jax.config.read("jax_enable_x64")))
+    if any(issubclass(t, jax.core.Tracer) for t in types):
+        # Traced (under jit, grad, vmap...): nothing of it may outlive the trace, so no
+        # layout is kept or reused (a traced integer leaf would be a leaked tracer).
+        traced = _new_layout(leaves, structure, types, config)
+        return traced.concat([leaves[i] for i in traced.restructure.slots]), traced.restructure
+    # The layout depends only on the leaves' types, shapes, dtypes and static leaves
+    # (arrays by identity): the last one is kept per structure and checked against the next tree.
     layout = _LAYOUTS.get(structure)
     if layout is not None and layout.types == types and layout.config == config:
         re = layout.restructure

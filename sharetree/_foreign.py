@@ -6,26 +6,37 @@ caller's ``ties=`` (see :func:`load_foreign`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import warnings
 from collections.abc import Container, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._materialize import abstract_expanded
+from sharetree._format import KEY_VERSION
+from sharetree._materialize import abstract_expanded, leaves_and_structure
 from sharetree._paths import closest
-from sharetree._safetensors import DuplicateKey, Reader, unique_pairs
+from sharetree._safetensors import (
+    _CODES,
+    DuplicateKey,
+    Pending,
+    Reader,
+    Tensor,
+    check_fits,
+    read_tree,
+    unique_pairs,
+)
 from sharetree._tie import tie
 from sharetree._tied import Tied
-from sharetree._transforms import T, Transform, _Transpose, identity
+from sharetree._transforms import Transform, identity
 
-__all__ = ["load_foreign", "metadata_ties", "KEY_VERSION", "SINGLE_FILE", "INDEX_FILE"]
-
-KEY_VERSION = "sharetree.format_version"
-"""The metadata key that marks a file written by :func:`sharetree.save`."""
+__all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
 SINGLE_FILE = "model.safetensors"
 """The weights file of a ``save_pretrained`` directory."""
@@ -76,14 +87,15 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
 # ----------------------------------------------------------------------------- files
 
 
-def _readers(path: str) -> list[Reader]:
+def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
     """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory), headers read.
 
     A sharded checkpoint's index is checked against its shards: every tensor in
-    its shard, once; no tensor the index does not list.
+    its shard, once; no tensor the index does not list. ``reader``: the file's,
+    already open.
     """
     if not os.path.isdir(path):
-        return [Reader(path)]
+        return [Reader(path) if reader is None else reader]
     single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
     if os.path.isfile(single) and os.path.isfile(index):
         raise TieError(
@@ -189,29 +201,25 @@ def _read_index(index: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- ties
 
 
-def _inverse(t: Transform) -> Transform | None:
-    """The inverse of an axis permutation (``identity``, ``T``, ``transpose``), else ``None``."""
-    if t is identity or t == T:
-        return t
-    if isinstance(t, _Transpose) and t.axes is not None:
-        return _Transpose(tuple(int(i) for i in np.argsort(t.axes)))
-    return None
-
-
 def _apply_ties(
     label: str,
-    tensors: dict[str, Any],
+    tensors: dict[str, Tensor],
     file_ties: dict[str, str],
     asked: dict[str, Tied],
-    atol: float | None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The canonical flat dict (its buffers not read yet), and the targets to compare by value.
+
+    Only shapes and dtypes are checked here; the targets the file holds as
+    well as their refs are returned, to be compared once buffers are read.
+    """
     tree: dict[str, Any] = dict(tensors)
     for dropped, kept in file_ties.items():
         tree[dropped] = tensors[kept]  # the file says: the same values
+    moved: set[str] = set()
     for target, t in asked.items():  # first the moves, so that any tie may refer to a moved buffer
         (ref,) = t.ref
         if target in tree and ref not in tree and ref not in asked:
-            back = _inverse(t.transform)  # the file stores only the target: move its buffer
+            back = t.transform.inverse()  # the file stores only the target: move its buffer
             if back is None:
                 raise TieError(
                     f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
@@ -219,9 +227,7 @@ def _apply_ties(
                     "inverse to compute the ref from it. Fix: tie the other way round, "
                     f"ties={{{ref!r}: st.Tied({target!r}, <inverse>)}}."
                 )
-            a = tree[target]
-            axes = back.axes if isinstance(back, _Transpose) else None
-            tree[ref] = a if back is identity else np.ascontiguousarray(np.transpose(a, axes))
+            tree[ref], moved = _moved(tree[target], back), moved | {target}
     compare: dict[tuple[str, ...], Tied] = {}
     for target, t in asked.items():
         if target in tree:
@@ -234,16 +240,110 @@ def _apply_ties(
                 f"{closest(t.ref[0], set(tree))}. Fix: use the tensor names the file holds, as "
                 "model.state_dict() names them."
             )
+    copies = {  # a moved buffer is its target; the file's own tie is one tensor
+        k: tree[k]
+        for (k,), t in compare.items()
+        if k not in moved and not (tree[k] is tree.get(t.ref[0]) and t.transform == identity)
+    }
     for dropped, kept in file_ties.items():
         reversed_ = kept in asked and asked[kept].ref == (dropped,)
         if dropped not in asked and not reversed_:
             tree[dropped] = Tied((kept,))  # the file's own tie, unless ties= says otherwise
     try:
-        out = tie(tree, compare, check=True, atol=0.0 if atol is None else atol)
+        out = tie(tree, compare, check=True)
         abstract_expanded(out)  # every view computes (shapes of absent targets included)
     except TieError as e:
         raise TieError(f"load {label} with ties: {e}") from None
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items())), copies
+
+
+def _moved(x: Pending, back: Transform) -> Pending:
+    """``back`` of the tensor ``x``: the buffer of a ref that the file stores as its tie's target.
+
+    An axis permutation (``T``, ``transpose``) is read part by part, each part
+    transposed as it is read; any other inverse is computed on the host.
+    """
+    if back is identity:
+        return x
+    n = len(x.shape)
+    axes = back.axis_names(tuple(range(n)), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    if isinstance(x, Tensor) and axes is not None and sorted(axes) == list(range(n)):
+        rel = tuple(int(a) for a in axes)  # axis k of the ref is axis rel[k] of x
+        shape = tuple(x.shape[a] for a in rel)
+        perm = rel if x.axes is None else tuple(x.axes[a] for a in rel)
+        return Tensor(x.reader, x.name, shape, x.dtype, axes=perm)
+    aval = back.abstract(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return _Computed(x, back, tuple(aval.shape), aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Computed(Pending):
+    """``transform`` of another pending leaf, computed on the host as it is read."""
+
+    source: Pending
+    transform: Transform
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def read(self) -> np.ndarray:
+        return np.ascontiguousarray(self.transform.numpy(self.source.read()))
+
+    def place(self, sharding: Any) -> jax.Array:
+        host = self.read()  # not an axis permutation: whole on the host, then each shard
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _compare(
+    label: str, tree: dict[str, Any], copies: dict[str, Tensor], asked: dict[str, Tied], atol: float
+) -> None:
+    """Each copy the file holds against the view that replaces it (its ref's buffer, placed).
+
+    On the host (the buffer is a NumPy array) this is :func:`sharetree.tie`'s
+    check. Placed buffers are compared on their devices: the view is computed
+    there, the copy is read onto the view's sharding (each process its share)
+    and the largest difference is reduced over every device, so every process
+    raises the same error or none.
+    """
+    leaves, structure = leaves_and_structure(tree)
+    for leaf in structure.expanded:
+        (name,) = leaf.path
+        if name not in copies:
+            continue
+        buffer, t = leaves[leaf.buffer], leaf.transform or identity
+        (ref,) = structure.buffer_paths[leaf.buffer]
+        if not isinstance(buffer, jax.Array):  # on the host: as st.tie compares
+            pair = {ref: buffer, name: copies[name].read()}
+            try:
+                one: dict[tuple[str, ...], Tied] = {(name,): Tied((ref,), t)}
+                tie(pair, one, check=False, atol=atol)
+            except TieError as e:
+                raise TieError(f"load {label} with ties: {e}") from None
+            continue
+        view = t(buffer)  # on the devices of the buffer (eager ops run where their inputs are)
+        check_fits(name, view.shape, view.sharding)
+        copy = copies[name].place(view.sharding)
+        with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does
+            worst, bad = (float(x.addressable_data(0)) for x in _differ(copy, view, atol))
+        if worst > atol:
+            seen = repr(ref) if t == identity else f"{t!r} of {ref!r}"
+            raise TieError(
+                f"load {label} with ties: tie {name!r} <- {asked[name]!r}: the two copies "
+                f"differ: {name!r} and {seen} differ by up to {worst:.6g} (max abs difference; "
+                f"{int(bad)} of {copy.size} elements above atol={atol}), so they are not one "
+                f"tied weight. Fix: to keep {name!r} instead, tie the other way round; or "
+                f"raise atol to {worst:.3g} if the difference is rounding; or load without ties."
+            )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _differ(a: jax.Array, b: jax.Array, atol: float) -> tuple[jax.Array, jax.Array]:
+    """The largest ``|a - b|`` (NaN equals NaN, as in ``st.tie``) and how many exceed ``atol``."""
+    wide = jnp.complex128 if jnp.iscomplexobj(a) or jnp.iscomplexobj(b) else jnp.float64
+    x, y = a.astype(wide), b.astype(wide)
+    same = (x == y) | (jnp.isnan(x) & jnp.isnan(y))  # equal infinities and NaNs count as equal
+    d = jnp.abs(x - y)
+    d = jnp.where(same, 0.0, jnp.where(jnp.isnan(d), jnp.inf, d))
+    return (d.max(initial=0.0), jnp.sum(d > atol))
 
 
 def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
@@ -256,12 +356,26 @@ def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[st
     return {k: v for k, v in metadata.items() if k not in names and v in names}
 
 
+def _tensor(reader: Reader, name: str) -> Tensor:
+    """The tensor ``name`` of ``reader``, not read yet (a dtype code it does not know: an error)."""
+    info = reader.infos[name]
+    if info.code not in _CODES:
+        reader.read(name)  # raises, naming the code
+    return Tensor(reader, name, info.shape, np.dtype(jnp.dtype(_CODES[info.code])))
+
+
 def _describe(ties: Mapping[str, str]) -> str:
     return ", ".join(f"{k!r} <- {v!r}" for k, v in ties.items())
 
 
 def load_foreign(
-    path: str, *, like: Any = None, ties: Any = None, atol: float | None = None
+    path: str,
+    *,
+    like: Any = None,
+    ties: Any = None,
+    atol: float | None = None,
+    shardings: Any = None,
+    reader: Reader | None = None,
 ) -> dict[str, Any]:
     """Load a safetensors file or directory that sharetree did not write.
 
@@ -269,7 +383,8 @@ def load_foreign(
     tensor name, dots and ``/`` included) with ties as ``Tied`` nodes (a
     canonical tree), always with a ``UserWarning`` saying the file was foreign
     and which ties were restored. ``path`` may be a ``save_pretrained``
-    directory (one file or a sharded index); every tensor is read once. The
+    directory (one file or a sharded index); every tensor is read once, and
+    with ``shardings`` each process reads only its shards. The
     ties the file's metadata records (``safetensors.torch.save_model`` writes
     ``{dropped: kept}``) are restored unasked; each ``ties`` target absent
     from the file becomes ``Tied(ref)``, a present one must equal its ref
@@ -280,10 +395,14 @@ def load_foreign(
     Args:
         path: the file or directory.
         like: must be ``None``: a flat state dict has no tree to check against.
-        ties: ``{target: ref}`` of tensor names (or ``None``).
+        ties: ``{target: ref}`` of tensor names, a ref given as a name or as
+            ``st.Tied(name, transform)`` (e.g. q, k and v as ``st.slice`` views
+            of a fused ``c_attn``); or ``None``.
         atol: ``None`` or ``0.0``: tied copies must be bit-identical (up to
             NaNs in the same places); a number: their largest absolute
             difference. Only with ``ties``.
+        shardings: as for :func:`sharetree.load` (``None``: on the host).
+        reader: the file's :class:`Reader`, if it is already open.
 
     Returns:
         The canonical flat dict, sorted by tensor name.
@@ -306,7 +425,7 @@ def load_foreign(
         >>> sd["head"], sd["embed"].shape
         (Tied('embed'), (3, 2))
     """
-    readers = _readers(path)  # headers only: every tensor is read once, below
+    readers = _readers(path, reader)  # headers only: every tensor is read once, below
     label = repr(path)
     if like is not None:
         raise TieError(
@@ -321,15 +440,21 @@ def load_foreign(
             "ties={'lm_head.weight': 'model.embed_tokens.weight'} too, or drop atol."
         )
     asked = {} if ties is None else _parse_ties(ties)
-    tensors = {name: a for reader in readers for name, a in reader.tensors()}
+    tensors = {name: _tensor(r, name) for r in readers for name in r.infos}
     file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
-    tree = _apply_ties(label, tensors, file_ties, asked, atol)
+    tree, copies = _apply_ties(label, tensors, file_ties, asked)
+    tree = read_tree(label, tree, shardings)  # every check first: shapes, ties, shardings
+    _compare(label, tree, copies, asked, 0.0 if atol is None else atol)
     n = f"{len(readers)} files" if len(readers) > 1 else "one file"
     said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
     if file_ties:
         said += f"; restored the ties its safetensors metadata records: {_describe(file_ties)}"
     if asked:
-        said += f"; tied as asked (ties=): {_describe({k: t.ref[0] for k, t in asked.items()})}"
+        shown = ", ".join(
+            f"{k!r} <- {t.ref[0]!r}" + ("" if t.transform == identity else f" ({t.transform!r})")
+            for k, t in asked.items()
+        )
+        said += f"; tied as asked (ties=): {shown}"
     else:
         said += (
             ". If the model ties weights that the file omits or stores once (Hugging Face "

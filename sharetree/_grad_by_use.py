@@ -17,13 +17,17 @@ import jax
 
 from sharetree._errors import TieError
 from sharetree._materialize import expand_leaves, leaf_aval, leaves_and_structure
-from sharetree._paths import format_aval, path_str
+from sharetree._paths import Path, format_aval, path_key, path_str
 from sharetree._transforms import identity
 
 __all__ = ["grad_by_use", "ByUse"]
 
-ByUse = dict[str, dict[str, Any]]
-"""``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns."""
+ByUse = dict[str | Path, dict[str | Path, Any]]
+"""``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns.
+
+Paths are keys as every sharetree result writes them (:func:`~sharetree._paths.path_key`):
+``/``-joined, or a tuple of keys where a key contains ``/``, so ``st.tie`` and
+``st.untie`` take them back as they are."""
 
 
 def grad_by_use(
@@ -34,7 +38,8 @@ def grad_by_use(
     ``st.grad_by_use(fun)(tree, *args)`` calls ``fun`` with the *materialized*
     tree (a ``fun`` that calls ``st.materialize`` itself works too). The uses
     of a buffer are its own position (keyed by the buffer's path) and every
-    view of it, in flatten order, as ``/``-joined paths; each contribution is
+    view of it, in flatten order, as ``/``-joined paths (a tuple of keys where
+    a key contains ``/``: ``st.tie`` and ``st.untie`` take them back); each contribution is
     pulled back through the view's transform by its VJP (``T`` for ``T``, a
     cast back for ``astype``). A buffer's contributions sum to its entry in
     ``jax.grad(lambda t: fun(st.materialize(t), *args))(tree)``, up to float
@@ -111,13 +116,13 @@ def grad_by_use(
         # one gradient w.r.t. every position of the materialized tree (the untied gradient)
         out = jax.grad(on_materialized, has_aux=has_aux)(expanded)
         grads, aux = out if has_aux else (out, None)
-        by_use: ByUse = {path_str(p): {} for p in structure.buffer_paths}
+        by_use: ByUse = {path_key(p): {} for p in structure.buffer_paths}
         for leaf, g in zip(structure.expanded, grads, strict=True):
             t = leaf.transform
             if t is not None and t != identity:
                 _, vjp = jax.vjp(t, leaves[leaf.buffer])
                 (g,) = vjp(g)
-            by_use[path_str(structure.buffer_paths[leaf.buffer])][path_str(leaf.path)] = g
+            by_use[path_key(structure.buffer_paths[leaf.buffer])][path_key(leaf.path)] = g
         return (by_use, aux) if has_aux else by_use
 
     return by_use_fun

@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sharetree._display import (
+from sharetree._errors import TieError
+from sharetree._paths import closest, key_str, plural
+from sharetree._tables import (
     _CELL,
     MAX_ROWS,
     _first,
@@ -25,8 +27,6 @@ from sharetree._display import (
     _table,
     check_max_rows,
 )
-from sharetree._errors import TieError
-from sharetree._paths import closest, plural
 
 __all__ = ["GradReport", "BufferUses", "Use", "grad_report"]
 
@@ -102,20 +102,27 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.real(np.vdot(a, b))) / (na * nb)
 
 
-def _buffer_uses(path: str, uses: Any) -> BufferUses:
+def _is_key(k: Any) -> bool:
+    """A path as results write it: '/'-joined, or a tuple of keys (a key containing '/')."""
+    return isinstance(k, str) or (isinstance(k, tuple) and all(isinstance(x, str) for x in k))
+
+
+def _buffer_uses(path: Any, uses: Any) -> BufferUses:
     if not isinstance(uses, Mapping) or not uses:
         raise TieError(
             f"grad_report: the entry of buffer {path!r} should be a non-empty dict "
             f"{{use path: contribution}}, found {type(uses).__name__} {uses!r:.80}. "
             "Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
-    bad = next((k for k in (path, *uses) if not isinstance(k, str)), None)
+    bad = next((k for k in (path, *uses) if not _is_key(k)), None)
     if bad is not None:
         raise TieError(
-            f"grad_report: the paths are '/'-joined strings, found {type(bad).__name__} "
+            f"grad_report: the paths are '/'-joined strings (or tuples of keys where a key "
+            f"contains '/'), found {type(bad).__name__} "
             f"{bad!r} (buffer {path!r}). Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
-    vecs = {u: _host(g, f"{u!r} (buffer {path!r})") for u, g in uses.items()}
+    path = key_str(path)  # shown as every sharetree message shows a path
+    vecs = {key_str(u): _host(g, f"{u!r} (buffer {path!r})") for u, g in uses.items()}
     if len({v.size for v in vecs.values()}) != 1:
         raise TieError(
             f"grad_report: the uses of buffer {path!r} have different sizes "
@@ -171,9 +178,9 @@ class GradReport:
         """The buffers with two or more uses."""
         return tuple(b for b in self.buffers if len(b.uses) > 1)
 
-    def __getitem__(self, path: str) -> BufferUses:
+    def __getitem__(self, path: str | tuple[str, ...]) -> BufferUses:
         """The uses of the buffer at ``path`` (a ``KeyError`` naming the closest paths if none)."""
-        found = next((b for b in self.buffers if b.path == path), None)
+        found = next((b for b in self.buffers if b.path == key_str(path)), None)
         if found is None:
             raise KeyError(
                 f"{path!r}: no such buffer; {closest(str(path), (b.path for b in self.buffers))}"

@@ -1,4 +1,4 @@
-"""``save`` / ``load`` / ``describe``: one safetensors file per canonical tree, each buffer once.
+"""``save`` / ``load``: one safetensors file per canonical tree, each buffer once.
 
 The file format (tensor names, the ``sharetree.*`` metadata keys, the JSON of
 the tree, the limits a reader enforces) is specified in one place:
@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -26,46 +25,41 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._foreign import KEY_VERSION as _KEY_VERSION
-from sharetree._foreign import load_foreign, metadata_ties
-from sharetree._materialize import abstract_expanded, leaves_and_structure
+from sharetree._foreign import load_foreign
+from sharetree._format import (
+    FORMAT_VERSION,
+    KEY_LIBRARY,
+    KEY_TREE,
+    KEY_VERSION,
+    LIBRARY_VERSION,
+    PREFIX,
+)
+from sharetree._materialize import abstract_expanded
 from sharetree._paths import Path, TieMap, format_aval, key_name, leaves_with_paths, path_str
-from sharetree._report import SharingGraph
 from sharetree._safetensors import (
     NATIVE_CODES,
     DuplicateKey,
+    Pending,
     Reader,
+    Tensor,
     TensorInfo,
     atomic_write,
     file_path,
     one_line,
+    read_tree,
     unique_pairs,
 )
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import Transform, _is_int, _is_real, parts_of, transform_from_spec
-from sharetree._transforms import _Unresolved as _Unresolved
+from sharetree._transforms import _is_int, _is_real, transform_from_spec
 
-__all__ = ["save", "load", "describe", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
-
-FORMAT_VERSION = 2
-"""The newest file format version: :func:`load` reads versions up to it.
-
-:func:`save` writes version 1 unless the tree holds a typed PRNG key array, so that
-files without keys stay readable by every version-1 reader (see the file format).
-"""
+__all__ = ["save", "load", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
 
 MAX_DEPTH = 200
 """The deepest nesting of containers :func:`save` writes and :func:`load` reads (the root is 0)."""
 
-_MAX_JSON_DEPTH = 2 * MAX_DEPTH + 16
-"""Nesting of the ``sharetree.tree`` JSON text that a tree of ``MAX_DEPTH`` levels can reach."""
-
 KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 """The PRNG implementations of typed key arrays (``jax.random.key``) a file may hold."""
 
-_KEY_TREE = "sharetree.tree"
-_KEY_LIBRARY = "sharetree.library_version"
-_PREFIX = "sharetree."
 _RESAVE = (
     "The file was edited or damaged after st.save wrote it. Fix: save the tree again with "
     "st.save, or read its tensors without the tree with safetensors.numpy.load_file(path)."
@@ -264,9 +258,9 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
                 f"save: the metadata entry {k!r}: {v!r} is not valid UTF-8 text (it holds a lone "
                 "surrogate). Fix: pass text that encodes to UTF-8."
             ) from None
-        if k.startswith(_PREFIX):
+        if k.startswith(PREFIX):
             raise TieError(
-                f"save: the metadata key {k!r} starts with {_PREFIX!r}, which sharetree keeps "
+                f"save: the metadata key {k!r} starts with {PREFIX!r}, which sharetree keeps "
                 "for its own entries. Fix: choose another key, e.g. without the prefix."
             )
     return dict(metadata)
@@ -294,7 +288,9 @@ def save(
         metadata: extra ``str -> str`` entries (such as ``{"format": "pt"}``;
             ``sharetree.*`` keys are reserved), read back by :func:`read_metadata`.
         gather: ``True`` gathers buffers sharded over several processes and
-            process 0 writes, so **every process must call** ``save``;
+            process 0 writes, so **every process must call** ``save``; on
+            several processes it ends with a barrier, so that every process
+            returns once the file exists (any of them may read it next).
             ``False`` (default) makes such a buffer an error.
 
     Raises:
@@ -335,16 +331,27 @@ def save(
             "type per dict (all str or all int)."
         ) from e
     abstract_expanded(tree)  # validate the graph and every view's shape first
-    from sharetree import __version__
-
     meta = {
         **user,
-        _KEY_VERSION: "2" if writer.has_keys else "1",
-        _KEY_LIBRARY: __version__,
-        _KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
+        KEY_VERSION: "2" if writer.has_keys else "1",
+        KEY_LIBRARY: LIBRARY_VERSION,
+        KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    if jax.process_index() != 0:
-        return  # every process gathered; process 0 writes
+    if writer.gather and jax.process_count() > 1:
+        # process 0 writes; every process returns only once the file is there (a barrier),
+        # so any process may read it next. The barrier is reached even if the write fails.
+        from jax.experimental import multihost_utils
+
+        try:
+            if jax.process_index() == 0:
+                _write(path, writer, meta, user)
+        finally:
+            multihost_utils.sync_global_devices(f"sharetree.save {path}")
+    elif jax.process_index() == 0:
+        _write(path, writer, meta, user)
+
+
+def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str]) -> None:
     from safetensors import SafetensorError
 
     try:
@@ -352,7 +359,7 @@ def save(
     except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
         raise TieError(
             f"save: safetensors cannot write {path!r} ({one_line(e)}); its header would hold "
-            f"{len(meta[_KEY_TREE]):,} bytes of tree JSON (structure, str leaves) and "
+            f"{len(meta[KEY_TREE]):,} bytes of tree JSON (structure, str leaves) and "
             f"{sum(len(k) + len(v) for k, v in user.items()):,} of metadata=, and no reader "
             "takes a header over 100 MB. Nothing was written. Fix: store large text as arrays "
             "or keep it out of the tree and metadata."
@@ -377,45 +384,7 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
         {'format': 'pt'}
     """
     meta = Reader(file_path(path, "read_metadata"), "read_metadata").metadata
-    return {k: v for k, v in meta.items() if not k.startswith(_PREFIX)}
-
-
-def _json_depth(text: str, limit: int) -> int:
-    r"""The nesting of ``[`` / ``{`` in JSON text, strings skipped; stops once above ``limit``.
-
-    Linear in the text and without recursion, whatever the text (an unterminated
-    string ends the scan: such text is not JSON, which the parser then reports).
-
-    Example:
-        >>> from sharetree._io import _json_depth
-        >>> _json_depth('{"a": [[1], "[[[\\"]"]}', 10), _json_depth("[" * 5000, 10)
-        (3, 11)
-    """
-    depth = deepest = 0
-    for m in _TOKENS.finditer(text):  # a whole string, a bracket, or a quote that opens no string
-        if m.group() == '"' or deepest > limit:
-            break
-        depth += _STEPS.get(m.group(), 0)  # a string: 0
-        deepest = max(deepest, depth)
-    return deepest
-
-
-_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*+"|[\[\]{}"]', re.S)
-_STEPS = {"[": 1, "{": 1, "]": -1, "}": -1}
-
-
-class _AnyFunction(dict[str, Any]):
-    """``functions=`` for describing: every name maps to a stand-in that is never called."""
-
-    def __contains__(self, name: object) -> bool:
-        return True
-
-    def __missing__(self, name: str) -> Any:
-        return _Unresolved(name)
-
-
-def _is_described(t: Transform) -> bool:
-    return any(isinstance(getattr(p, "f", None), _Unresolved) for p in parts_of(t))
+    return {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
 
 
 def load(
@@ -484,17 +453,19 @@ def load(
         )
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
-    if os.path.isdir(path) or _KEY_VERSION not in (reader := Reader(path)).metadata:
-        tree = load_foreign(path, like=like, ties=ties, atol=atol)
-        return tree if shardings is None else _place(path, tree, shardings)
+    reader = None if os.path.isdir(path) else Reader(path)
+    if reader is None or KEY_VERSION not in reader.metadata:
+        return load_foreign(
+            path, like=like, ties=ties, atol=atol, shardings=shardings, reader=reader
+        )
     if ties is not None or atol is not None:
         raise TieError(
             f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    builder = _Builder(reader, dict(reader.tensors()), functions)
-    tree = builder.run()
+    builder = _Builder(reader, reader.infos, functions, lazy=True)
+    tree = builder.run()  # buffers not read yet: every check first, then one pass over the file
     if like is not None:
         tree = _restore_like(path, tree, like)
     elif builder.statics:
@@ -524,127 +495,32 @@ def load(
         abstract_expanded(tree)
     except TieError as e:
         raise TieError(f"load: {path!r} holds a bad sharing graph: {e}") from None
-    if shardings is not None:
-        tree = _place(path, tree, shardings)
-    return tree
-
-
-# ----------------------------------------------------------------------------- describe
-
-
-class _FileGraph(SharingGraph):
-    """The sharing graph of a file: ``st.fn`` views are named, never called."""
-
-    _uncalled = staticmethod(_is_described)
-
-
-def describe(path: PathOrStr, max_rows: int = 20) -> str:
-    """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
-
-    For a file written by :func:`save`: its size, format version and the
-    sharing summary of its tree (as :func:`sharetree.summary` prints it), from
-    the header and metadata only; ``st.fn`` views are shown by their stored
-    name (``fn(mylib.ops:softcap)``), never imported or called, so without
-    shape and dtype. For another safetensors file: its tensors and bytes.
-
-    Args:
-        path: the file.
-        max_rows: the most rows shown per table.
-
-    Returns:
-        Several lines of text, without a trailing newline.
-
-    Raises:
-        TieError: any problem (a missing or unreadable file, malformed
-            metadata, a bad graph), as one line naming the file.
-
-    Example:
-        >>> import os, tempfile, numpy as np, sharetree as st
-        >>> from sharetree._io import describe
-        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
-        >>> st.save(path, {"emb": np.zeros((4, 2), np.float32), "head": st.Tied("emb", st.T)})
-        >>> print(describe(path).splitlines()[1])
-        sharing graph: 1 buffer, 1 view
-    """
-    from sharetree._display import format_bytes, summary
-
-    path = file_path(path, "inspect")
-    if not _is_int(max_rows) or max_rows < 1:
-        raise TieError(
-            f"inspect: max_rows must be an int of at least 1, found {type(max_rows).__name__} "
-            f"{max_rows!r:.80}. Fix: pass e.g. max_rows=20."
-        )
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise TieError(f"inspect: cannot read {path!r} ({one_line(e)}).") from e
-    reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
-    meta = reader.metadata
-    if _KEY_VERSION not in meta:
-        data = sum(info.nbytes for info in reader.infos.values())
-        ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
-        said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
-        head = (
-            f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
-            f"{_KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
-            f"{format_bytes(data)} of tensor data, "
-            + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
-        )
-        rows = [
-            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
-            for info in list(reader.infos.values())[:max_rows]
-        ]
-        if len(reader.infos) > max_rows:
-            rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
-        return "\n".join([head, *rows])
-    builder = _Builder(reader, reader.infos, _AnyFunction())
-    tree = builder.run()
-    try:
-        leaves, structure = leaves_and_structure(tree)
-        graph = _FileGraph(structure, leaves)
-        # the file's keys are in the tables: no character of theirs moves a terminal
-        text = "".join(
-            c if c.isprintable() or c == "\n" else repr(c)[1:-1]
-            for c in summary(graph, max_rows=max_rows)
-        )
-    except TieError as e:
-        raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
-    head = (
-        f"{path}: {size:,} bytes, sharetree format {meta[_KEY_VERSION]} "
-        f"(written by sharetree {_printable(meta.get(_KEY_LIBRARY, '?'))})"
-    )
-    notes = []
-    named = sum(_is_described(v.transform) for v in graph.structure.views)
-    if named:
-        notes.append(
-            f"note: {named:,} view(s) use st.fn functions the file names; they were not "
-            "imported or called, so their shape and dtype are not shown"
-        )
-    if builder.keys:
-        notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
-    return "\n".join([head, text, *notes])
-
-
-def _printable(text: str) -> str:
-    """``text`` as it is when printable, else its ``repr`` (file content never moves a terminal)."""
-    return text if text.isprintable() else repr(text)
+    return read_tree(repr(path), tree, shardings)
 
 
 # ----------------------------------------------------------------------------- the builder
 
 
 class _Builder:
-    """Rebuilds a canonical tree from the JSON structure, checking every value's type.
+    """Rebuilds a canonical tree from a file's JSON structure, trusting none of it.
 
-    ``tensors`` maps names to arrays (load) or to :class:`TensorInfo` (describe,
-    which builds ``jax.ShapeDtypeStruct`` leaves). Recursion is bounded: the
-    JSON is at most ``_MAX_JSON_DEPTH`` deep (checked before parsing) and the
-    tree at most ``MAX_DEPTH``.
+    ``tensors`` maps names to their :class:`TensorInfo`; buffers are
+    :class:`_Buffer` leaves that :func:`read_tree` reads later (``lazy``, for
+    load) or ``jax.ShapeDtypeStruct`` leaves (describe). A node's fields are read by
+    indexing (a missing one is named by :meth:`build`) and checked by what
+    consumes them: ``Tied`` checks a ref, ``transform_from_spec`` a spec, the
+    tensor's header (read by safetensors) a buffer's dtype and shape; only JSON
+    types are checked here. Every error names the file, the node's path and the
+    field. Recursion is bounded: ``json.loads`` stops at Python's recursion
+    limit (a ``RecursionError``, reported as a ``TieError``) and the tree at
+    ``MAX_DEPTH``.
     """
 
-    def __init__(self, reader: Reader, tensors: Mapping[str, Any], functions: Any) -> None:
+    def __init__(
+        self, reader: Reader, tensors: Mapping[str, TensorInfo], functions: Any, lazy: bool = False
+    ) -> None:
         self.path, self.verb, self.meta = reader.path, reader.verb, reader.metadata
-        self.tensors = tensors
+        self.reader, self.tensors, self.lazy = reader, tensors, lazy
         self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
@@ -652,8 +528,8 @@ class _Builder:
         self.keys: list[Path] = []
 
     def run(self) -> Any:
-        version, where = self.meta[_KEY_VERSION], f"{self.verb}: {self.path!r}"
-        of_tree = f"{self.verb}: the {_KEY_TREE!r} metadata of {self.path!r}"
+        version, where = self.meta[KEY_VERSION], f"{self.verb}: {self.path!r}"
+        of_tree = f"{self.verb}: the {KEY_TREE!r} metadata of {self.path!r}"
         if not (version.isascii() and version.isdigit() and len(version) < 10):
             raise TieError(
                 f"{where} has a malformed format version {_shown(version)}; expected a decimal "
@@ -663,30 +539,33 @@ class _Builder:
         if self.version > FORMAT_VERSION:
             raise TieError(
                 f"{where} has format version {self.version}, written by sharetree "
-                f"{self.meta.get(_KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
+                f"{self.meta.get(KEY_LIBRARY, '?')!r}; this sharetree reads versions up to "
                 f"{FORMAT_VERSION}. Fix: upgrade sharetree (pip install -U sharetree)."
             )
-        if _KEY_TREE not in self.meta:
+        if KEY_TREE not in self.meta:
             raise TieError(
-                f"{where} has a format version but no {_KEY_TREE!r} metadata, so its tree "
+                f"{where} has a format version but no {KEY_TREE!r} metadata, so its tree "
                 f"structure is lost. {_RESAVE}"
             )
-        depth = _json_depth(self.meta[_KEY_TREE], _MAX_JSON_DEPTH)
-        if depth > _MAX_JSON_DEPTH:
-            raise TieError(
-                f"{of_tree} is nested {depth} or more levels deep; a file written by st.save "
-                f"nests at most {_MAX_JSON_DEPTH} (trees of at most {MAX_DEPTH} levels). {_RESAVE}"
-            )
+        deep = TieError(
+            f"{of_tree} is nested deeper than Python recurses; a file written by st.save holds "
+            f"a tree of at most {MAX_DEPTH} levels. {_RESAVE}"
+        )
         try:
-            structure = json.loads(self.meta[_KEY_TREE], object_pairs_hook=unique_pairs)
+            structure = json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs)
         except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
             raise TieError(
                 f"{of_tree} names the field {e.key!r} twice in one object, so one of the two "
                 f"would be silently lost. {_RESAVE}"
             ) from None
+        except RecursionError:
+            raise deep from None
         except ValueError as e:
             raise TieError(f"{of_tree} is not valid JSON ({one_line(e)}). {_RESAVE}") from e
-        tree = self.build(structure, ())
+        try:
+            tree = self.build(structure, ())
+        except RecursionError:  # a value nested almost as deep, echoed in a message
+            raise deep from None
         unused = sorted(set(self.tensors) - self.used)
         if unused:
             raise TieError(
@@ -700,19 +579,11 @@ class _Builder:
     def bad(self, path: Path, what: str) -> TieError:
         return self.fail(f"malformed node at {path_str(path)!r}: {what}.")
 
-    def field(
-        self, node: dict[str, Any], name: str, path: Path, ok: Any = None, want: str = ""
-    ) -> Any:
-        """``node[name]``, checked by ``ok`` (default: the check of ``_FIELDS[name]``)."""
-        if ok is None:
-            ok, want = _FIELDS[name]
-        if name not in node:
-            raise self.bad(path, f"the field {name!r} ({want}) is missing")
-        v = node[name]
-        if not ok(v):
-            raise self.bad(
-                path, f"the field {name!r} should be {want}, found {type(v).__name__} {_shown(v)}"
-            )
+    def check(self, ok: bool, path: Path, name: str, v: Any, want: str) -> Any:
+        """``v``, the field ``name`` of the node at ``path``, if ``ok``; else a TieError."""
+        if not ok:
+            found = f"{type(v).__name__} {_shown(v)}"
+            raise self.bad(path, f"the field {name!r} should be {want}, found {found}")
         return v
 
     def build(self, node: Any, path: Path) -> Any:
@@ -720,10 +591,15 @@ class _Builder:
             raise self.bad(path[:8], f"the tree is nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict):
             raise self.bad(path, f"expected a JSON object, found {type(node).__name__}")
-        t = self.field(node, "t", path)
-        if t in ("none", "static"):
-            return None if t == "none" else self.static(node, path)
-        if t in ("tied", "value", "buffer"):
+        try:
+            return self.node(node, path)
+        except KeyError as e:  # only a node's own fields are looked up by indexing
+            raise self.bad(path, f"the field {e.args[0]!r} is missing") from None
+
+    def node(self, node: dict[str, Any], path: Path) -> Any:
+        t = node["t"]
+        self.check(isinstance(t, str), path, "t", t, "a node kind")
+        if t in ("none", "static", "tied", "value", "buffer"):
             return getattr(self, t)(node, path)
         if t not in _CONTAINERS and t != "node":
             raise self.fail(
@@ -732,10 +608,13 @@ class _Builder:
                 "",
             )
         if t == "node":  # rebuilt as a dict keyed by its key names (a warning says so)
-            self.generic.append((path, self.field(node, "type", path)))
-        children = self.field(node, "children", path)
+            self.generic.append((path, self.type_name(node, path)))
+        children = node["children"]
+        self.check(isinstance(children, list), path, "children", children, "a list of nodes")
         sequence = t in ("list", "tuple")
-        keys = list(range(len(children))) if sequence else self.field(node, "keys", path)
+        keys = list(range(len(children))) if sequence else node["keys"]
+        ok = isinstance(keys, list) and all(type(k) in (str, int) for k in keys)
+        self.check(ok, path, "keys", keys, "a list of str or int keys")
         if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
             raise self.bad(
                 path,
@@ -753,38 +632,54 @@ class _Builder:
             return _CONTAINERS[t](values)
         return _CONTAINERS.get(t, dict)(zip(map(str, keys) if t == "node" else keys, values))
 
+    def none(self, node: dict[str, Any], path: Path) -> None:
+        return None
+
+    def type_name(self, node: dict[str, Any], path: Path) -> str:
+        """A ``module.qualname`` as ``save`` writes it (printable: it is shown in messages)."""
+        v = node["type"]
+        ok = isinstance(v, str) and 0 < len(v) <= 500 and v.isprintable()
+        return self.check(ok, path, "type", v, "a type name (printable, at most 500 characters)")
+
     def static(self, node: dict[str, Any], path: Path) -> _Static:
-        self.statics.append((path, self.field(node, "type", path)))
+        self.statics.append((path, self.type_name(node, path)))
         return _Static(self.statics[-1][1])
 
     def tied(self, node: dict[str, Any], path: Path) -> Tied:
-        ref, spec = (self.field(node, f, path) for f in ("ref", "transform"))
+        ref, spec, where = node["ref"], node["transform"], path_str(path)
+        self.check(isinstance(ref, list), path, "ref", ref, "a non-empty list of keys")
         try:
             transform = self.resolve(spec)
         except TieError as e:
             fix = "" if "Fix:" in str(e) else _RESAVE
-            raise self.fail(f"the tie at {path_str(path)!r} cannot be rebuilt: {e}", fix) from None
+            what = f"the tie at {where!r} cannot be rebuilt from its field 'transform': {e}"
+            raise self.fail(what, fix) from None
         try:
             return Tied(tuple(ref), transform)
         except TieError as e:
-            raise self.fail(f"the tie at {path_str(path)!r} is malformed: {e}") from None
+            raise self.fail(f"the tie at {where!r} is malformed: its field 'ref': {e}") from None
 
     def value(self, node: dict[str, Any], path: Path) -> Any:
-        ok = lambda v: isinstance(v, str) and v in _VALUE_TYPES  # noqa: E731
-        kind = self.field(node, "type", path, ok, "bool, int, float, complex or str")
-        v = self.field(node, "value", path, _VALUE_TYPES[kind], f"a {kind} value")
+        kind, v = node["type"], node["value"]
+        ok = isinstance(kind, str) and kind in _VALUE_TYPES
+        self.check(ok, path, "type", kind, "bool, int, float, complex or str")
+        self.check(_VALUE_TYPES[kind](v), path, "value", v, f"a {kind} value")
         if kind == "complex":
             return complex(*v)
         return float(v) if kind == "float" else v
 
     def buffer(self, node: dict[str, Any], path: Path) -> Any:
-        name, dtype_name, shape, raw = (self.field(node, f, path) for f in _BUFFER_FIELDS)
+        name, dtype_name, shape, raw = node["tensor"], node["dtype"], node["shape"], node["raw"]
+        self.check(_is_dtype_name(dtype_name), path, "dtype", dtype_name, "a numeric dtype name")
+        ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        self.check(ok, path, "shape", shape, "a list of sizes >= 0")
+        self.check(type(raw) is bool, path, "raw", raw, "true or false")
         scalar = node.get("scalar", False)
         if not isinstance(scalar, bool) or (scalar and shape):
             raise self.bad(
                 path,
                 f"the field 'scalar' should be true (for shape []) or false, "
-                f"found {scalar!r} for shape {list(shape)}",
+                f"found {_shown(scalar)} for shape {_shown(shape)}",
             )
         impl = node.get("key")
         if impl is not None and (
@@ -793,11 +688,12 @@ class _Builder:
             raise self.bad(
                 path,
                 f"the field 'key' should be one of {list(KEY_IMPLS)} on uint32 data in a file "
-                f"of format version 2, found {impl!r} on {dtype_name} (version {self.version})",
+                f"of format version 2, found {_shown(impl)} on {dtype_name} "
+                f"(version {self.version})",
             )
-        if name not in self.tensors:
+        if not isinstance(name, str) or name not in self.tensors:
             raise self.fail(
-                f"the buffer at {path_str(path)!r} needs the tensor {name!r}, which the file "
+                f"the buffer at {path_str(path)!r} needs the tensor {_shown(name)}, which the file "
                 "does not hold."
             )
         if name in self.used:
@@ -807,44 +703,46 @@ class _Builder:
             )
         self.used.add(name)
         want, found = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype_name)), self.tensors[name]
-        info = isinstance(found, TensorInfo)
-        got = NATIVE_CODES.get(found.code, found.code) if info else found.dtype.name
-        got = f"{got}{list(found.shape)}"  # as format_aval writes an aval
-        shown, where = format_aval(want), f"tensor {name!r} at {path_str(path)!r}"
+        got = f"{NATIVE_CODES.get(found.code, found.code)}{list(found.shape)}"  # as format_aval
+        shown, where = _shown(None, format_aval(want)), f"tensor {name!r} at {path_str(path)!r}"
         if raw and got != f"uint8[{want.size * want.dtype.itemsize}]":
             raise self.fail(f"{where} should hold the raw bytes of {shown}, found {got}.")
-        if not raw and got != shown:
+        if not raw and got != format_aval(want):
             raise self.fail(f"{where} is {got} but the metadata says {shown}.")
         if impl is not None:
             self.keys.append(path)
-        if info:
+        if not self.lazy:
             return want
-        a = np.frombuffer(found.tobytes(), want.dtype).reshape(want.shape) if raw else found
+        aval = want
         if impl is not None:
             try:
-                return jax.random.wrap_key_data(jnp.asarray(a), impl=impl)
+                aval = jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=impl), want)
             except (ValueError, TypeError) as e:
                 what = f"key data {format_aval(want)} does not fit {impl} keys ({one_line(e)})"
                 raise self.bad(path, what) from e
-        return a[()] if scalar else a
+        tensor = Tensor(self.reader, name, want.shape, want.dtype, view=raw)
+        return _Buffer(tensor, aval.shape, aval.dtype, scalar, impl)
 
 
-def _shown(v: Any) -> str:
-    """``repr(v)``, cut to 60 characters (a file's content is echoed in messages, never all)."""
-    return repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+def _shown(v: Any, text: str | None = None) -> str:
+    """``repr(v)`` (or ``text``), cut to 60 characters: a file's content is never echoed whole."""
+    text = repr(v) if text is None else text
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _is_type_name(v: Any) -> bool:
-    """A ``module.qualname`` as ``save`` writes it: printable, of a sane length."""
-    return isinstance(v, str) and 0 < len(v) <= 500 and v.isprintable()
-
-
-def _is_key_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(k, str) or _is_int(k) for k in v)
+_VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": _is_int,
+    "float": _is_real,
+    "str": lambda v: isinstance(v, str),
+    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
+}
+"""The Python leaves a file holds: each ``value`` node's type and the check of its value."""
 
 
 def _is_dtype_name(v: Any) -> bool:
-    if not isinstance(v, str) or not v.isidentifier():
+    """A numeric dtype's name, as ``jnp.dtype`` reads it (``"float32"``, never ``"f4"``)."""
+    if not isinstance(v, str) or not v.isidentifier():  # numpy parses more (SyntaxError)
         return False
     try:
         d = jnp.dtype(v)
@@ -853,67 +751,27 @@ def _is_dtype_name(v: Any) -> bool:
     return d.name == v and _is_numeric(d)
 
 
-def _is_shape(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(_is_int(d) and 0 <= d < 2**62 for d in v)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Buffer(Pending):
+    """A buffer of a file, not read yet: shape and dtype of what :meth:`read` gives."""
 
+    tensor: Tensor
+    shape: tuple[int, ...]
+    dtype: Any
+    scalar: bool = False  # a NumPy scalar (np.float32(1.0)) on the host
+    key: str | None = None  # typed PRNG keys of this implementation, from their key data
 
-def _of(*types: type) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, types)
+    def _wrap(self, data: jax.Array) -> jax.Array:
+        return jax.random.wrap_key_data(data, impl=self.key)
 
+    def read(self) -> Any:
+        a = self.tensor.read()
+        if self.key is not None:
+            return self._wrap(jnp.asarray(a))
+        return a[()] if self.scalar else a
 
-_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "t": (_of(str), "a node kind"),
-    "children": (_of(list), "a list of nodes"),
-    "keys": (_is_key_list, "a list of str or int keys"),
-    "type": (_is_type_name, "a type name (printable, at most 500 characters)"),
-    "ref": (_is_key_list, "a non-empty list of keys"),
-    "transform": (_of(dict), "a spec"),
-    "tensor": (_of(str), "a tensor name"),
-    "dtype": (_is_dtype_name, "a numeric dtype name"),
-    "shape": (_is_shape, "a list of sizes >= 0"),
-    "raw": (_of(bool), "true or false"),
-}
-"""Each field of a node: its check and what it should be (``_Builder.field`` names both)."""
-
-_BUFFER_FIELDS = ("tensor", "dtype", "shape", "raw")
-
-_VALUE_TYPES: dict[str, Callable[[Any], bool]] = {
-    "bool": _of(bool),
-    "int": _is_int,
-    "float": _is_real,
-    "str": _of(str),
-    "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_real, v)),
-}
-
-
-def _place(path: str, tree: Any, shardings: Any) -> Any:
-    """``jax.device_put`` each buffer of ``tree`` with the sharding at its path in ``shardings``."""
-    from jax.sharding import Sharding
-
-    want = dict(
-        leaves_with_paths(shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding))
-    )
-    got = dict(leaves_with_paths(tree, is_tied))
-    missing, extra = _only({p for p, x in got.items() if _is_array(x)}, want), _only(want, got)
-    if missing != "none" or extra != "none":
-        raise TieError(
-            f"load: shardings= does not match {path!r}: buffers without a sharding: "
-            f"{missing}; paths the file does not have: {extra}. "
-            "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
-            "sharding, abstract_tree) (Tied positions are ignored)."
-        )
-    leaves = []
-    for p, x in got.items():
-        s = want.get(p)
-        if _is_array(x) and s is not None and not is_tied(s):
-            if not isinstance(s, Sharding):
-                raise TieError(
-                    f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
-                    "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
-                )
-            x = jax.device_put(x, s)
-        leaves.append(x)
-    return jtu.tree_unflatten(jtu.tree_structure(tree, is_leaf=is_tied), leaves)
+    def place(self, sharding: Any) -> jax.Array:
+        return self.tensor.place(sharding, None if self.key is None else self._wrap)
 
 
 def _only(paths: Iterable[Path], other: Iterable[Path]) -> Any:
@@ -965,7 +823,7 @@ def _restore_like(path: str, tree: Any, like: Any) -> Any:
                 else "tie the template as the saved tree was tied"
             )
         elif isinstance(f, _Static) or (
-            _is_array(f) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
+            isinstance(f, Pending) and tuple(f.shape) == tuple(t.shape) and f.dtype == t.dtype
             if hasattr(t, "shape") and hasattr(t, "dtype")
             else type(f) is type(t)
         ):

@@ -7,6 +7,7 @@ one label (or mask bit) and each ``Tied``, a leafless node, needs none.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,8 +22,10 @@ from sharetree._paths import (
     leaves_with_paths,
     node_paths,
     path_str,
+    plural,
     prefixes,
 )
+from sharetree._resolve import structure_of
 from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path"]
@@ -76,29 +79,89 @@ def _apply_rules(
     where: str,
     strict: bool,
     credit_all: bool,
+    what: str = "label",
 ) -> Any:
     """Replace each leaf by ``leaf(path, value, first matching rule or None)``.
 
     With ``strict`` every rule must have matched a leaf: the first matching one
-    (or, with ``credit_all``, every matching one) counts as used.
+    (or, with ``credit_all``, every matching one) counts as used. A rule that
+    decides a view's ``what`` (label, mask bit, sharding) without matching its
+    buffer, and gives another one than the buffer's, is warned about
+    (:func:`_warn_on_views`).
     """
     used = [False] * len(pairs)
-    leaf_paths: list[Path] = []
+    given: dict[Path, Any] = {}  # each leaf's result
 
     def one(kp: Any, x: Any) -> Any:
         path = keypath_to_path(kp)
-        leaf_paths.append(path)
         hits = [i for i, (pattern, _) in enumerate(pairs) if _matches(pattern, path)]
         for i in hits if credit_all else hits[:1]:
             used[i] = True
-        return leaf(path, x, pairs[hits[0]] if hits else None)
+        given[path] = leaf(path, x, pairs[hits[0]] if hits else None)
+        return given[path]
 
     with flattening(tree):
         out = jtu.tree_map_with_path(one, tree)
     unused = [pattern for (pattern, _), ok in zip(pairs, used, strict=True) if not ok]
     if strict and unused:
-        raise _unused_error(unused[0], tree, leaf_paths, where)
+        raise _unused_error(unused[0], tree, list(given), where)
+    _warn_on_views(tree, pairs, given, where, what)
     return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # labels that do not compare (arrays): only the same object is the same
+        return False
+
+
+def _warn_on_views(
+    tree: Any, pairs: list[tuple[str, Any]], given: dict[Path, Any], where: str, what: str
+) -> None:
+    """Warn for each rule that matches views but not their buffers, and gives them another value.
+
+    A view (a ``Tied``, or a leaf under one) has no label, mask bit or sharding of
+    its own: it shares its buffer's. A rule written for the view's path (nanoGPT's
+    ``"*kernel"`` meaning the tied output layer too) silently misses the buffer.
+    """
+    try:
+        structure = structure_of(jtu.tree_structure(tree))
+    except TieError:
+        return  # a bad graph is reported by materialize; labels do not need it
+    found: dict[str, list[str]] = {}
+    buffers: dict[str, Path] = {}  # the first buffer each pattern misses
+    for view in structure.views:
+        hit = next(((p, v) for p, v in pairs if _matches(p, view.path)), None)
+        if hit is None:
+            continue
+        pattern, _ = hit
+        buffer = structure.buffer_paths[view.buffer]
+        if _matches(pattern, buffer) or buffer not in given:
+            continue
+        ours = given[buffer]
+        if what == "sharding":
+            ours = ours.spec  # the buffer's NamedSharding against the rule's PartitionSpec
+        theirs = True if what == "mask bit" else hit[1]
+        if _same(ours, theirs):
+            continue
+        tie = structure.ties[view.tie]
+        buffers.setdefault(pattern, buffer)
+        found.setdefault(pattern, []).append(
+            f"{path_str(view.path)!r} ({tie!r} at {path_str(view.tie)!r}) would get "
+            f"{theirs!r}, but its buffer {path_str(buffer)!r} gets {ours!r}"
+        )
+    for pattern, views in found.items():
+        shown = "; ".join(views[:3]) + (f"; and {len(views) - 3} more" if len(views) > 3 else "")
+        warnings.warn(
+            f"{where}: pattern {pattern!r} matches {plural(len(views), 'view')} whose buffer it "
+            f"does not match: {shown}. A view has no {what} of its own: it shares its buffer's, "
+            f"so this rule has no effect there. Fix: write the rule for the buffer's path "
+            f"({path_str(buffers[pattern])!r}), or narrow the pattern so that it does not match "
+            "the view.",
+            UserWarning,
+            stacklevel=4,  # the caller of label_by_path, mask_by_path or shardings_by_path
+        )
 
 
 def label_by_path(
@@ -191,5 +254,11 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
             )
     pairs = [(p, True) for p in given]
     return _apply_rules(
-        tree, pairs, lambda _p, _x, rule: rule is not None, "mask_by_path", strict, credit_all=True
+        tree,
+        pairs,
+        lambda _p, _x, rule: rule is not None,
+        "mask_by_path",
+        strict,
+        credit_all=True,
+        what="mask bit",
     )

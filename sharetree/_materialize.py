@@ -14,7 +14,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._paths import Path, aval_of, flattening, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
-from sharetree._transforms import Transform, _Fn, identity, parts_of
+from sharetree._transforms import Transform, identity
 
 __all__ = [
     "materialize",
@@ -116,11 +116,6 @@ def _concrete_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
 
 
-def _has_fn(t: Transform) -> bool:
-    """Whether ``t`` runs a user function (``st.fn``), which may not be traceable."""
-    return any(isinstance(p, _Fn) for p in parts_of(t))
-
-
 class _Plan(NamedTuple):
     """Index lists of a structure for ``expand_leaves`` (built once per structure)."""
 
@@ -144,8 +139,8 @@ def _plan(structure: Structure) -> _Plan:
         for k, leaf in enumerate(structure.expanded)
         if leaf.transform is not None and leaf.transform is not identity
     )
-    batched = tuple(view for view in views if not _has_fn(view[1]))
-    rest = tuple(view for view in views if _has_fn(view[1]))
+    batched = tuple(view for view in views if view[1].traceable())
+    rest = tuple(view for view in views if not view[1].traceable())
     inputs = tuple(sorted({sources[k] for k, _ in batched}))
     return _Plan(getter, views, batched, rest, inputs)
 

@@ -27,6 +27,7 @@ __all__ = [
     "to_path",
     "path_str",
     "path_key",
+    "key_str",
     "key_name",
     "keypath_to_path",
     "leaves_with_paths",
@@ -115,6 +116,17 @@ def path_key(path: Path) -> str | Path:
         ('a/b/0', ('a/b', 'c'))
     """
     return path if any("/" in k or not k for k in path) else "/".join(path)
+
+
+def key_str(key: str | Path) -> str:
+    """The display form of a result's key (:func:`path_key`): the string, or the tuple's repr.
+
+    Example:
+        >>> from sharetree._paths import key_str
+        >>> key_str("a/b"), key_str(("a/b", "c"))
+        ('a/b', "('a/b', 'c')")
+    """
+    return key if isinstance(key, str) else path_str(tuple(key))
 
 
 def key_name(key: Any) -> str:

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from sharetree._materialize import leaf_aval, leaves_and_structure, transform_error
-from sharetree._paths import aval_nbytes, format_aval, path_str, plural
+from sharetree._paths import aval_nbytes, format_aval, path_key, plural
 from sharetree._resolve import Structure
-from sharetree._tied import Tied
+from sharetree._tied import DISPLAY, Tied
 from sharetree._transforms import Transform
 
 __all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
@@ -45,7 +45,7 @@ def _shape_fields(a: jax.ShapeDtypeStruct | None) -> tuple[Any, Any, int]:
 class Buffer(_Shaped):
     """A leaf stored once: its path, shape, dtype, bytes and how many views use it."""
 
-    path: str
+    path: str | tuple[str, ...]  # as every result's key: path_key
     shape: tuple[int, ...] | None
     dtype: np.dtype | None
     nbytes: int
@@ -59,13 +59,13 @@ class Buffer(_Shaped):
 class View(_Shaped):
     """A position whose value is ``transform(buffer)``; ``tie`` is the ``Tied`` that made it."""
 
-    path: str
-    buffer: str
+    path: str | tuple[str, ...]  # paths as every result's key: path_key
+    buffer: str | tuple[str, ...]
     transform: Transform
     shape: tuple[int, ...] | None
     dtype: np.dtype | None
     nbytes: int
-    tie: str
+    tie: str | tuple[str, ...]
 
     def __repr__(self) -> str:
         return (
@@ -132,23 +132,23 @@ class SharingGraph:
         """Every buffer in flatten order."""
         uses = collections.Counter(view.buffer for view in self.structure.views)
         return tuple(
-            Buffer(path_str(p), *_shape_fields(a), uses[i])
+            Buffer(path_key(p), *_shape_fields(a), uses[i])
             for i, (p, a) in enumerate(zip(self.structure.buffer_paths, self._avals))
         )
 
     @functools.cached_property
-    def views(self) -> dict[str, View]:
+    def views(self) -> dict[str | tuple[str, ...], View]:
         """Every view: materialized path -> :class:`View` (buffer path, composed transform)."""
         out = {}
         for v, a in zip(self.structure.views, self._view_avals):
-            path, buffer = path_str(v.path), path_str(self.structure.buffer_paths[v.buffer])
-            out[path] = View(path, buffer, v.transform, *_shape_fields(a), path_str(v.tie))
+            path, buffer = path_key(v.path), path_key(self.structure.buffer_paths[v.buffer])
+            out[path] = View(path, buffer, v.transform, *_shape_fields(a), path_key(v.tie))
         return out
 
     @property
-    def ties(self) -> dict[str, Tied]:
+    def ties(self) -> dict[str | tuple[str, ...], Tied]:
         """The ``Tied`` nodes as written in the canonical tree, by path."""
-        return {path_str(p): t for p, t in self.structure.ties.items()}
+        return {path_key(p): t for p, t in self.structure.ties.items()}
 
     @property
     def size_unique(self) -> int:
@@ -172,15 +172,11 @@ class SharingGraph:
 
     def _repr_html_(self) -> str:
         """HTML for Jupyter: totals, buffer and view tables, and an SVG drawing."""
-        from sharetree._display import graph_html  # the display layer depends on this one
-
-        return graph_html(self)
+        return DISPLAY["graph_html"](self)
 
     def to_dot(self, *, include_unshared: bool = False) -> str:
         """Graphviz DOT text of the graph (``dot -Tsvg``); see ``sharetree._display.graph_dot``."""
-        from sharetree._display import graph_dot
-
-        return graph_dot(self, include_unshared=include_unshared)
+        return DISPLAY["graph_dot"](self, include_unshared=include_unshared)
 
     def __repr__(self) -> str:
         counts = f"{plural(self.num_unique, 'buffer')}, {plural(self.num_views, 'view')}"

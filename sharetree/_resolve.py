@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, closest, keypath_to_path, leaves_with_paths, node_paths, path_str
+from sharetree._paths import (
+    Path,
+    closest,
+    keypath_to_path,
+    leaves_with_paths,
+    node_paths,
+    path_str,
+    plural,
+)
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
 
-__all__ = ["Leaf", "ViewLeaf", "Structure", "structure_of", "STRUCTURE_CACHE_SIZE"]
+__all__ = ["Leaf", "ViewLeaf", "Structure", "structure_of", "ref_to", "STRUCTURE_CACHE_SIZE"]
 
 STRUCTURE_CACHE_SIZE = 512
 """How many resolved treedefs :func:`structure_of` keeps (least recently used first out)."""
@@ -92,13 +102,40 @@ def _compose(template: Any, t: Transform) -> Any:
     return jtu.tree_map(lambda r: _Ref(r.i, chain(r.transform, t)), template)
 
 
-def _cycle_error(cycle: list[Path]) -> TieError:
-    shown = cycle if len(cycle) <= 9 else [*cycle[:4], None, *cycle[-4:]]
-    text = " -> ".join("..." if p is None else repr(path_str(p)) for p in shown)
+class _Hop(NamedTuple):
+    """How the ref of one ``Tied`` was followed: as written (in its scope), then through views."""
+
+    ref: Path  # the ref as written, from the subtree it was found in
+    written: Path  # the ref exactly as the Tied holds it
+    via: tuple[tuple[Path, Tied], ...]  # each view passed on the way: its path and its Tied
+    lands: Path  # the node it lands on (a leaf, a Tied or a subtree)
+
+
+def _hop_text(hop: _Hop, nxt: Path) -> str:
+    """One step of a cycle as the user wrote it: ``'b/x' (via Tied('a') at 'b') -> 'a/x'``."""
+    text = repr(path_str(hop.ref))
+    if hop.written != hop.ref:
+        text += f" (written {path_str(hop.written)!r})"
+    if hop.via:
+        text += " (via " + ", ".join(f"{t!r} at {path_str(p)!r}" for p, t in hop.via) + ")"
+        text += f" -> {path_str(hop.lands)!r}"
+    if hop.lands[: len(nxt)] == nxt and hop.lands != nxt:  # a path below the view at nxt
+        text += f" (through the view {path_str(nxt)!r})"
+    elif hop.lands != nxt:  # a subtree: the chain goes on at a tie inside it
+        text += f" (holding the tie {path_str(nxt)!r})"
+    return text
+
+
+def _cycle_error(cycle: list[Path], hops: dict[Path, _Hop]) -> TieError:
+    """The whole cycle ``cycle[0] -> ... -> cycle[-1] == cycle[0]``, each ref as written."""
+    steps = [_hop_text(hops[a], b) for a, b in itertools.pairwise(cycle)]
+    shown = steps if len(steps) <= 8 else [*steps[:4], "...", *steps[-4:]]
+    text = " -> ".join([repr(path_str(cycle[0])), *shown])
+    ties = {*cycle, *(p for a in cycle[:-1] for p, _ in hops[a].via)}  # the views passed too
     return TieError(
-        f"cycle of ties: {text} ({len(cycle) - 1} ties, starting at {path_str(cycle[0])!r}). "
-        "Each Tied refers to the next, so no buffer holds the value. "
-        "Fix: put the array at one of these paths and tie the others to it."
+        f"cycle of ties: {text} ({plural(len(ties), 'tie')}, starting at "
+        f"{path_str(cycle[0])!r}). Each Tied refers to the next, so no buffer holds the "
+        "value. Fix: put the array at one of these paths and tie the others to it."
     )
 
 
@@ -121,6 +158,8 @@ class _Resolver:
         self.buffer_paths = tuple(self.memo)
         self.nodes = node_paths([*self.memo, *self.tied_at])
         self.targets: dict[Path, tuple[Path, Transform]] = {}
+        self.hops: dict[Path, _Hop] = {}  # how each target was reached (for cycle errors)
+        self.scoped: dict[Path, Path | None] = {}  # each Tied's ref, from the scope it is found in
 
     def target(self, at: Path) -> tuple[Path, Transform]:
         """Follow the ref of the ``Tied`` at ``at`` through any views it passes (iteratively).
@@ -131,7 +170,7 @@ class _Resolver:
         if at in self.targets:
             return self.targets[at]
         t = self.tied_at[at]
-        ref = self._scoped(at, t.ref)
+        ref = first = self._scoped(at)
         if ref[: len(at)] == at or at[: len(ref)] == ref:
             if ref == at:
                 rel = "itself"
@@ -143,42 +182,75 @@ class _Resolver:
                 f"Tied at {path_str(at)!r} refers to {path_str(ref)!r}, {rel}: a view cannot "
                 "be its own buffer. Fix: refer to a path outside it that holds the array."
             )
-        post, seen = [t.transform], [at]
+        post, via = [t.transform], [(at, t)]
         while ref not in self.nodes:
-            prefix = next(
-                (ref[:k] for k in range(len(ref) - 1, 0, -1) if ref[:k] in self.nodes), None
-            )
+            prefix = self._node_prefix(ref)
             if prefix is None or prefix not in self.tied_at:
                 raise self._missing(at, t, ref, prefix)
             # a path through a view: look it up in that view's buffer
-            if prefix in seen:
-                raise _cycle_error([*seen[seen.index(prefix) :], prefix])
-            seen.append(prefix)
+            seen = [p for p, _ in via]
+            if prefix in seen:  # views that refer below each other in a loop
+                loop = [*seen[seen.index(prefix) :], prefix]
+                hops = {p: self._own_hop(p) for p in loop}
+                raise _cycle_error(loop, hops)
             inner = self.tied_at[prefix]
+            via.append((prefix, inner))
             post.append(inner.transform)
-            ref = self._scoped(prefix, inner.ref) + ref[len(prefix) :]
+            ref = self._scoped(prefix) + ref[len(prefix) :]
+        self.hops[at] = _Hop(first, t.ref, tuple(via[1:]), ref)
         # ``post`` lists transforms outermost first: the value is post[0](post[1](...(x)))
         self.targets[at] = (ref, chain(*reversed(post)))
         return self.targets[at]
 
+    def _own_hop(self, at: Path) -> _Hop:
+        """The ref of the ``Tied`` at ``at`` as written, before any view is followed."""
+        ref = self._scoped(at)
+        return _Hop(ref, self.tied_at[at].ref, (), ref)
+
+    def _node_prefix(self, ref: Path) -> Path | None:
+        """The longest proper prefix of ``ref`` that is a node of the tree."""
+        return next((ref[:k] for k in range(len(ref) - 1, 0, -1) if ref[:k] in self.nodes), None)
+
     def _reaches(self, ref: Path) -> bool:
-        """Whether ``ref`` names a node of the tree, or a path through a view."""
-        return ref in self.nodes or any(ref[:k] in self.tied_at for k in range(1, len(ref)))
+        """Whether ``ref`` names a node of the tree, directly or through views."""
+        seen = set()
+        while ref not in self.nodes:
+            prefix = self._node_prefix(ref)
+            if prefix is None or prefix not in self.tied_at or prefix in seen:
+                return False
+            seen.add(prefix)
+            inner = self._scope(prefix)
+            if inner is None:  # a view whose own ref is being looked up: not through it
+                return False
+            ref = inner + ref[len(prefix) :]
+        return True
 
-    def _scoped(self, at: Path, ref: Path) -> Path:
-        """``ref`` from the root when it is there, else from the nearest subtree holding ``at``.
+    def _scoped(self, at: Path) -> Path:
+        """The ref of the ``Tied`` at ``at``, from the innermost subtree holding it that has it.
 
-        A tied tree nested in a bigger one (Flax variables, a train state and its
-        optimizer moments, an Equinox module inside another) keeps its ties: a
-        ref the root lacks is looked up from each subtree that contains the tie,
-        innermost first (a path overlapping the tie itself never counts).
+        Refs are lexically scoped: the subtrees holding the tie are tried from
+        the innermost out to the root, and the first that has the path (a node,
+        or a path through a view that reaches one) wins. So a tied tree means
+        the same standing alone or nested in a bigger one (Flax variables, a
+        train state and its optimizer moments, an Equinox module inside
+        another), whatever paths the bigger tree has. A scope where the ref would
+        overlap the tie itself never counts.
         """
-        if self._reaches(ref):
-            return ref
+        scoped = self._scope(at)
+        assert scoped is not None  # only _reaches can meet one in progress
+        return scoped
+
+    def _scope(self, at: Path) -> Path | None:
+        if at in self.scoped:
+            return self.scoped[at]  # None while it is being looked up
+        ref = self.tied_at[at].ref
+        self.scoped[at] = None
         for k in range(len(at) - 1, 0, -1):
             scoped = at[:k] + ref
-            if scoped[: len(at)] != at and at[: len(scoped)] != scoped and self._reaches(scoped):
+            if not _overlap(scoped, at) and self._reaches(scoped):
+                self.scoped[at] = scoped
                 return scoped
+        self.scoped[at] = ref
         return ref
 
     def _missing(self, at: Path, t: Tied, ref: Path, prefix: Path | None) -> TieError:
@@ -203,8 +275,8 @@ class _Resolver:
             hint = f"the tree has {split!r}, a key with '/' in it: write the ref as that tuple"
         return TieError(
             f"{head} does not exist in the tree; {hint}. Fix: point the ref at an existing leaf "
-            "or subtree (paths are '/'-joined dict keys, indices and attribute names, from the "
-            "root or from a subtree that contains the tie)."
+            "or subtree (paths are '/'-joined dict keys, indices and attribute names, looked up "
+            "from the innermost subtree that contains the tie and has them, out to the root)."
         )
 
     # -- resolving, depth first with an explicit stack ---------------------
@@ -230,7 +302,8 @@ class _Resolver:
             nxt = next((d for d in pending if d not in self.memo), None)
             if nxt is not None:
                 if nxt in on_stack:
-                    raise _cycle_error([p for p, _ in stack[on_stack[nxt] :]] + [nxt])
+                    cycle = [p for p, _ in stack[on_stack[nxt] :]] + [nxt]
+                    raise _cycle_error(cycle, self.hops)
                 on_stack[nxt] = len(stack)
                 stack.append((nxt, iter(self.deps(nxt))))
                 continue
@@ -253,6 +326,52 @@ class _Resolver:
             return self.memo[path + keypath_to_path(kp)] if isinstance(x, Tied) else x
 
         return _compose(jtu.tree_map_with_path(visit, found[0], is_leaf=is_tied), t)
+
+
+def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Path:
+    """The ref to write at ``target`` that names ``buffer`` (a path from the root).
+
+    For code that ties by position (``tie_identical``, ``find_ties``, NNX's
+    shared variables): refs are looked up from the innermost subtree holding
+    the tie first, so the path from the root names ``buffer`` unless a subtree
+    holding ``target`` has the same path; then the ref from a subtree that
+    holds both does. ``nodes`` are the paths of the tree's nodes
+    (``node_paths`` of its leaf and ``Tied`` positions).
+
+    Raises:
+        TieError: no ref at ``target`` can name ``buffer`` (every spelling is
+            found first in a subtree holding ``target``).
+
+    Example:
+        >>> from sharetree._paths import node_paths
+        >>> from sharetree._resolve import ref_to
+        >>> nodes = node_paths([("w",), ("sub", "w"), ("sub", "v")])
+        >>> ref_to(("w",), ("m", "v"), nodes), ref_to(("sub", "w"), ("sub", "v"), nodes)
+        (('w',), ('sub', 'w'))
+        >>> ref_to(("x", "w"), ("x", "y", "v"), node_paths([("x", "w"), ("x", "y", "x", "w")]))
+        ('w',)
+    """
+    common = 0  # keys shared by buffer and target, below which a scope can hold both
+    while common < min(len(target), len(buffer)) - 1 and target[common] == buffer[common]:
+        common += 1
+    shadows: list[Path] = []
+    for j in range(common + 1):  # from the root form (as written by hand) to the shortest
+        ref = buffer[j:]
+        hidden = (target[:k] + ref for k in range(len(target) - 1, j, -1))
+        hit = next((p for p in hidden if p in nodes and not _overlap(p, target)), None)
+        if hit is None:
+            return ref
+        shadows.append(hit)
+    raise TieError(
+        f"cannot tie {path_str(target)!r} to {path_str(buffer)!r}: refs are looked up from "
+        f"the innermost subtree holding the tie first, and {path_str(shadows[0])!r} is found "
+        "there under every spelling of the ref. Fix: rename one of the keys (or tie the other "
+        "way round)."
+    )
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    return a[: len(b)] == b or b[: len(a)] == a
 
 
 def _nodes_at(tree: Any, path: Path) -> list[Any]:

@@ -156,4 +156,4 @@ def shardings_by_path(
                 f"spec on the mesh: {e} Fix: write a spec this mesh accepts for the rule."
             ) from e
 
-    return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True)
+    return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True, what="sharding")

@@ -32,7 +32,7 @@ from sharetree._paths import (
 )
 from sharetree._resolve import structure_of
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import T, canonical_dtype, identity
+from sharetree._transforms import canonical_dtype, identity
 
 __all__ = ["tie", "tie_entries", "bit_equal"]
 
@@ -294,10 +294,12 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
         if worst > atol:
             n_bad = int(np.count_nonzero(d > atol))
             seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"
+            inverse = t.inverse()
             back = (
-                f"st.tie(tree, {{{buffer!r}: {Tied(where, t)!r}}})"
-                if t in (identity, T)
-                else f"tie {buffer!r} to {where!r} with the inverse of {t!r}"
+                f"write the values you want into {buffer!r} ({t!r} has no inverse to tie "
+                f"{buffer!r} to {where!r})"
+                if inverse is None
+                else f"st.tie(tree, {{{buffer!r}: {Tied(where, inverse)!r}}})"
             )
             raise TieError(
                 f"tie {where!r} <- {new[target]!r}: the two copies differ: {where!r} and "

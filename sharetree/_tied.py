@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import jax
@@ -9,22 +10,30 @@ import jax
 from sharetree._paths import PathLike, path_key, path_str, to_path
 from sharetree._transforms import Transform, check_transform, identity
 
-__all__ = ["Tied", "is_tied"]
+__all__ = ["Tied", "is_tied", "DISPLAY"]
+
+DISPLAY: dict[str, Callable[..., Any]] = {}
+"""Renderers that ``sharetree._display`` registers when it is imported (``import sharetree``
+imports it): ``"tied_treescope"``, ``"graph_html"``, ``"graph_dot"``. Lower layers look their
+display up here and never import the display layer."""
 
 
 class Tied:
     """A view of another position in the same tree: ``transform(value at ref)``.
 
     ``Tied`` is a pytree node with **no children**: ``ref`` and ``transform``
-    are static aux data. ``jax.tree.map``, ``jax.grad``, optax, ``device_put``
-    and checkpointers therefore never see a duplicated buffer, and pass the
+    are static aux data, checked once when the ``Tied`` is made (it is
+    immutable: unflattening a tree gives back the very same ``Tied`` objects,
+    with nothing checked or built again). ``jax.tree.map``, ``jax.grad``, optax,
+    ``device_put`` and checkpointers therefore never see a duplicated buffer, and pass the
     tie through unchanged. :func:`sharetree.materialize` computes the value.
 
     Args:
-        ref: the path it refers to, ``"encoder/kernel"`` or ``("encoder", "kernel")``:
-            from the root of the tree, or, where the root has no such path, from
-            the nearest subtree that holds this tie and has it (so a tied tree
-            keeps its ties nested in a bigger one, such as a train state).
+        ref: the path it refers to, ``"encoder/kernel"`` or ``("encoder", "kernel")``,
+            lexically scoped: looked up from the innermost subtree that holds
+            this tie and has the path, then each enclosing one, out to the root.
+            So a tied tree means the same standing alone or nested in a bigger
+            one (a train state, a bigger model), whatever keys that one has.
             It may point at a leaf, a whole subtree, or another ``Tied``
             (chains compose their transforms).
         transform: a sharetree transform applied to the referenced value
@@ -41,15 +50,18 @@ class Tied:
         (3, 2)
     """
 
-    __slots__ = ("ref", "transform")
+    __slots__ = ("_hash", "ref", "transform")
     ref: tuple[str, ...]
     transform: Transform
+    _hash: int
 
     def __init__(self, ref: PathLike, transform: Transform = identity) -> None:
         path = ref if _is_path(ref) else to_path(ref, "Tied ref")
         check_transform(transform, f"of Tied({path_str(path)!r})")
         object.__setattr__(self, "ref", path)
         object.__setattr__(self, "transform", transform)
+        # hashed at every jit cache lookup of a tree holding it (its treedef's aux data)
+        object.__setattr__(self, "_hash", hash((Tied, path, transform)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Tied is immutable; cannot set {name!r}")
@@ -60,16 +72,14 @@ class Tied:
         return self.ref == other.ref and self.transform == other.transform
 
     def __hash__(self) -> int:
-        return hash((Tied, self.ref, self.transform))
+        return self._hash
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Tied, (self.ref, self.transform))
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Treescope rendering: ref and transform, coloured like the buffer it refers to."""
-        from sharetree._display import tied_treescope_repr
-
-        return tied_treescope_repr(self, path, subtree_renderer)
+        return DISPLAY["tied_treescope"](self, path, subtree_renderer)
 
     def __repr__(self) -> str:
         ref = repr(path_key(self.ref))
@@ -85,6 +95,15 @@ def _is_path(ref: Any) -> TypeGuard[tuple[str, ...]]:
     return isinstance(ref, tuple) and bool(ref) and all(isinstance(k, str) and k for k in ref)
 
 
-jax.tree_util.register_pytree_node(
-    Tied, lambda t: ((), (t.ref, t.transform)), lambda aux, children: Tied(*aux)
-)
+def _flatten(t: Tied) -> tuple[tuple[()], Tied]:
+    return (), t  # the aux data is the (immutable) Tied itself
+
+
+def _unflatten(t: Tied, children: Any) -> Tied:
+    # The Tied was validated when it was made and cannot change: give it back as it is.
+    # Every jax.tree.map, jit dispatch and optimizer step over a tied tree runs this per
+    # Tied, so it checks and builds nothing.
+    return t
+
+
+jax.tree_util.register_pytree_node(Tied, _flatten, _unflatten)

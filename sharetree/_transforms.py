@@ -4,12 +4,24 @@ A transform is what a :class:`~sharetree.Tied` applies to the value it refers
 to. Two transforms built the same way are equal and hash alike
 (``st.T == st.transpose()``), so as static pytree aux data equal structures
 never retrace under ``jit``. ``a >> b`` applies ``a`` first, then ``b``. Each
-transform is one class registered under its spec name (see :class:`Transform`);
-:func:`transform_from_spec` reads specs from that registry only.
+transform is one frozen dataclass registered under its spec name; everything
+the rest of the package asks of a transform is a method of :class:`Transform`,
+so a transform defined outside the package is as good as a built-in one::
+
+    @dataclasses.dataclass(frozen=True)
+    class Flip(st.Transform, name="flip"):
+        axis: int = 0
+
+        def __call__(self, x):
+            return jnp.flip(x, self.axis)
+
+        def state_view(self):  # optimizer moments move like the values
+            return self
 """
 
 from __future__ import annotations
 
+import builtins
 import cmath
 import dataclasses
 import functools
@@ -24,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, TieTypeError
 
 __all__ = [
     "Transform",
@@ -35,6 +47,8 @@ __all__ = [
     "astype",
     "scale",
     "fn",
+    "slice",
+    "index",
     "chain",
     "transform_from_spec",
     "describe_spec",
@@ -46,11 +60,14 @@ ArrayFn = Callable[[jax.Array], jax.Array]
 Resolve = Callable[[str], ArrayFn]
 """How an ``fn`` spec's ``"module:qualname"`` becomes a function while reading a spec."""
 
+Names = tuple[Any, ...]
+"""One name per axis (a Flax partition name, a ``PartitionSpec`` entry, or ``None``)."""
+
 _REGISTRY: dict[str, type[Transform]] = {}
 """Spec name -> the transform class that reads it (filled by ``Transform.__init_subclass__``)."""
 
 _show = reprlib.Repr()
-_show.maxstring, _show.maxother, _show.maxlist, _show.maxdict, _show.maxlevel = 60, 60, 6, 6, 3
+_show.maxstring, _show.maxother, _show.maxlist, _show.maxdict, _show.maxlevel = 40, 60, 6, 6, 3
 
 
 def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
@@ -61,33 +78,51 @@ def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
 
 
 class Transform:
-    """Base class of every transform.
+    """Base class of every transform: a frozen dataclass registered by ``name=``.
 
-    A transform is one frozen dataclass registered by its spec name, which
-    implements ``__call__`` (array in, array out, pure JAX), :meth:`spec` (a
-    small JSON-able dict whose ``"name"`` is the spec name), the classmethod
-    :meth:`from_spec` (its inverse) and, when two of them in a row can be one,
-    :meth:`fold`. ``spec_fields`` names the fields of the spec besides
-    ``"name"`` and describes their values (error messages quote it)::
+    The package asks a transform only through these methods; a subclass
+    defines ``__call__`` and overrides the others where it knows better than
+    the default:
 
-        @dataclasses.dataclass(frozen=True)
-        class _Flip(Transform, name="flip"):
-            axis: int
-            spec_fields: ClassVar[dict[str, str]] = {"axis": "an integer"}
-            ...
+    - ``__call__(x)``: the view of the buffer ``x`` (pure JAX).
+    - :meth:`abstract`: shape and dtype of the view (default: ``jax.eval_shape``).
+    - :meth:`spec` / :meth:`from_spec`: JSON from the dataclass fields and back
+      (default: each field by name; ``from_spec`` calls the class, so the
+      values are checked where the class checks them, in ``__post_init__``).
+    - :meth:`fold`: one transform equal to ``self >> after`` (default: none).
+    - :meth:`state_view`: how a per-element optimizer state moves through the
+      view, for :func:`~sharetree.untie_state` (default: unknown).
+    - :meth:`axis_names`: the names of the view's axes from the buffer's, for
+      Flax partition boxes (default: unknown).
+    - :meth:`inverse`: a transform that undoes it, for checkpoints that store
+      only the view (default: none).
+    - :meth:`numpy`: the view computed with NumPy, for
+      :func:`~sharetree.find_ties` (default: computed with JAX).
+    - :meth:`traceable`: whether views may be computed together in one
+      compiled call (default: yes).
+
+    A chain (``a >> b``) answers each of them part by part. Every transform
+    raises a :class:`~sharetree.TieError` for a buffer it cannot view.
 
     Example:
-        >>> import numpy as np
-        >>> import sharetree as st
-        >>> t = st.T >> st.scale(2.0)
-        >>> t
-        T >> scale(2.0)
-        >>> t(np.arange(6.0).reshape(2, 3)).shape
-        (3, 2)
+        >>> import dataclasses, jax.numpy as jnp, numpy as np, sharetree as st
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Flip(st.Transform, name="doc_flip"):
+        ...     axis: int = 0
+        ...     def __call__(self, x):
+        ...         return jnp.flip(x, self.axis)
+        >>> t = st.T >> Flip(1)
+        >>> t.spec()["parts"][1]
+        {'name': 'doc_flip', 'axis': 1}
+        >>> st.transform_from_spec(t.spec()) == t, t(np.arange(6.0).reshape(2, 3)).tolist()
+        (True, [[3.0, 0.0], [4.0, 1.0], [5.0, 2.0]])
+        >>> print(t.state_view())
+        None
     """
 
     spec_name: ClassVar[str]
-    spec_fields: ClassVar[Mapping[str, str]] = {}
+    field_docs: ClassVar[Mapping[str, str]] = {}
+    """What each field's spec value should be (error messages quote it; default: its type)."""
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -99,8 +134,6 @@ class Transform:
                 f"transform spec name {name!r} is already taken by {old.__qualname__}; "
                 "choose another name"
             )
-        if cls.from_spec.__func__ is Transform.from_spec.__func__:  # type: ignore[attr-defined]
-            raise TypeError(f"transform {cls.__qualname__} ({name!r}) must define from_spec")
         cls.spec_name = name
         _REGISTRY[name] = cls
 
@@ -108,22 +141,36 @@ class Transform:
         """Compute the view of the buffer ``x``."""
         raise NotImplementedError
 
-    def spec(self) -> dict[str, Any]:
-        """Return a JSON-able description, the inverse of :func:`transform_from_spec`.
+    def __rshift__(self, other: Transform) -> Transform:
+        return chain(self, other)
 
-        By default ``"name"`` and each of ``spec_fields`` read from the attribute of that
-        name, tuples written as lists, complex numbers as ``[real, imag]``, transforms as specs.
+    def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of the view of a buffer with shape and dtype ``aval``."""
+        return jax.eval_shape(self, aval)
+
+    def spec(self) -> dict[str, Any]:
+        """A JSON-able description, the inverse of :func:`transform_from_spec`.
+
+        ``"name"`` and each dataclass field by its name; tuples written as
+        lists, complex numbers as ``[real, imag]``, transforms as specs.
+
+        Example:
+            >>> import sharetree as st
+            >>> st.slice(0, 5, axis=1).spec()
+            {'name': 'slice', 'start': 0, 'stop': 5, 'axis': 1}
         """
-        return {"name": self.spec_name, **{f: _json(getattr(self, f)) for f in self.spec_fields}}
+        return {"name": self.spec_name, **{f: _json(getattr(self, f)) for f in _fields(type(self))}}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        """Rebuild the transform from its spec, whose fields are present (checked before).
+        """Rebuild the transform from its spec, whose fields are all present (checked before).
 
-        Raise a :class:`TieError` naming the field when its value is wrong.
-        ``resolve`` turns a function name into a function; only ``fn`` uses it.
+        By default the class is called with each field (lists read as
+        tuples); whatever it raises becomes a :class:`TieError` naming the
+        spec. ``resolve`` turns a function name into a function; only ``fn``
+        uses it.
         """
-        raise NotImplementedError  # pragma: no cover - abstract
+        return _construct(cls, spec, {f: _tuples(spec[f]) for f in _fields(cls)})
 
     def fold(self, after: Transform) -> Transform | None:
         """One transform equal to ``self >> after``, or ``None`` when they do not fold.
@@ -133,12 +180,151 @@ class Transform:
         """
         return None
 
-    def __rshift__(self, other: Transform) -> Transform:
-        return chain(self, other)
+    def state_view(self) -> Transform | None:
+        """The transform that takes a per-element state of the buffer to the view's, or ``None``.
 
-    def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        """Shape and dtype of the view of a buffer with shape and dtype ``aval``."""
-        return jax.eval_shape(self, aval)
+        A per-element optimizer state (Adam's ``mu`` and ``nu``) of a view
+        that only moves or selects elements is that transform of the buffer's
+        state; through ``scale(c)`` a first and a second moment would change
+        differently, so ``None`` (unknown) is the default and
+        :func:`~sharetree.untie_state` refuses such views.
+
+        Example:
+            >>> import sharetree as st
+            >>> (st.T >> st.slice(0, 2)).state_view(), st.scale(2.0).state_view()
+            (T >> slice(0, 2), None)
+        """
+        return None
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        """The names of the view's axes, for a buffer ``aval`` whose axes have ``names``.
+
+        ``None`` when the axes of the view are not axes of the buffer (the
+        default): a reshape that changes the shape, an ``fn``.
+
+        Example:
+            >>> import jax, sharetree as st
+            >>> aval = jax.ShapeDtypeStruct((4, 8, 2), "float32")
+            >>> (st.index(0) >> st.T).axis_names(("layers", "embed", "mlp"), aval)
+            ('mlp', 'embed')
+        """
+        return None
+
+    def inverse(self) -> Transform | None:
+        """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``.
+
+        Example:
+            >>> import sharetree as st
+            >>> st.transpose(1, 2, 0).inverse(), st.scale(2.0).inverse()
+            (transpose(2, 0, 1), None)
+        """
+        return None
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        """The view of a NumPy array, as a NumPy array (a view without a copy where one exists).
+
+        Example:
+            >>> import numpy as np, sharetree as st
+            >>> a = np.arange(6.0).reshape(2, 3)
+            >>> np.shares_memory(a, st.slice(1, 3, axis=1).numpy(a))
+            True
+        """
+        return np.asarray(self(x))
+
+    def traceable(self) -> bool:
+        """Whether the view may be computed inside one compiled call with others.
+
+        ``False`` for ``fn``, whose function may not trace (eager
+        ``materialize`` then calls it on its own).
+        """
+        return True
+
+
+def _fields(cls: type[Transform]) -> tuple[str, ...]:
+    """The spec fields of a transform class: its dataclass fields."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(
+            f"transform {cls.__qualname__} is not a dataclass, so it has no fields to write "
+            "to a spec. Fix: decorate it with @dataclasses.dataclass(frozen=True)."
+        )
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def _doc(cls: type[Transform], field: str) -> str:
+    if field in cls.field_docs:
+        return cls.field_docs[field]
+    kind = next(f.type for f in dataclasses.fields(cls) if f.name == field)  # type: ignore[arg-type]
+    return f"a value of type {kind if isinstance(kind, str) else getattr(kind, '__name__', kind)}"
+
+
+def _tuples(v: Any, depth: int = 4) -> Any:
+    """A JSON value with its lists as tuples (how dataclass fields hold sequences).
+
+    Only ``depth`` levels: a file's content never drives a deep recursion (deeper
+    lists stay lists, which no transform field accepts, as they are unhashable).
+    """
+    if isinstance(v, list) and depth:
+        return tuple(_tuples(x, depth - 1) for x in v)
+    return v
+
+
+def _construct(cls: type[Transform], spec: Mapping[str, Any], values: dict[str, Any]) -> Transform:
+    """``cls(**values)``; what it raises becomes the TieError naming the spec and its fields."""
+    try:
+        return cls(**values)
+    except Exception as e:  # the class's own checks, e.g. in __post_init__
+        fields = _fields(cls)
+        what = (
+            f"field {fields[0]!r} of {cls.spec_name!r} should be {_doc(cls, fields[0])}, found "
+            f"{type(spec[fields[0]]).__name__} {_show.repr(spec[fields[0]])}"
+            if len(fields) == 1
+            else f"the fields of {cls.spec_name!r} do not build a transform"
+        )
+        why = str(e) if isinstance(e, TieError) else f"{type(e).__name__}: {e}"
+        why = why if len(why) <= 200 else why[:197] + "..."
+        raise TieError(
+            f"transform spec {_show.repr(spec)}: {what} ({why}). Fix: {_SPEC_FIX}"
+        ) from None
+
+
+def _type_error(call: str, expected: str, found: Any, example: str) -> TieTypeError:
+    return TieTypeError(
+        f"{call}: expected {expected}, found {type(found).__name__} {_show.repr(found)}. "
+        f"Fix: pass {example}."
+    )
+
+
+def _check_ints(call: str, values: Any, what: str, example: str) -> tuple[int, ...]:
+    """``values`` (a tuple) as ints, else the TieTypeError for ``call``."""
+    if not isinstance(values, tuple):
+        raise _type_error(call, f"a tuple of {what}", values, example)
+    bad = [v for v in values if not _is_int(v)]
+    if bad:
+        raise _type_error(call, what, bad[0], example)
+    return tuple(int(v) for v in values)
+
+
+def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
+    """``axis`` of a buffer of ``shape`` counted from 0, else the TieError for ``t``."""
+    if not -len(shape) <= axis < len(shape):
+        raise TieError(
+            f"{t!r} needs axis {axis}, but the buffer has shape {tuple(shape)} "
+            f"({len(shape)} axes). Fix: pass axis= between {-len(shape)} and {len(shape) - 1}, "
+            "or refer to a buffer that has that axis."
+        )
+    return axis % len(shape)
+
+
+def _args_repr(values: Any) -> str:
+    """A tuple of arguments as they were written in the call (bounded in length)."""
+    text = _show.repr(list(values))[1:-1] if isinstance(values, tuple) else _show.repr(values)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _set(obj: Any, **fields: Any) -> None:
+    """Normalise fields of a frozen dataclass in ``__post_init__``."""
+    for k, v in fields.items():
+        object.__setattr__(obj, k, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +342,18 @@ class _Identity(Transform, name="identity"):
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return aval
 
+    def state_view(self) -> Transform:
+        return self
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
+        return tuple(names)
+
+    def inverse(self) -> Transform:
+        return self
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        return x
+
     def __repr__(self) -> str:
         return "identity"
 
@@ -168,15 +366,25 @@ class _Transpose(Transform, name="transpose"):
     """``T`` / ``transpose(*axes)``: permute axes; see :func:`transpose`."""
 
     axes: tuple[int, ...] | None = None  # None: reverse all axes (T); else a permutation
-    spec_fields: ClassVar = {"axes": "null (reverse all axes) or a list of integers"}
+    field_docs: ClassVar = {"axes": "null (reverse all axes) or a list of integers"}
+
+    def __post_init__(self) -> None:
+        if self.axes is None:
+            return
+        call = f"transpose({_args_repr(self.axes)})"
+        given = _check_ints(call, self.axes, "integers", "integer axes, e.g. transpose(1, 0)")
+        n = len(given)
+        perm = tuple(a % n if -n <= a < n else a for a in given)
+        if sorted(perm) != list(range(n)):
+            raise TieError(
+                f"{call}: expected a permutation of the axes 0..{n - 1} (each once; negative "
+                f"axes count from the end), found {list(given)}. Fix: name every axis once, "
+                "e.g. transpose(1, 0) for a matrix, or st.T to reverse all axes."
+            )
+        _set(self, axes=perm or None)  # () is T
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.transpose(x, self.axes)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        axes = _field(spec, "axes", lambda v: v is None or _is_int_list(v))
-        return _build(spec, "axes", transpose, *(axes or ()))  # null and [] are T
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Transpose):
@@ -190,12 +398,29 @@ class _Transpose(Transform, name="transpose"):
         composed = tuple(p[i] for i in q)  # out axis j is input axis p[q[j]]
         return identity if composed == tuple(range(len(composed))) else _Transpose(composed)
 
+    def _perm(self, ndim: int) -> tuple[int, ...] | None:
+        axes = self.axes or _reverse(ndim)
+        return axes if len(axes) == ndim else None
+
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        axes = self.axes or _reverse(len(aval.shape))
-        if sorted(axes) != list(range(len(aval.shape))):
+        axes = self._perm(len(aval.shape))
+        if axes is None:
             return jax.eval_shape(self, aval)  # raises the real error
         dtype = canonical_dtype(aval.dtype)  # as jnp.transpose returns it
         return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), dtype)
+
+    def state_view(self) -> Transform:
+        return self
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        axes = self._perm(len(names))
+        return None if axes is None else tuple(names[a] for a in axes)
+
+    def inverse(self) -> Transform:
+        return self if self.axes is None else _Transpose(tuple(np.argsort(self.axes).tolist()))
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        return np.transpose(x, self.axes)
 
     def __repr__(self) -> str:
         return "T" if self.axes is None else f"transpose({', '.join(map(str, self.axes))})"
@@ -206,14 +431,23 @@ class _Reshape(Transform, name="reshape"):
     """``reshape(*shape)``: see :func:`reshape`."""
 
     shape: tuple[int, ...]  # sizes >= 0 and at most one -1
-    spec_fields: ClassVar = {"shape": "a list of integers"}
+    field_docs: ClassVar = {"shape": "a list of integers"}
+
+    def __post_init__(self) -> None:
+        shown = _args_repr(self.shape)
+        sizes = _check_ints(
+            f"reshape({shown})", self.shape, "integers", "integer sizes, e.g. reshape(2, 3)"
+        )
+        if sizes.count(-1) > 1 or any(d < -1 for d in sizes):
+            raise TieError(
+                f"reshape({shown}): expected sizes >= 0 and at most one -1 "
+                f"(the size inferred from the others), found {list(sizes)}. "
+                "Fix: give every size but one, e.g. reshape(4, -1)."
+            )
+        _set(self, shape=sizes)
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.reshape(jnp.asarray(x), self.shape)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        return _build(spec, "shape", reshape, *_field(spec, "shape", _is_int_list))
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Reshape):
@@ -228,6 +462,16 @@ class _Reshape(Transform, name="reshape"):
             return None  # the second reshape fails; keep the error
         return _Reshape(tuple(size // known if d == -1 else d for d in after.shape))
 
+    def state_view(self) -> Transform:
+        return self
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        # only a reshape to the buffer's own shape keeps its axes
+        return tuple(names) if self.abstract(aval).shape == tuple(aval.shape) else None
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        return np.reshape(x, self.shape)
+
     def __repr__(self) -> str:
         return f"reshape({', '.join(map(str, self.shape))})"
 
@@ -236,15 +480,34 @@ class _Reshape(Transform, name="reshape"):
 class _AsType(Transform, name="astype"):
     """``astype(dtype)``: cast; see :func:`astype`."""
 
-    dtype: str  # the NumPy name of a boolean or numeric dtype
-    spec_fields: ClassVar = {"dtype": "a dtype name such as 'bfloat16'"}
+    dtype: Any  # given as any dtype-like, stored as the NumPy name of a boolean or numeric dtype
+    field_docs: ClassVar = {"dtype": "a dtype name such as 'bfloat16'"}
+
+    def __post_init__(self) -> None:
+        dtype = self.dtype
+        fix = "Fix: pass e.g. st.astype(jnp.bfloat16)."
+        expected = (
+            "expected a boolean or numeric dtype: a np.dtype, a scalar type (jnp.bfloat16, "
+            "np.float32) or its name ('float16')"
+        )
+        if not isinstance(dtype, (np.dtype, type, str)):
+            raise TieTypeError(
+                f"astype({_show.repr(dtype)}): the dtype argument is {type(dtype).__name__}; "
+                f"{expected}. {fix}"
+            )
+        try:
+            d = jnp.dtype(dtype)
+        except TypeError as e:
+            problem = f"is not a dtype ({e})"
+        else:
+            if d == np.dtype(bool) or jnp.issubdtype(d, np.number):
+                _set(self, dtype=d.name)
+                return
+            problem = f"is {d}, which JAX cannot compute with"
+        raise TieError(f"astype({dtype!r}): the dtype argument {problem}; {expected}. {fix}")
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x).astype(self.dtype)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        return _build(spec, "dtype", astype, _field(spec, "dtype", lambda v: isinstance(v, str)))
 
     def fold(self, after: Transform) -> Transform | None:
         # only the same cast twice: a cast after a different one may lose what it kept
@@ -252,6 +515,9 @@ class _AsType(Transform, name="astype"):
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(aval.shape, canonical_dtype(self.dtype))
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
+        return tuple(names)
 
     def __repr__(self) -> str:
         return f"astype({self.dtype})"
@@ -261,8 +527,29 @@ class _AsType(Transform, name="astype"):
 class _Scale(Transform, name="scale"):
     """``scale(c)``: multiply by a finite constant; see :func:`scale`."""
 
-    c: float | complex  # finite; complex only when given as complex
-    spec_fields: ClassVar = {"c": "a finite number, or [real, imag] for a complex one"}
+    c: Any  # given as a Python or NumPy number; stored as a finite float, or complex if given so
+    field_docs: ClassVar = {"c": "a finite number, or [real, imag] for a complex one"}
+
+    def __post_init__(self) -> None:
+        c = self.c
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, float, complex, np.number)):
+            raise TieTypeError(
+                f"scale(c) takes a finite Python or NumPy number; got {type(c).__name__} "
+                f"{_show.repr(c)}. Fix: pass a constant such as 0.5; for a learned scale use a "
+                "separate buffer."
+            )
+        value: float | complex
+        try:
+            value = complex(c) if isinstance(c, (complex, np.complexfloating)) else float(c)
+        except OverflowError:  # an int beyond the float range
+            value = math.inf
+        if not cmath.isfinite(value):
+            raise TieError(
+                f"scale({_show.repr(c)}): expected a finite number, found {value!r}; a nan or "
+                "infinite scale is not equal to itself and cannot be written to a file. Fix: "
+                "pass a finite constant; to mask values use st.fn with a module-level function."
+            )
+        _set(self, c=value + 0.0)  # + 0.0 turns -0.0 into 0.0, which compares equal to it
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x) * self.c
@@ -278,15 +565,18 @@ class _Scale(Transform, name="scale"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        pair = isinstance(c := spec["c"], (list, tuple)) and len(c) == 2
-        c = _field(spec, "c", lambda v: all(map(_is_real, v)) if pair else _is_real(v))
-        return _build(spec, "c", scale, complex(*c) if pair else c)
+        c = spec["c"]  # a complex number is written as [real, imag]
+        pair = isinstance(c, list) and len(c) == 2 and all(map(_is_real, c))
+        return _construct(cls, spec, {"c": complex(*c) if pair else c})
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Scale):
             return None
         c = self.c * after.c
-        return _Scale(c + 0.0) if cmath.isfinite(c) else None  # None: keep the overflow
+        return _Scale(c) if cmath.isfinite(c) else None  # None: keep the overflow
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
+        return tuple(names)
 
     def __repr__(self) -> str:
         return f"scale({self.c!r})"
@@ -296,11 +586,27 @@ class _Scale(Transform, name="scale"):
 class _Fn(Transform, name="fn"):
     """``fn(f)``: a user function; written by name, read back only from given functions."""
 
-    f: ArrayFn
-    spec_fields: ClassVar = {"function": "a 'module:qualname' string such as 'mylib.ops:softcap'"}
+    function: ArrayFn
+    field_docs: ClassVar = {"function": "a 'module:qualname' string such as 'mylib.ops:softcap'"}
+
+    def __post_init__(self) -> None:
+        f = self.function
+        if not callable(f):
+            raise TieTypeError(
+                f"fn(f) takes a callable; got {type(f).__name__} {_show.repr(f)}. "
+                "Fix: pass a function from array to array, e.g. st.fn(jnp.flipud)."
+            )
+        try:
+            hash(f)
+        except TypeError as e:
+            raise TieTypeError(
+                f"fn(f): the function {f!r} is not hashable ({e}); transforms are static "
+                "pytree aux data and must be hashable. Fix: pass a module-level function "
+                "or a functools.partial of hashable arguments."
+            ) from None
 
     def __call__(self, x: ArrayLike) -> jax.Array:
-        out = self.f(jnp.asarray(x))
+        out = self.function(jnp.asarray(x))
         if not isinstance(out, (jax.Array, np.ndarray, np.generic)):  # tracers are jax.Arrays
             raise TieError(  # a view is one leaf: None would vanish, a tuple add leaves
                 f"{self!r} returned "
@@ -310,14 +616,15 @@ class _Fn(Transform, name="fn"):
         return out
 
     def spec(self) -> dict[str, Any]:
-        module = getattr(self.f, "__module__", None)
-        qualname = getattr(self.f, "__qualname__", None)
+        f = self.function
+        module = getattr(f, "__module__", None)
+        qualname = getattr(f, "__qualname__", None)
         # Saving checks that the user's own function is found again by its name. This
         # imports the user's module (already imported, since the function exists), at save
         # time only; reading a spec never imports anything (see _Fn.from_spec).
-        if not module or not qualname or "<" in qualname or _import(module, qualname) is not self.f:
+        if not module or not qualname or "<" in qualname or _import(module, qualname) is not f:
             raise TieError(
-                f"fn({self.f!r}) cannot be written to a file: only functions importable by "
+                f"fn({f!r}) cannot be written to a file: only functions importable by "
                 "module and name can. Fix: define the function at module level, or "
                 "express the view with built-in transforms (transpose, reshape, astype, scale)."
             )
@@ -325,11 +632,139 @@ class _Fn(Transform, name="fn"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        return _Fn(resolve(_field(spec, "function", _is_function_name)))  # resolve checked it
+        if not _is_function_name(name := spec["function"]):
+            raise _bad_field(spec, "function", name)
+        return _Fn(resolve(name))  # resolve checked it
+
+    def traceable(self) -> bool:
+        return False
 
     def __repr__(self) -> str:
-        name = getattr(self.f, "__qualname__", None)
-        return f"fn({name if isinstance(name, str) else repr(self.f)})"
+        name = getattr(self.function, "__qualname__", None)
+        return f"fn({name if isinstance(name, str) else repr(self.function)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice(Transform, name="slice"):
+    """``slice(start, stop, axis)``: the entries ``start:stop`` of one axis; see :func:`slice`."""
+
+    start: int
+    stop: int | None = None  # None: to the end
+    axis: int = 0
+    field_docs: ClassVar = {
+        "start": "an integer",
+        "stop": "an integer or null (to the end)",
+        "axis": "an integer",
+    }
+
+    def __post_init__(self) -> None:
+        call = f"st.slice({self.start!r}, {self.stop!r}, axis={self.axis!r})"
+        example = "integers, e.g. st.slice(0, 10) or st.slice(-2, None, axis=1)"
+        for what, v in (("start", self.start), ("stop", self.stop), ("axis", self.axis)):
+            if not _is_int(v) and not (what == "stop" and v is None):
+                raise _type_error(call, f"an integer {what}", v, example)
+        start, stop = int(self.start), None if self.stop is None else int(self.stop)
+        if stop is not None and (start < 0) == (stop < 0) and stop <= start:
+            raise TieError(
+                f"{call}: the range {start}:{stop} is empty or reversed, so the view would hold "
+                "nothing; a slice keeps at least one entry, in the buffer's order. Fix: pass "
+                f"start < stop, e.g. st.slice({min(start, stop)}, {max(stop, start + 1)})."
+            )
+        _set(self, start=start, stop=stop, axis=int(self.axis))
+
+    def _bounds(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """``(axis, start, stop)`` counted from 0 for a buffer of ``shape``, else a TieError."""
+        axis = _axis(self, self.axis, shape)
+        n = shape[axis]
+        start = self.start + n if self.start < 0 else self.start
+        stop = n if self.stop is None else self.stop + n if self.stop < 0 else self.stop
+        if not 0 <= start < stop <= n:
+            raise TieError(
+                f"{self!r} of a buffer of shape {tuple(shape)}: the range {self.start}:"
+                f"{'' if self.stop is None else self.stop} of axis {axis} (size {n}) is "
+                f"{'empty' if 0 <= start and stop <= n else 'outside it'}; a view never pads "
+                f"or clips. Fix: pass a range within 0:{n} (negative indices count from the "
+                "end), or refer to the buffer this view was meant for."
+            )
+        return axis, start, stop
+
+    def __call__(self, x: ArrayLike) -> jax.Array:
+        x = jnp.asarray(x)
+        axis, start, stop = self._bounds(x.shape)
+        return jax.lax.slice_in_dim(x, start, stop, axis=axis)
+
+    def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        axis, start, stop = self._bounds(tuple(aval.shape))
+        shape = (*aval.shape[:axis], stop - start, *aval.shape[axis + 1 :])
+        return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
+
+    def state_view(self) -> Transform:
+        return self
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        return tuple(names) if len(names) == len(aval.shape) else None
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        axis, start, stop = self._bounds(np.shape(x))
+        return x[(builtins.slice(None),) * axis + (builtins.slice(start, stop),)]
+
+    def __repr__(self) -> str:
+        axis = f", axis={self.axis}" if self.axis else ""
+        return f"slice({self.start}, {self.stop}{axis})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Index(Transform, name="index"):
+    """``index(i, axis)``: entry ``i`` of one axis, which the view drops; see :func:`index`."""
+
+    i: int
+    axis: int = 0
+    field_docs: ClassVar = {"i": "an integer", "axis": "an integer"}
+
+    def __post_init__(self) -> None:
+        call = f"st.index({self.i!r}, axis={self.axis!r})"
+        for what, v in (("i", self.i), ("axis", self.axis)):
+            if not _is_int(v):
+                raise _type_error(call, f"an integer {what}", v, "integers, e.g. st.index(3)")
+        _set(self, i=int(self.i), axis=int(self.axis))
+
+    def _where(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(axis, i)`` counted from 0 for a buffer of ``shape``, else a TieError."""
+        axis = _axis(self, self.axis, shape)
+        n = shape[axis]
+        if not -n <= self.i < n:
+            raise TieError(
+                f"{self!r} of a buffer of shape {tuple(shape)}: entry {self.i} is outside axis "
+                f"{axis} (size {n}). Fix: pass an index between {-n} and {n - 1}, or refer to "
+                "the buffer this view was meant for."
+            )
+        return axis, self.i % n
+
+    def __call__(self, x: ArrayLike) -> jax.Array:
+        x = jnp.asarray(x)
+        axis, i = self._where(x.shape)
+        return jax.lax.index_in_dim(x, i, axis, keepdims=False)
+
+    def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        axis, _ = self._where(tuple(aval.shape))
+        shape = (*aval.shape[:axis], *aval.shape[axis + 1 :])
+        return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
+
+    def state_view(self) -> Transform:
+        return self
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        if len(names) != len(aval.shape):
+            return None
+        axis, _ = self._where(tuple(aval.shape))
+        return (*names[:axis], *names[axis + 1 :])
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        axis, i = self._where(np.shape(x))
+        return np.asarray(x[(builtins.slice(None),) * axis + (i,)])
+
+    def __repr__(self) -> str:
+        return f"index({self.i}{f', axis={self.axis}' if self.axis else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,14 +772,15 @@ class _Chain(Transform, name="chain"):
     """``a >> b >> ...``: built only by :func:`chain`, so always in normal form."""
 
     parts: tuple[Transform, ...]  # normal form: >= 2 parts, no identity, no chain, no folds
-    spec_fields: ClassVar = {"parts": "a list of transform specs that are not chains"}
+    field_docs: ClassVar = {"parts": "a list of transform specs that are not chains"}
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return functools.reduce(lambda y, part: part(y), self.parts, x)  # type: ignore[return-value]
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        parts = _field(spec, "parts", lambda v: isinstance(v, (list, tuple)))
+        if not isinstance(parts := spec["parts"], (list, tuple)):
+            raise _bad_field(spec, "parts", parts)
         for p in parts:
             if isinstance(p, Mapping) and p.get("name") == "chain":
                 raise _bad_field(spec, "parts", p)  # chains are flat: depth stays bounded
@@ -352,6 +788,28 @@ class _Chain(Transform, name="chain"):
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return functools.reduce(lambda a, part: part.abstract(a), self.parts, aval)
+
+    def state_view(self) -> Transform | None:
+        views = [p.state_view() for p in self.parts]
+        return None if None in views else chain(*views)  # type: ignore[arg-type]
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        out: Names | None = tuple(names)
+        for part in self.parts:
+            if out is None:
+                return None
+            out, aval = part.axis_names(out, aval), part.abstract(aval)
+        return out
+
+    def inverse(self) -> Transform | None:
+        back = [p.inverse() for p in reversed(self.parts)]
+        return None if None in back else chain(*back)  # type: ignore[arg-type]
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        return functools.reduce(lambda y, part: part.numpy(y), self.parts, x)
+
+    def traceable(self) -> bool:
+        return all(p.traceable() for p in self.parts)
 
     def __repr__(self) -> str:
         return " >> ".join(map(repr, self.parts))
@@ -380,6 +838,13 @@ T: Transform = _Transpose()
 """Reverse all axes, like ``x.T``, for any number of dimensions (equal to ``transpose()``)."""
 
 
+def _args(values: Sequence[Any]) -> tuple[Any, ...]:
+    """``values``, or its one list or tuple, as a tuple."""
+    if len(values) == 1 and isinstance(values[0], (tuple, list)):
+        return tuple(values[0])
+    return tuple(values)
+
+
 def transpose(*axes: int | Sequence[int]) -> Transform:
     """Permute axes like ``jnp.transpose(x, axes)``; no axes reverses them (``T``).
 
@@ -389,41 +854,16 @@ def transpose(*axes: int | Sequence[int]) -> Transform:
     dimensions is an error when it is computed. An explicit identity
     permutation such as ``transpose(0, 1, 2)`` is kept as written (a rank check)
     until it folds with a neighbour. Two transposes in a row compose into one,
-    and vanish when they cancel (see :func:`chain`).
+    and vanish when they cancel (see :func:`chain`). Axes that are not
+    integers are a :class:`~sharetree.TieTypeError`.
 
     Example:
         >>> import sharetree as st
         >>> st.transpose() == st.T, st.transpose(0, 2, 1), st.transpose(-1, 0)
         (True, transpose(0, 2, 1), transpose(1, 0))
     """
-    given = _ints("transpose", axes)
-    if not given:
-        return T
-    n = len(given)
-    perm = tuple(a % n if -n <= a < n else a for a in given)
-    if sorted(perm) != list(range(n)):
-        raise TieError(
-            f"transpose({', '.join(map(repr, given))}): expected a permutation of the axes "
-            f"0..{n - 1} (each once; negative axes count from the end), found "
-            f"{list(given)}. Fix: name every axis once, e.g. transpose(1, 0) for a matrix, "
-            "or st.T to reverse all axes."
-        )
-    return _Transpose(perm)
-
-
-def _ints(name: str, values: Sequence[Any]) -> tuple[int, ...]:
-    """``values`` (or its one list or tuple) as ints, else a TieError for ``name(...)``."""
-    if len(values) == 1 and isinstance(values[0], (tuple, list)):
-        values = tuple(values[0])
-    bad = [v for v in values if not _is_int(v)]
-    if bad:
-        raise TieError(
-            f"{name}({', '.join(map(repr, values))}): expected integers, "
-            f"found {type(bad[0]).__name__} {bad[0]!r}. "
-            f"Fix: pass integer {'axes' if name == 'transpose' else 'sizes'}, e.g. "
-            f"{name}({'1, 0' if name == 'transpose' else '2, 3'})."
-        )
-    return tuple(int(v) for v in values)
+    given = _args(axes)
+    return _Transpose(given) if given else T
 
 
 def reshape(*shape: int | Sequence[int]) -> Transform:
@@ -440,14 +880,7 @@ def reshape(*shape: int | Sequence[int]) -> Transform:
         >>> st.reshape(24) >> st.reshape(2, -1)
         reshape(2, 12)
     """
-    sizes = _ints("reshape", shape)
-    if sizes.count(-1) > 1 or any(d < -1 for d in sizes):
-        raise TieError(
-            f"reshape({', '.join(map(repr, sizes))}): expected sizes >= 0 and at most one -1 "
-            f"(the size inferred from the others), found {list(sizes)}. "
-            "Fix: give every size but one, e.g. reshape(4, -1)."
-        )
-    return _Reshape(sizes)
+    return _Reshape(_args(shape))
 
 
 def astype(dtype: DTypeLike) -> Transform:
@@ -465,20 +898,7 @@ def astype(dtype: DTypeLike) -> Transform:
         >>> st.astype(jnp.bfloat16), st.astype("float16") == st.astype(jnp.float16)
         (astype(bfloat16), True)
     """
-    problem = f"is {type(dtype).__name__}"
-    if isinstance(dtype, (np.dtype, type, str)):
-        try:
-            d = jnp.dtype(dtype)
-            if d == np.dtype(bool) or jnp.issubdtype(d, np.number):
-                return _AsType(d.name)
-            problem = f"is {d}, which JAX cannot compute with"
-        except TypeError as e:
-            problem = f"is not a dtype ({e})"
-    raise TieError(
-        f"astype({dtype!r}): the dtype argument {problem}; expected a boolean or numeric dtype: "
-        "a np.dtype, a scalar type (jnp.bfloat16, np.float32) or its name ('float16'). "
-        "Fix: pass e.g. st.astype(jnp.bfloat16)."
-    )
+    return _AsType(dtype)
 
 
 def scale(c: complex | np.number[Any]) -> Transform:
@@ -510,23 +930,7 @@ def scale(c: complex | np.number[Any]) -> Transform:
         >>> st.scale(2.0) >> st.scale(3.0)
         scale(6.0)
     """
-    if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, float, complex, np.number)):
-        raise TieError(
-            f"scale(c) takes a finite Python or NumPy number; got {type(c).__name__} {c!r}. "
-            "Fix: pass a constant such as 0.5; for a learned scale use a separate buffer."
-        )
-    value: float | complex
-    try:
-        value = complex(c) if isinstance(c, (complex, np.complexfloating)) else float(c)
-    except OverflowError:  # an int beyond the float range
-        value = math.inf
-    if not cmath.isfinite(value):
-        raise TieError(
-            f"scale({_show.repr(c)}): expected a finite number, found {value!r}; a nan or infinite "
-            "scale is not equal to itself and cannot be written to a file. Fix: pass a "
-            "finite constant; to mask values use st.fn with a module-level function."
-        )
-    return _Scale(value + 0.0)  # + 0.0 turns -0.0 into 0.0, which compares equal to it
+    return _Scale(c)
 
 
 def fn(f: ArrayFn) -> Transform:
@@ -543,20 +947,51 @@ def fn(f: ArrayFn) -> Transform:
         >>> st.fn(jnp.flipud)
         fn(flipud)
     """
-    if not callable(f):
-        raise TieError(
-            f"fn(f) takes a callable; got {type(f).__name__} {f!r}. "
-            "Fix: pass a function from array to array, e.g. st.fn(jnp.flipud)."
-        )
-    try:
-        hash(f)
-    except TypeError as e:
-        raise TieError(
-            f"fn(f): the function {f!r} is not hashable ({e}); transforms are static "
-            "pytree aux data and must be hashable. Fix: pass a module-level function "
-            "or a functools.partial of hashable arguments."
-        ) from None
     return _Fn(f)
+
+
+def slice(start: int, stop: int | None = None, axis: int = 0) -> Transform:
+    """The entries ``start:stop`` of one axis (``x[start:stop]`` for ``axis=0``).
+
+    Python's semantics: negative indices count from the end, ``stop=None``
+    runs to the end; but a view never clips: a range that is empty, or
+    reaches outside the buffer, or an axis the buffer lacks, is a
+    :class:`TieError` naming the view, the buffer's shape and the fix when
+    the view is resolved (``st.tie``, ``materialize``). An empty or reversed
+    range is refused already when built, and so are arguments that are not
+    integers (a :class:`~sharetree.TieTypeError`). The gradient of the view
+    lands in its part of the buffer only; optimizer moments and partition
+    names move through it unchanged.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> embed = np.arange(12.0).reshape(6, 2)  # 4 tokens, padded to 6 rows
+        >>> head = st.slice(0, 4) >> st.T
+        >>> head, head(embed).shape
+        (slice(0, 4) >> T, (2, 4))
+        >>> st.slice(-2, None, axis=1)(np.zeros((2, 5))).shape
+        (2, 2)
+    """
+    return _Slice(start, stop, axis)
+
+
+def index(i: int, axis: int = 0) -> Transform:
+    """Entry ``i`` of one axis, which the view drops (``x[i]`` for ``axis=0``).
+
+    For layer ``i`` of a scanned stack: ``Tied("stack", st.index(3))`` maps
+    over the stack's arrays. Negative ``i`` counts from the end; an entry
+    outside the buffer or a missing axis is a :class:`TieError` when the view
+    is resolved, arguments that are not integers a
+    :class:`~sharetree.TieTypeError` when built. Partition names lose the
+    indexed axis's name.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> stack = np.arange(24.0).reshape(4, 3, 2)
+        >>> st.index(-1)(stack).shape, st.index(1, axis=2)(stack).shape
+        ((3, 2), (4, 3))
+    """
+    return _Index(i, axis)
 
 
 def chain(*parts: Transform) -> Transform:
@@ -635,14 +1070,14 @@ def check_transform(t: Any, where: str = "") -> Transform:
     if not isinstance(t, Transform):
         names = ", ".join(f"st.{name}" for name in _REGISTRY)
         hint = "wrap the function with st.fn(...)" if callable(t) else f"use one of {names}"
-        raise TieError(
+        raise TieTypeError(
             f"transform{where}: expected a sharetree transform, got {type(t).__name__} {t!r}. "
             f"Fix: {hint}."
         )
     try:
         hash(t)
     except TypeError as e:
-        raise TieError(
+        raise TieTypeError(
             f"transform{where}: {t!r} is not hashable ({e}); transforms are static aux data. "
             "Fix: build it from hashable arguments (tuples, numbers, module-level functions)."
         ) from None
@@ -683,35 +1118,12 @@ def _is_function_name(name: Any) -> bool:
     return bool(sep) and all(p.isidentifier() for p in (*module.split("."), *qualname.split(".")))
 
 
-def _field(spec: Mapping[str, Any], field: str, ok: Callable[[Any], bool]) -> Any:
-    """``spec[field]`` if ``ok`` says its type is right, else the TieError naming the field."""
-    if not ok(value := spec[field]):
-        raise _bad_field(spec, field, value)
-    return value
-
-
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, (list, tuple)) and all(map(_is_int, v))
-
-
-def _bad_field(spec: Mapping[str, Any], field: str, found: Any, why: str = "") -> TieError:
+def _bad_field(spec: Mapping[str, Any], field: str, found: Any) -> TieError:
     cls = _REGISTRY[spec["name"]]
-    why = f" ({why})" if why else ""
     return TieError(
         f"transform spec {_show.repr(spec)}: field {field!r} of {cls.spec_name!r} should be "
-        f"{cls.spec_fields[field]}, found {type(found).__name__} {_show.repr(found)}{why}. "
-        f"Fix: {_SPEC_FIX}"
+        f"{_doc(cls, field)}, found {type(found).__name__} {_show.repr(found)}. Fix: {_SPEC_FIX}"
     )
-
-
-def _build(
-    spec: Mapping[str, Any], field: str, factory: Callable[..., Transform], *args: Any
-) -> Transform:
-    try:
-        return factory(*args)
-    except TieError as e:
-        found = args[0] if len(args) == 1 else list(args)
-        raise _bad_field(spec, field, found, str(e).split(" Fix:")[0].rstrip(".")) from None
 
 
 _SPEC_FIX = (
@@ -734,13 +1146,14 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
             f"{', '.join(sorted(_REGISTRY))}. Fix: upgrade sharetree, or check the file "
             "was written by sharetree."
         )
-    problems = [f"the field {f!r} is missing" for f in cls.spec_fields if f not in spec] + [
+    names = _fields(cls)
+    problems = [f"the field {f!r} is missing" for f in names if f not in spec] + [
         f"the field {_show.repr(k)} is not one of its fields"
         for k in spec
-        if k != "name" and k not in cls.spec_fields
+        if k != "name" and k not in names
     ]
     if problems:
-        fields = ", ".join(f"{f!r} ({d})" for f, d in cls.spec_fields.items()) or "none"
+        fields = ", ".join(f"{f!r} ({_doc(cls, f)})" for f in names) or "none"
         raise TieError(
             f"transform spec {_show.repr(spec)}: {problems[0]}; the fields of {name!r} besides "
             f"'name' are: {fields}. Fix: {_SPEC_FIX}"

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._materialize import leaves_and_structure, materialize
+from sharetree._materialize import expand_leaves, leaves_and_structure, materialize
 from sharetree._paths import (
     Path,
     PathLike,
@@ -26,7 +26,7 @@ from sharetree._paths import (
 )
 from sharetree._resolve import Structure
 from sharetree._tied import is_tied
-from sharetree._transforms import Transform, _Identity, _Reshape, _Transpose, parts_of
+from sharetree._transforms import Transform
 
 __all__ = ["untie", "untie_state"]
 
@@ -62,7 +62,8 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
     return chosen
 
 
-def _untie_positions(tree: PyTree, at: set[Path]) -> PyTree:
+def _untie_positions(tree: PyTree, at: set[Path], values: PyTree = None) -> PyTree:
+    """``tree`` with the positions ``at`` replaced by their ``values`` (default: materialized)."""
     buffers = {id(x) for x in jtu.tree_leaves(tree) if isinstance(x, (np.ndarray, jax.Array))}
     # an identity view is the buffer object itself: copy it, so that no two
     # positions hold one array (donation, in-place NumPy updates)
@@ -72,7 +73,8 @@ def _untie_positions(tree: PyTree, at: set[Path]) -> PyTree:
         return jtu.tree_map(copy, value) if keypath_to_path(kp) in at else x
 
     # the tree, with its ties as leaves, is a prefix of the materialized tree
-    return jtu.tree_map_with_path(replace, tree, materialize(tree), is_leaf=is_tied)
+    values = materialize(tree) if values is None else values
+    return jtu.tree_map_with_path(replace, tree, values, is_leaf=is_tied)
 
 
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
@@ -113,9 +115,10 @@ def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> P
     return _untie_positions(tree, chosen) if chosen else tree
 
 
-def _moves_elements(t: Transform) -> bool:
-    """Whether ``t`` only moves elements (a transpose or reshape, or a chain of them)."""
-    return all(isinstance(p, (_Transpose, _Reshape, _Identity)) for p in parts_of(t))
+def _move_state(t: Transform, state: Any) -> Any:
+    """A per-element state of a buffer moved to ``t``'s view (views not untied: kept as is)."""
+    move = t.state_view()
+    return state if move is None else move(state)
 
 
 def _top(x: Any) -> Any:
@@ -159,8 +162,9 @@ def untie_state(
     containers, same ``Tied`` nodes in the same places: Adam's ``mu`` and
     ``nu``, a momentum trace) is untied like the tree, so each new buffer
     starts with a copy of its shared buffer's moments, moved through the
-    view's transform: copied as they are for an identity view, transposed
-    for a ``T`` view, reshaped for a ``reshape`` view. The other parts
+    view, as its transform's ``state_view()`` says: copied as they are for an
+    identity view, transposed for a ``T`` view, reshaped for a ``reshape``
+    view, the part for a ``slice`` or ``index`` view. The other parts
     (``count``, empty states) are kept as they are, and a state with no
     parameter-shaped part (plain SGD) comes back unchanged. Call it with the
     tree *before* untying::
@@ -168,10 +172,11 @@ def untie_state(
         new_params = st.untie(params, paths)
         new_state = st.untie_state(opt_state, params, paths)
 
-    Only views that move elements (``transpose``, ``reshape`` and chains of
-    them) are accepted: through ``scale``, ``astype`` or ``fn`` a first and a
-    second moment would change differently (the error says why); for those,
-    initialize a fresh state for the untied tree.
+    Only views whose transform declares a :meth:`~sharetree.Transform.state_view`
+    are accepted (the built-ins that move or select elements, and chains of
+    them): through ``scale``, ``astype`` or ``fn`` a first and a second moment
+    would change differently (the error says why); for those, initialize a
+    fresh state for the untied tree.
 
     Args:
         opt_state: an optimizer state made by ``optimizer.init(tree)`` (any
@@ -183,7 +188,7 @@ def untie_state(
         The optimizer state for ``st.untie(tree, paths)``.
 
     Raises:
-        TieError: a chosen view whose transform does not only move elements
+        TieError: a chosen view whose transform declares no ``state_view``
             (naming it); a part of the state shaped like ``tree`` at the top
             but different below (naming the state's path and the first
             position that differs), or whose leaves differ in shape from the
@@ -202,16 +207,17 @@ def untie_state(
     if not at:
         return opt_state
     for leaf in structure.views:
-        if leaf.tie in at and not _moves_elements(leaf.transform):
+        if leaf.tie in at and leaf.transform.state_view() is None:
             raise TieError(
                 f"untie_state: the view {path_str(leaf.path)!r} is {leaf.transform!r} of "
                 f"{path_str(structure.buffer_paths[leaf.buffer])!r}; optimizer moments are "
-                "carried over only through transforms that move elements (transpose, "
-                "reshape): the state does not say which part is a first moment and which a "
-                "second, and through scale(c) they would change by 1/c and 1/c**2, through "
-                "astype by a rounding, through fn unknowably. Fix: untie the tree with "
-                "st.untie and initialize a fresh optimizer state for it, or untie only views "
-                "that are transposes or reshapes."
+                "carried over only through transforms that say how a per-element state moves "
+                "(state_view(): transpose, reshape, slice, index): the state does not say "
+                "which part is a first moment and which a second, and through scale(c) they "
+                "would change by 1/c and 1/c**2, through astype by a rounding, through fn "
+                "unknowably. Fix: untie the tree with st.untie and initialize a fresh "
+                "optimizer state for it, untie only views that move elements, or, for a "
+                "transform of your own that only moves elements, define its state_view()."
             )
     treedef, top = structure.treedef, _top(tree)
 
@@ -239,7 +245,8 @@ def untie_state(
                     f"{np.shape(b)}; only elementwise states (such as Adam's mu and nu) can be "
                     "untied. Fix: initialize a fresh optimizer state for the untied tree."
                 )
-        return _untie_positions(x, at)
+        moved = expand_leaves(structure, jtu.tree_leaves(x), _move_state)
+        return _untie_positions(x, at, jtu.tree_unflatten(structure.expanded_treedef, moved))
 
     check_flattens(opt_state)  # too deep, or unsortable dict keys: before a flatten with a callback
     return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)

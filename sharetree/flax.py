@@ -7,8 +7,9 @@ stored once, a ``Tied`` node at each view) and materializes it on every
 optax chain see each buffer once and keep the ties.
 
 A tie may name a partition box (``nn.with_logical_partitioning``): the view is
-then the whole box, rebuilt with the buffer's partition names permuted by the
-transform, which ``init`` checks are the target's own; tie the ``value`` leaf to
+then the whole box, rebuilt with the buffer's partition names moved by the
+transform (``Transform.axis_names``: a slice keeps them, an index drops one),
+which ``init`` checks are the target's own; tie the ``value`` leaf to
 keep the target's box (docs/integrations.md, "Partition boxes").
 
 Importing it also registers ``Tied`` with ``flax.serialization``: ``to_bytes`` /
@@ -36,12 +37,12 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError
-from sharetree._materialize import materialize
+from sharetree._materialize import leaf_aval, materialize
 from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str
 from sharetree._resolve import _nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
-from sharetree._transforms import Transform, _Transpose, parts_of
+from sharetree._transforms import Transform
 
 __all__ = ["TiedModule", "tied"]
 
@@ -58,18 +59,10 @@ def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
     return tuple(tie_entries(ties).items())
 
 
-def _box_names(names: tuple[Any, ...], t: Transform) -> tuple[Any, ...] | None:
-    """Partition names of ``t(x)`` for an ``x`` with ``names``; ``None`` if ``t`` mixes axes."""
-    out = tuple(names)
-    for part in parts_of(t):
-        if isinstance(part, _Transpose):
-            axes = part.axes if part.axes is not None else tuple(reversed(range(len(out))))
-            if len(axes) != len(out):
-                return None
-            out = tuple(out[a] for a in axes)
-        elif part.spec_name not in ("identity", "astype", "scale"):
-            return None  # reshape, fn: no axis of the view is an axis of the buffer
-    return out
+def _box_names(box: Any, t: Transform) -> tuple[Any, ...] | None:
+    """Partition names of ``t``'s view of the boxed buffer; ``None`` if its axes are unknown."""
+    aval = leaf_aval(box.value)
+    return None if aval is None else t.axis_names(tuple(box.names), aval)
 
 
 def _boxes(tree: Any) -> dict[Path, Any]:
@@ -99,7 +92,7 @@ def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, 
                 f"rebuilt from its buffer's box, so both must be the same kind of partition box. "
                 + _value_fix(target, t)
             )
-        names = _box_names(ref.names, t.transform)
+        names = _box_names(ref, t.transform)
         if names is None:
             raise TieError(
                 f"{where}: the tie {path_str(target)!r} -> {t!r} names partition boxes, but "
@@ -146,7 +139,7 @@ def _materialized(canonical: Any, where: str) -> Any:
         at, source = leaf.path[:-1], structure.buffer_paths[leaf.buffer][:-1]
         if at in own or at not in copied or source not in own:
             continue
-        names = _box_names(own[source].names, leaf.transform)
+        names = _box_names(own[source], leaf.transform)
         if names is None:
             raise TieError(
                 f"{where}: the view {path_str(leaf.path[:-1])!r} ({structure.ties[leaf.tie]!r} "

@@ -1,4 +1,4 @@
-"""Flax NNX integration: ``split(model, ties)`` and ``merge(graphdef, state)``.
+"""Flax NNX integration: ``split(model, *filters, ties=...)`` and ``merge(graphdef, state)``.
 
 ``split`` is ``nnx.split`` with ties, returning a canonical ``nnx.State``;
 ``merge`` materializes the views and rebuilds the model with ``nnx.merge``.
@@ -128,16 +128,19 @@ def _strip_value(path: Path, variables: Mapping[Path, Any]) -> Path:
     return path[:-1] if len(path) > 1 and path[-1] == "value" and path[:-1] in variables else path
 
 
-def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = True) -> Any:
+def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = True) -> Any:
     """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
+
+    A drop-in replacement: ``split(model, *filters)`` takes ``nnx.split``'s
+    positional arguments; ties come by keyword.
 
     Args:
         model: an NNX module (or any NNX graph node).
+        *filters: NNX filters (``nnx.Param``, ``...``) as for ``nnx.split``; then
+            one state per filter is returned, and a tie must stay within one state.
         ties: ``{target: ref or Tied(ref, transform)}`` with paths as NNX prints
             them (``{"dec/kernel": st.Tied("enc/kernel", st.T)}``). A target may
             also name a whole submodule. ``None`` only records shared Variables.
-        *filters: NNX filters (``nnx.Param``, ``...``) as for ``nnx.split``; then
-            one state per filter is returned, and a tie must stay within one state.
         check: require each view to have exactly the shape and dtype of the
             Variable it replaces (as :func:`sharetree.tie` does). With ``False``,
             :func:`merge` puts the view into that Variable whatever its shape.
@@ -163,13 +166,21 @@ def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = T
         ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
         ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
         >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
-        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties)
+        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties=ties)
         >>> state["dec"]["kernel"]
         Tied('enc/kernel', T)
         >>> model = st.nnx.merge(graphdef, state)
         >>> bool(jnp.all(model.dec.kernel[...] == model.enc.kernel[...].T))
         True
     """
+    for f in filters:
+        if isinstance(f, Mapping):
+            raise TieError(
+                f"sharetree.nnx.split(model, *filters, ties=None): got a mapping {f!r:.80} "
+                "among the filters; ties are a keyword argument, so that split takes "
+                "nnx.split's positional arguments. Fix: split(model, ties={'dec/kernel': "
+                "st.Tied('enc/kernel', st.T)}) (filters, if any, before ties=)."
+            )
     graphdef, *states = nnx.split(model, *filters)
     flats = [_flat(s) for s in states]
     owner_state = {raw: i for i, flat in enumerate(flats) for raw, _ in flat}
@@ -191,9 +202,9 @@ def split(model: Any, ties: TieMap | None = None, *filters: Any, check: bool = T
 
     if ties is not None and not isinstance(ties, Mapping):
         raise TieError(
-            f"sharetree.nnx.split(model, ties): expected a mapping {{target: ref or Tied}} or "
-            f"None, got {type(ties).__name__} {ties!r:.80}. Fix: split(model, "
-            "{'dec/kernel': st.Tied('enc/kernel', st.T)}); filters come after the ties."
+            f"sharetree.nnx.split(model, *filters, ties=...): expected a mapping {{target: ref "
+            f"or Tied}} or None, got {type(ties).__name__} {ties!r:.80}. Fix: split(model, "
+            "ties={'dec/kernel': st.Tied('enc/kernel', st.T)})."
         )
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for path, t in tie_entries(ties or {}).items():
@@ -305,7 +316,7 @@ def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
         ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
         ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
         >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
-        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties)
+        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties=ties)
         >>> def loss(state, x):
         ...     model = st.nnx.merge(graphdef, state)  # dec.kernel = enc.kernel.T
         ...     return jnp.sum(model.dec(model.enc(x)))
@@ -335,7 +346,7 @@ def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
         ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
         ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
         >>> model = AE(nnx.Rngs(0))
-        >>> graphdef, state = st.nnx.split(model, {"dec/kernel": st.Tied("enc/kernel", st.T)})
+        >>> graphdef, state = st.nnx.split(model, ties={"dec/kernel": st.Tied("enc/kernel", st.T)})
         >>> trained = jax.tree.map(jnp.ones_like, state)  # stands in for an optimizer step
         >>> st.nnx.update(model, graphdef, trained)
         >>> model.dec.kernel.shape, float(model.dec.kernel[...].sum())  # enc.kernel.T, all ones

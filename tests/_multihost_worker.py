@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,6 +66,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sharetree as st  # noqa: E402
+from benchmarks.memory import PeakAnon  # noqa: E402
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 64, 16, 32, 8, 9
 STEPS, SAVE_AT = 6, 3
@@ -259,6 +261,53 @@ def train(args: argparse.Namespace) -> None:
 # docs: end train
 
 
+def load_by_shard(outdir: str) -> dict:
+    """``st.load`` with global shardings of the checkpoints ``tests/test_multihost.py`` wrote.
+
+    Each process measures the peak growth of its anonymous memory during the
+    load and checks every addressable shard against the file's tensors.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    mesh = make_mesh()
+    rows = NamedSharding(mesh, P(("data", "model"), None))  # over all 8 devices
+    cols = NamedSharding(mesh, P(None, ("data", "model")))
+    me = jax.process_index()
+    warm = os.path.join(outdir, f"warm_{me}.safetensors")  # first calls, not measured
+    save_file({"embed": np.ones((8, 2), np.float32), "kernel": np.ones((2, 8), np.float32)}, warm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not written by sharetree
+        st.load(warm, shardings={"embed": rows, "kernel": cols})
+    cases = {
+        "own": ("load_own.safetensors", {}, {"embed": rows, "kernel": cols, "head": None}),
+        "hf": ("load_hf", {"ties": {"lm_head.weight": "model.embed_tokens.weight"}},
+               {"model.embed_tokens.weight": rows, "kernel": cols, "lm_head.weight": None}),
+    }  # fmt: skip
+    shards = lambda x: x.addressable_shards  # noqa: E731
+    out = {}
+    for name, (file, kw, shardings) in cases.items():
+        path = os.path.join(outdir, file)
+        with PeakAnon() as memory:
+            loaded = st.load(path, shardings=shardings, **kw)
+        ref = load_file(path if name == "own" else os.path.join(path, "model.safetensors"))
+        embed = "embed" if name == "own" else "model.embed_tokens.weight"
+        out[name] = {
+            "growth": memory.growth,
+            "file_bytes": os.path.getsize(path if name == "own" else f"{path}/model.safetensors"),
+            "ties": ties_of(loaded),
+            "shards_equal": {
+                k: all(np.array_equal(np.asarray(s.data), ref[k][s.index]) for s in shards(x))
+                for k, x in loaded.items()
+                if isinstance(x, jax.Array)
+            },
+            "embed_shape": list(loaded[embed].shape),
+            "embed_fully_addressable": loaded[embed].is_fully_addressable,
+            "embed_local_shards": len(loaded[embed].addressable_shards),
+        }  # fmt: skip
+        del loaded, ref
+    return out
+
+
 def ties_of(tree: object) -> list[list[str]]:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, st.Tied))[0]
     return [
@@ -394,8 +443,29 @@ def write(args: argparse.Namespace, out: dict, record: dict[str, np.ndarray]) ->
         json.dump(out, fh)
 
 
+def read_after_save(args: argparse.Namespace) -> None:
+    """Every process reads the export as soon as ``train`` returns: no sync after st.save.
+
+    ``st.save(gather=True)`` ends with a barrier, so the file process 0 wrote is
+    there when ``save`` returns on any process (process 1 reads it at once).
+    """
+    path = os.path.join(args.outdir, "model.safetensors")
+    facts = {"exists": os.path.exists(path)}
+    if facts["exists"]:
+        back = st.load(path)
+        facts.update(ties=ties_of(back), embed=np.asarray(back["embed"]).tolist())
+    with open(os.path.join(args.outdir, f"read_after_save_{jax.process_index()}.json"), "w") as fh:
+        json.dump(facts, fh)
+
+
 if __name__ == "__main__":
     initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id, ARGS.init_timeout)
+    if ARGS.mode == "train" and os.path.isdir(os.path.join(ARGS.outdir, "load_hf")):
+        facts = load_by_shard(ARGS.outdir)  # first, in a fresh process: st.load by shard
+        with open(os.path.join(ARGS.outdir, f"load_{jax.process_index()}.json"), "w") as fh:
+            json.dump(facts, fh)
     {"train": train, "resume": resume, "single": single}[ARGS.mode](ARGS)
+    if ARGS.mode == "train" and ST_SAVE_GATHERS:
+        read_after_save(ARGS)
     if ARGS.num_processes > 1:
         jax.distributed.shutdown()

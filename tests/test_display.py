@@ -53,8 +53,8 @@ def test_summary_exact_text():
             "  path  shape   dtype    bytes  views",
             "  enc   (2, 3)  float32  24 B   1",
             "views:",
-            "  path  buffer  transform  shape   dtype",
-            "  dec   enc     T          (3, 2)  float32",
+            "  path  buffer  transform  shape   dtype    bytes",
+            "  dec   enc     T          (3, 2)  float32  24 B",
         ]
     )
 
@@ -82,16 +82,118 @@ def test_summary_totals_match_counts_by_hand():
 
 def test_summary_lists_every_buffer_and_view_with_details():
     text = st.summary(_tree())
-    assert text.splitlines()[0] == "sharing graph: 5 buffers, 3 views"
+    # 3 views: dec/kernel, and again/kernel + again/bias from the one subtree tie at again
+    assert text.splitlines()[0] == "sharing graph: 5 buffers, 3 views (from 2 ties)"
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ")}
-    assert rows["enc/kernel"][1:] == ["(4,", "3)", "float32", "48", "B", "2"]
-    assert rows["enc/bias"][-1] == "1"
+    # enc is read whole by the subtree tie: one row, 12 + 3 float32 = 60 bytes, read by 2 rows
+    assert rows["enc"][1:] == ["2", "leaves", "float32", "60", "B", "2"]
+    assert "enc/kernel" not in rows and "enc/bias" not in rows
     assert rows["dec/bias"][-1] == "0"
     assert rows["steps"][1:3] == ["()", "int32"]
     assert rows["name"][1:3] == ["static", "-"]
-    assert rows["dec/kernel"][1:] == ["enc/kernel", "T", "(3,", "4)", "float32"]
-    assert rows["again/kernel"][1:3] == ["enc/kernel", "identity"]
-    assert rows["again/bias"][1:3] == ["enc/bias", "identity"]
+    assert rows["dec/kernel"][1:] == ["enc/kernel", "T", "(3,", "4)", "float32", "48", "B"]
+    assert rows["again"][1:] == ["enc", "identity", "2", "leaves", "float32", "60", "B"]
+    assert "again/kernel" not in rows and "again/bias" not in rows
+
+
+def _demo_params():
+    from sharetree._demo import Config, init_params
+
+    return init_params(0, 11, Config(context=8, d_model=8, heads=2))
+
+
+def _block_by_hand(params):
+    """The demo's first block: its leaves and bytes, counted with jax.tree (no sharetree)."""
+    leaves = jax.tree.leaves(params["block_0"])
+    return len(leaves), sum(x.size * x.dtype.itemsize for x in leaves)
+
+
+def test_summary_shows_a_subtree_tie_as_one_row():
+    params = _demo_params()
+    n, nbytes = _block_by_hand(params)
+    assert n == 16
+    text = st.summary(params)
+    assert text.splitlines()[0] == "sharing graph: 20 buffers, 17 views (from 2 ties)"
+    views = text.split("views:\n")[1].splitlines()
+    assert [line.split()[:3] for line in views] == [
+        ["path", "buffer", "transform"],
+        ["block_1", "block_0", "identity"],
+        ["head/kernel", "embed/embedding", "T"],
+    ]
+    assert views[1].split()[3:] == ["16", "leaves", "float32", *format_bytes(nbytes).split()]
+    buffers = text.split("buffers:\n")[1].split("views:")[0].splitlines()
+    assert len(buffers) == 1 + 5  # header; block_0, embed, ln_f bias and scale, pos
+    assert buffers[1].split() == ["block_0", "16", "leaves", "float32",
+                                  *format_bytes(nbytes).split(), "1"]  # fmt: skip
+    assert not any("block_0/" in line or "block_1/" in line for line in text.splitlines())
+    # cut after 3 rows: the shared rows first, and the hidden ones counted in leaves
+    short = st.summary(params, max_rows=1)
+    assert "... and 4 more buffers" in short  # 16 of 20 shown (block_0)
+    assert "... and 1 more views" in short  # the 16 views of block_1 shown, head/kernel not
+
+
+def test_subtree_tie_rows_in_html_have_their_leaves_behind_a_disclosure():
+    params = _demo_params()
+    g = st.canonicalize(params)
+    root = ET.fromstring(g._repr_html_())
+    tables = root.findall("./table")
+    assert len(tables) == 3  # totals, buffers, views (the leaf tables are nested inside)
+    view_rows = [tr for tr in tables[2].find("tbody").findall("tr")]
+    plain = [tr for tr in view_rows if tr.find("td/details") is None]
+    top = [["".join(td.itertext()) for td in tr] for tr in plain]
+    assert [r[:3] for r in top] == [["block_1", "block_0", "identity"],
+                                    ["head/kernel", "embed/embedding", "T"]]  # fmt: skip
+    (details,) = [tr.find("td/details") for tr in view_rows if tr.find("td/details") is not None]
+    assert "".join(details.find("summary").itertext()) == "the 16 leaves of block_1"
+    inner = [["".join(td.itertext()) for td in tr] for tr in details.iter("tr")][1:]
+    by_hand = {
+        "block_1/" + "/".join(k.key for k in kp): x
+        for kp, x in jax.tree_util.tree_leaves_with_path(params["block_0"])
+    }
+    assert [r[0] for r in inner] == sorted(by_hand)
+    assert all(r[1] == "block_0/" + r[0].removeprefix("block_1/") for r in inner)
+    assert all(r[3] == str(tuple(by_hand[r[0]].shape)) for r in inner)
+    buffer_details = tables[1].find("tbody/tr/td/details")
+    assert "".join(buffer_details.find("summary").itertext()) == "the 16 leaves of block_0"
+    assert len(buffer_details.findall(".//tbody/tr")) == 16
+
+
+def test_svg_draws_a_subtree_tie_as_one_edge():
+    params = _demo_params()
+    _, nbytes = _block_by_hand(params)
+    svg = ET.fromstring(graph_svg(st.canonicalize(params)))
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len(list(svg.iter(f"{ns}path"))) == 2 + 1  # block_1 <- block_0, head <- embed; arrow
+    texts = [t.text for t in svg.iter(f"{ns}text")]
+    assert "block_0  (16 leaves)" in texts
+    assert f"block_1  (16 leaves, {format_bytes(nbytes)})" in texts
+    assert not any("block_0/" in t or "block_1/" in t for t in texts)
+    titles = ["".join(t.itertext()) for t in svg.iter(f"{ns}title")]
+    block = next(t for t in titles if t.startswith("view block_1"))
+    assert block.startswith("view block_1 = identity(block_0): block_1/attn/key/bias, ")
+
+
+def test_subtree_ties_nested_and_through_other_ties():
+    w = np.ones((2, 3), np.float32)
+    tree = {
+        "a": {"inner": {"x": w, "y": np.zeros(3, np.float32)}, "z": np.zeros(2, np.float32)},
+        "b": st.Tied("a"),  # reads all of a
+        "c": st.Tied("a/inner", st.scale(2.0)),  # reads a part of a: a's row holds it
+        "d": {"p": st.Tied("a/z"), "q": np.zeros(1, np.float32)},
+        "e": st.Tied("d"),  # e/p reads a/z through d/p's tie, e/q reads d/q
+    }
+    text = st.summary(tree)
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ")}
+    assert rows["a"][1:4] == ["3", "leaves", "float32"]  # the outermost subtree read
+    assert "a/inner" not in rows
+    assert rows["b"][1:5] == ["a", "identity", "3", "leaves"]
+    assert rows["c"][1:5] == ["a/inner", "scale(2.0)", "2", "leaves"]
+    assert rows["d/p"][1:3] == ["a/z", "identity"]
+    # e's leaves read a/z and d/q: no one subtree, so the ref as written
+    assert rows["e"][1:5] == ["d", "identity", "2", "leaves"]
+    assert rows["d"][1:3] == ["1", "leaf"]  # d/q, under d, which e reads
+    materialized = st.materialize(tree)
+    assert len(jax.tree.leaves(materialized["e"])) == 2
 
 
 def test_summary_composes_chained_transforms_in_order():
@@ -99,7 +201,8 @@ def test_summary_composes_chained_transforms_in_order():
     tree = {"w": w, "a": st.Tied("w", st.reshape(3, 2)), "b": st.Tied("a", st.T)}
     line = next(x for x in st.summary(tree).splitlines() if x.startswith("  b "))
     # b = T(reshape(w)): reshape first, then transpose, giving (2, 3)
-    assert line.split() == ["b", "w", "reshape(3,", "2)", ">>", "T", "(2,", "3)", "float32"]
+    cells = ["b", "w", "reshape(3,", "2)", ">>", "T", "(2,", "3)", "float32", "24", "B"]
+    assert line.split() == cells
     assert st.materialize(tree)["b"].shape == w.reshape(3, 2).T.shape
 
 
@@ -176,7 +279,7 @@ def test_repr_html_tables_and_totals():
     tree = _tree()
     g = st.canonicalize(tree)
     root = ET.fromstring(g._repr_html_())
-    tables = root.findall(".//table")
+    tables = root.findall("./table")
     assert len(tables) == 3  # totals, buffers, views
     rows = [[("".join(td.itertext())) for td in tr] for tr in tables[0].iter("tr")]
     size_u, bytes_u = _unique_by_hand(tree)
@@ -188,12 +291,32 @@ def test_repr_html_tables_and_totals():
         f"{100 * (1 - size_u / size_e):.1f}%",
     ]
     assert rows[3][1:3] == [format_bytes(bytes_u), format_bytes(bytes_e)]
-    buffer_rows = [[("".join(td.itertext())) for td in tr] for tr in tables[1].iter("tr")][1:]
-    assert [r[0] for r in buffer_rows] == [b.path for b in g.buffers]
-    assert [r[4] for r in buffer_rows] == [str(b.num_views) for b in g.buffers]
-    view_rows = [[("".join(td.itertext())) for td in tr] for tr in tables[2].iter("tr")][1:]
-    assert {(r[0], r[1], r[2]) for r in view_rows} == {
+
+    def top_rows(table):  # the table's own rows, without the disclosures' nested rows
+        trs = [tr for tr in table.find("tbody").findall("tr") if tr.find("td/details") is None]
+        return [["".join(td.itertext()) for td in tr] for tr in trs]
+
+    def nested_rows(table):  # the rows behind each disclosure, by its summary line
+        out = {}
+        for d in table.iter("details"):
+            out["".join(d.find("summary").itertext())] = [
+                ["".join(td.itertext()) for td in tr] for tr in d.find("table/tbody")
+            ]
+        return out
+
+    # enc is read whole by the tie at again: one row, its two buffers behind a disclosure
+    assert [r[0] for r in top_rows(tables[1])] == ["dec/bias", "enc", "name", "steps"]
+    (inner,) = nested_rows(tables[1]).values()
+    assert [r[0] for r in inner] == ["enc/bias", "enc/kernel"]
+    by_path = {b.path: b for b in g.buffers}
+    assert [r[4] for r in inner] == [str(by_path[r[0]].num_views) for r in inner]
+    assert [r[4] for r in inner] == ["1", "2"]  # enc/kernel: again/kernel and dec/kernel
+    assert {(r[0], r[1], r[2]) for r in top_rows(tables[2])} == {
         ("dec/kernel", "enc/kernel", "T"),
+        ("again", "enc", "identity"),
+    }
+    views_inside = nested_rows(tables[2])["the 2 leaves of again"]
+    assert {(r[0], r[1], r[2]) for r in views_inside} == {
         ("again/kernel", "enc/kernel", "identity"),
         ("again/bias", "enc/bias", "identity"),
     }
@@ -211,15 +334,14 @@ def test_svg_draws_each_view_and_labels_non_identity_edges():
     ns = "{http://www.w3.org/2000/svg}"
     titles = ["".join(t.itertext()) for t in svg.iter(f"{ns}title")]
     assert sorted(t for t in titles if t.startswith("buffer")) == [
-        "buffer enc/bias",
         "buffer enc/kernel",
+        "buffer enc: enc/bias, enc/kernel",
     ]
     assert sorted(t for t in titles if t.startswith("view")) == [
-        "view again/bias = identity(enc/bias)",
-        "view again/kernel = identity(enc/kernel)",
+        "view again = identity(enc): again/bias, again/kernel",
         "view dec/kernel = T(enc/kernel)",
     ]
-    assert len(list(svg.iter(f"{ns}path"))) == 3 + 1  # three edges and the arrow head
+    assert len(list(svg.iter(f"{ns}path"))) == 2 + 1  # two edges (one a subtree's), arrow head
     labels = [t.text for t in svg.iter(f"{ns}text") if t.get("text-anchor") == "end"]
     assert labels == ["T"]
 

@@ -149,3 +149,44 @@ def test_both_copies_are_compared_and_tied_in_transformers_direction(tmp_path) -
     save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
     with pytest.raises(st.TieError, match=r"'lm_head.weight'.*'transformer.wte.weight'.*differ"):
         load_ties(tmp_path / "m.safetensors", ties=tied_weights(model))
+
+
+def test_gpt2_fused_c_attn_loads_as_one_buffer_with_q_k_v_slice_views(tmp_path) -> None:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path / "src")
+    sd = state_dict(model)
+    n = config.n_embd
+    ties: dict[str, object] = dict(tied_weights(model))
+    for layer in range(config.n_layer):
+        fused = f"transformer.h.{layer}.attn.c_attn.weight"  # Conv1D: (in, 3 * out)
+        assert sd[fused].shape == (n, 3 * n)
+        for k, name in enumerate("qkv"):
+            ties[f"transformer.h.{layer}.attn.{name}.weight"] = st.Tied(
+                fused, st.slice(k * n, (k + 1) * n, axis=1)
+            )
+    said = r"'transformer.h.1.attn.v.weight' <- 'transformer.h.1.attn.c_attn.weight' "
+    said += r"\(slice\(64, 96, axis=1\)\)"
+    with pytest.warns(UserWarning, match=said):
+        tree = st.load(tmp_path / "src", ties=ties)
+    m = st.materialize(tree)
+    for layer in range(config.n_layer):
+        fused = sd[f"transformer.h.{layer}.attn.c_attn.weight"]
+        assert isinstance(tree[f"transformer.h.{layer}.attn.c_attn.weight"], np.ndarray)
+        for k, name in enumerate("qkv"):
+            view = np.asarray(m[f"transformer.h.{layer}.attn.{name}.weight"])
+            columns = fused[:, k * n : (k + 1) * n]  # NumPy, by hand
+            assert view.dtype == columns.dtype and view.tobytes() == columns.tobytes()
+    assert_canonical(
+        {
+            k: v
+            for k, v in tree.items()
+            if ".attn.q." not in k and ".attn.k." not in k and ".attn.v." not in k
+        },
+        model,
+    )
+    # saved back (buffers only: c_attn once, no q/k/v), the file loads in from_pretrained
+    export_and_reload(tmp_path, tree, model)

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import sharetree as st
-from sharetree import _io
+from sharetree.__main__ import describe
 
 EVIL = "sharetree_fuzz_evil_mod"
 FN_NAME = "fuzzlib.ops:record"
@@ -135,7 +135,7 @@ def good(tmp_path_factory: Any) -> dict[str, Any]:
     meta["sharetree.tree"] = json.dumps(structure)
     save_file(tensors, str(path), metadata=meta)
     expected = st.load(path, functions=FUNCTIONS)  # imports everything a load needs
-    _io.describe(path)
+    describe(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save_file({"a": np.ones(1)}, str(path) + ".foreign")
@@ -329,7 +329,7 @@ def test_damaged_files_give_the_tree_or_a_tie_error(good, no_imports, tmp_path, 
             event("TieError")
             out = None
         try:
-            text = _io.describe(path)
+            text = describe(path)
             assert isinstance(text, str)
         except st.TieError as e:
             assert "\n" not in str(e)
@@ -416,7 +416,7 @@ def test_crafted_headers_give_the_tree_or_a_tie_error(good, tmp_path, data) -> N
             assert str(e).startswith("load"), e
             out = None
         try:
-            _io.describe(path)
+            describe(path)
         except st.TieError as e:
             assert "\n" not in str(e)
     event(f"{kind}: {'TieError' if out is None else 'loaded'}")

@@ -122,3 +122,52 @@ def test_rules_and_patterns_that_are_not_collections(bad):
         st.label_by_path(tree, bad)
     with pytest.raises(st.TieError, match=r"mask_by_path: patterns must be str, found"):
         st.mask_by_path(tree, bad)
+
+
+# -- a rule that matches a view but not its buffer is warned about -----------------
+
+
+def _gpt():
+    return {
+        "embed": {"embedding": np.ones((8, 4), np.float32)},
+        "block": {"kernel": np.ones((4, 4), np.float32), "bias": np.zeros(4, np.float32)},
+        "head": {"kernel": st.Tied("embed/embedding", st.T)},
+        "block2": st.Tied("block"),
+    }
+
+
+def test_mask_matching_a_tied_head_but_not_its_embedding_warns_naming_both():
+    # nanoGPT's weight-decay question: "*kernel" means the output layer too, but the
+    # output layer is a view of the embedding, which gets False
+    with pytest.warns(UserWarning) as record:
+        mask = st.mask_by_path(_gpt(), "*kernel")
+    assert mask["embed"]["embedding"] is False and mask["block"]["kernel"] is True
+    (w,) = [w for w in record if "mask_by_path" in str(w.message)]
+    msg = str(w.message)
+    assert "pattern '*kernel' matches 1 view whose buffer it does not match" in msg
+    assert "'head/kernel' (Tied('embed/embedding', T) at 'head/kernel') would get True" in msg
+    assert "buffer 'embed/embedding' gets False" in msg
+    assert "Fix: write the rule for the buffer's path ('embed/embedding')" in msg
+    assert w.filename == __file__  # points at the caller
+    # "block2/kernel" is a view of "block/kernel", which "*kernel" matches: no word about it
+    assert "block2" not in msg
+
+
+def test_labels_and_shardings_warn_only_when_the_view_would_get_another_value():
+    import warnings
+
+    from jax.sharding import PartitionSpec as P
+
+    tree = _gpt()
+    with pytest.warns(UserWarning, match=r"'head/\*' matches 1 view.*would get 'a'.*gets 'b'"):
+        st.label_by_path(tree, {"head/*": "a", "*": "b"}, strict=False)
+    mesh = jax.make_mesh((1,), ("model",))
+    with pytest.warns(UserWarning, match=r"shardings_by_path: pattern 'head' .*P\(None, 'model'\)"):
+        st.shardings_by_path(tree, mesh, {"head": P(None, "model"), "*": P()}, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st.label_by_path(tree, {"*": "b"})  # a catch-all matches the buffers too
+        st.label_by_path(tree, {"*kernel": "x", "embed/*": "x", "*": "y"})  # the same label
+        st.mask_by_path(tree, ["*kernel", "embed/*"])
+        st.shardings_by_path(tree, mesh, {"head": P(), "*": P()}, strict=False)  # the same spec
+        st.shardings_by_path(tree, mesh, {"embed": P("model", None), "*": P()})

@@ -14,6 +14,7 @@ import pytest
 import sharetree as st
 from sharetree import _demo
 from sharetree.__main__ import main
+from sharetree._display import format_bytes
 
 STEPS = 25
 
@@ -79,8 +80,11 @@ def test_demo_sharing_summary_matches_the_architecture(demo_run):
     saved = expanded - unique
     assert f"sharing saves {saved:,} parameters ({100 * saved / expanded:.1f}%)" in out
     assert f"Adam holds {2 * unique:,} floats (2 per unique parameter), not {2 * expanded:,}" in out
-    assert re.search(r"^  head/kernel\s+embed/embedding\s+T\s+\(64, 59\)\s+float32$", out, re.M)
-    assert re.search(r"^  block_1/up/kernel\s+block_0/up/kernel\s+identity", out, re.M)
+    head = rf"\(64, {vocab_size}\)\s+float32\s+{format_bytes(64 * vocab_size * 4)}$"
+    assert re.search(rf"^  head/kernel\s+embed/embedding\s+T\s+{head}", out, re.M)
+    block = _number(r"^  block_1\s+block_0\s+identity\s+(\d+) leaves\s+float32", out)
+    assert block == [_leaf_counts(_demo.Config())[1] - 1]  # one row for the block's 16 views
+    assert "block_1/up/kernel" not in out
 
 
 def test_demo_prints_a_sample(demo_run):
@@ -108,11 +112,20 @@ def test_demo_checkpoint_keeps_the_ties_and_inspect_shows_them(demo_run):
     written = f"sharetree format 1 (written by sharetree {st.__version__})"
     assert text.splitlines()[0] == f"{path}: {os.path.getsize(path):,} bytes, {written}"
     assert text.rstrip("\n").split("\n", 1)[1] == st.summary(tree, max_rows=50)
-    code, short, _ = run(["inspect", path, "--max-rows", "3"])
+    # the subtree tie block_1 <- block_0 is one row of each table, not one per leaf
     buffers, views = _leaf_counts(_demo.Config())
+    per_block = views - 1  # every view but the head's is a leaf of block_1
+    rows = [line.split() for line in text.splitlines()]
+    assert ["block_1", "block_0", "identity", str(per_block), "leaves", "float32"] in [
+        r[:6] for r in rows
+    ]
+    assert ["block_0", str(per_block), "leaves", "float32"] in [r[:4] for r in rows]
+    assert not any(r and r[0].startswith(("block_0/", "block_1/")) for r in rows)
+    assert f"{buffers} buffers, {views} views (from 2 ties)" in text
+    code, short, _ = run(["inspect", path, "--max-rows", "1"])
     assert code == 0
-    assert f"... and {buffers - 3} more buffers" in short
-    assert f"... and {views - 3} more views" in short
+    assert f"... and {buffers - per_block} more buffers" in short  # block_0's row is shown
+    assert "... and 1 more views" in short  # block_1's row (16 views) shown, the head's not
 
 
 def test_demo_gradient_sums_over_every_use():

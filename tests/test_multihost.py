@@ -5,8 +5,9 @@
 job on a free loopback port, with one deadline, and kills every process it
 started when one fails. The module runs three jobs, once:
 
-1. ``train``: the tied LM trained on the global (2, 4) mesh, an Orbax save
-   after 3 steps;
+1. ``train``: first ``st.load`` by shard of the checkpoints
+   :func:`write_load_checkpoints` wrote (``load_<i>.json``); then the tied LM
+   trained on the global (2, 4) mesh, an Orbax save after 3 steps;
 2. ``resume``: a fresh pair restores that checkpoint and trains on; then it
    starts another save and process 1 is killed during the write;
 3. ``single``: one process with 8 devices: the same model, the same model
@@ -42,6 +43,7 @@ class Run:
     def __init__(self, work: Path) -> None:
         self.work = work
         self.seconds: dict[str, float] = {}
+        write_load_checkpoints(work)
         self.train = launcher.launch(["train", str(work)], timeout=120)
         assert self.train.ok, self.train.report()
         self.seconds["train"] = self.train.seconds
@@ -58,6 +60,31 @@ class Run:
     def arrays(self, name: str, prefix: str) -> dict[str, np.ndarray]:
         with np.load(self.work / f"{name}.npz") as f:
             return {k[len(prefix) :]: f[k] for k in f.files if k.startswith(prefix)}
+
+
+# the checkpoint of issue 23, scaled down: a tied embedding split by rows over all 8
+# devices, a kernel split by columns (24 MiB); the worker's train job loads it first
+LOAD_EMBED, LOAD_KERNEL = (2048, 2048), (1024, 2048)
+
+
+def write_load_checkpoints(work: Path) -> None:
+    from safetensors.numpy import save_file
+
+    import sharetree as st
+
+    rng = np.random.default_rng(23)
+    embed = rng.standard_normal(LOAD_EMBED, np.float32)
+    kernel = rng.standard_normal(LOAD_KERNEL, np.float32)
+    st.save(
+        work / "load_own.safetensors",
+        {"embed": embed, "kernel": kernel, "head": st.Tied("embed", st.T)},
+    )
+    (work / "load_hf").mkdir()  # save_pretrained style: the head is absent, tied by ties=
+    save_file(
+        {"model.embed_tokens.weight": embed, "kernel": kernel},
+        str(work / "load_hf" / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +232,34 @@ def test_st_save_gathers_and_st_load_places_on_the_global_shardings(run: Run) ->
     if "gather" not in inspect.signature(st.save).parameters:
         pytest.skip("st.save(..., gather=True) is not in this sharetree")
     assert (run.work / "model.safetensors").exists()  # written once, by process 0
+    train_0 = run.json("train_0")
+    for i in range(2):  # read at once by each process after save returned (its barrier)
+        facts = run.json(f"read_after_save_{i}")
+        assert facts["exists"] is True and facts["ties"] == train_0["ties"]
+        np.testing.assert_array_equal(facts["embed"], run.arrays("train_0", "params/")["embed"])
     final = run.arrays("train_0", "params/")
     for i in range(2):
         facts = run.json(f"resume_{i}")
         assert facts["st_load_ties"] == run.json("train_0")["ties"]
         assert facts["st_load_shardings_equal"] is True
         assert_close(run.arrays(f"resume_{i}", "st_load/"), final, 0, 0)
+
+
+@pytest.mark.parametrize("name", ["own", "hf"])
+def test_st_load_reads_only_each_process_share(run: Run, name: str) -> None:
+    ties = {
+        "own": [["head", "Tied('embed', T)"]],
+        "hf": [["lm_head.weight", "Tied('model.embed_tokens.weight')"]],
+    }
+    for i in range(2):
+        facts = run.json(f"load_{i}")[name]
+        assert facts["ties"] == ties[name]  # the tie is kept
+        assert facts["shards_equal"] and all(facts["shards_equal"].values()), facts["shards_equal"]
+        assert len(facts["shards_equal"]) == 2  # the embedding and the kernel
+        assert facts["embed_shape"] == list(LOAD_EMBED)  # one global array ...
+        assert facts["embed_fully_addressable"] is False  # ... split over both processes
+        assert facts["embed_local_shards"] == 4
+        # this process's shards are half the file; reading the tensors whole would exceed 1x
+        assert facts["growth"] < facts["file_bytes"], (
+            f"{facts['growth'] / facts['file_bytes']:.2f}x"
+        )

@@ -37,7 +37,7 @@ def _leaf_paths(tree):
 
 def test_split_gives_a_canonical_state_without_a_leaf_for_the_tied_variable():
     model = AE(rngs=nnx.Rngs(0))
-    graphdef, state = stnnx.split(model, TIES)
+    graphdef, state = stnnx.split(model, ties=TIES)
     assert isinstance(graphdef, stnnx.GraphDef) and graphdef.aliases == ()
     assert isinstance(state, nnx.State)
     assert state["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
@@ -52,7 +52,9 @@ def test_split_gives_a_canonical_state_without_a_leaf_for_the_tied_variable():
     assert not np.array_equal(model.dec.kernel[...], model.enc.kernel[...].T)
     assert type(new.dec.kernel) is nnx.Param
     # "dec/kernel/value" names the same Variable
-    _, state2 = stnnx.split(model, {"dec/kernel/value": st.Tied("enc/kernel/value", st.T)})
+    _, state2 = stnnx.split(
+        model, ties={"dec/kernel/value": st.Tied("enc/kernel/value", st.T)}
+    )
     assert jax.tree.structure(state2) == jax.tree.structure(state)
 
 
@@ -63,7 +65,7 @@ def _hand_loss(p, x):
 
 def test_nnx_autoencoder_tied_with_sharetree_equals_hand_written_w_and_w_t():
     """>= 5 adam steps: losses, final W and gradient norms match the hand-tied computation."""
-    graphdef, state = stnnx.split(AE(rngs=nnx.Rngs(1)), TIES)
+    graphdef, state = stnnx.split(AE(rngs=nnx.Rngs(1)), ties=TIES)
     hand = {
         "W": state["enc"]["kernel"][...],
         "b1": state["enc"]["bias"][...],
@@ -139,9 +141,9 @@ def test_a_variable_shared_by_the_model_comes_out_as_an_identity_tie():
     np.testing.assert_allclose(g["dec"]["kernel"][...], jax.grad(hand)(w, b1, b2), rtol=1e-5)
     assert g["enc"]["kernel"] == st.Tied("dec/kernel")
     # a user tie that repeats the identity tie is accepted; a conflicting one is an error
-    assert stnnx.split(model, {"enc/kernel": "dec/kernel"})[0] == graphdef
+    assert stnnx.split(model, ties={"enc/kernel": "dec/kernel"})[0] == graphdef
     with pytest.raises(st.TieError, match=r"'enc/kernel' is the same Variable object as"):
-        stnnx.split(model, {"enc/kernel": st.Tied("dec/kernel", st.T)})
+        stnnx.split(model, ties={"enc/kernel": st.Tied("dec/kernel", st.T)})
     with pytest.raises(st.TieError, match=r"must be Tied\('dec/kernel'\)"):
         wrong = st.tie(st.materialize(state), {"enc/kernel": "dec/bias"}, check=False)
         stnnx.merge(graphdef, wrong)
@@ -178,7 +180,7 @@ class Regularised(nnx.Module):
 
 def test_filters_rng_state_and_the_targets_own_metadata():
     model = Regularised(nnx.Rngs(4))
-    graphdef, params, rest = stnnx.split(model, TIES, nnx.Param, ...)
+    graphdef, params, rest = stnnx.split(model, nnx.Param, ..., ties=TIES)
     assert graphdef.num_states == 2
     assert params["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
     assert "drop" in rest and "drop" not in params
@@ -199,12 +201,12 @@ def test_filters_rng_state_and_the_targets_own_metadata():
     with pytest.raises(st.TieError, match=r"expected 2 state\(s\)"):
         stnnx.merge(graphdef, params)
     with pytest.raises(st.TieError, match=r"spans states \[0, 1\]"):
-        stnnx.split(model, {"drop/rngs/count": "enc/bias"}, nnx.Param, ...)
+        stnnx.split(model, nnx.Param, ..., ties={"drop/rngs/count": "enc/bias"})
 
 
 def test_update_writes_views_into_an_existing_model():
     model = AE(rngs=nnx.Rngs(5))
-    graphdef, state = stnnx.split(model, TIES)
+    graphdef, state = stnnx.split(model, ties=TIES)
     state = jax.tree.map(lambda v: v + 1.0, state)
     stnnx.update(model, graphdef, state)
     np.testing.assert_array_equal(model.enc.kernel[...], state["enc"]["kernel"][...])
@@ -218,20 +220,20 @@ def test_update_writes_views_into_an_existing_model():
 def test_tying_a_path_missing_from_the_nnx_state_names_it_and_the_closest_one():
     model = AE(rngs=nnx.Rngs(7))
     with pytest.raises(st.TieError) as e:
-        stnnx.split(model, {"dec/kernal": st.Tied("enc/kernel", st.T)})
+        stnnx.split(model, ties={"dec/kernal": st.Tied("enc/kernel", st.T)})
     msg = str(e.value)
     assert "'dec/kernal'" in msg and "NNX state" in msg and "'dec/kernel'" in msg
     with pytest.raises(st.TieError) as e:
-        stnnx.split(model, {"dec/kernel": st.Tied("encoder/kernel", st.T)})
+        stnnx.split(model, ties={"dec/kernel": st.Tied("encoder/kernel", st.T)})
     assert "'encoder/kernel'" in str(e.value) and "'enc/kernel'" in str(e.value)
     with pytest.raises(st.TieError, match=r"float32\[6, 3\].*float32\[3, 6\]"):
-        stnnx.split(model, {"dec/kernel": "enc/kernel"})
+        stnnx.split(model, ties={"dec/kernel": "enc/kernel"})
 
 
 def test_graphdef_is_hashable_for_jit_static_arguments():
     model = AE(rngs=nnx.Rngs(8))
-    g1, s1 = stnnx.split(model, TIES)
-    g2, _ = stnnx.split(model, TIES)
+    g1, s1 = stnnx.split(model, ties=TIES)
+    g2, _ = stnnx.split(model, ties=TIES)
     assert g1 == g2 and hash(g1) == hash(g2)
 
     apply = jax.jit(lambda s, x, g=g1: stnnx.merge(g, s)(x))
@@ -243,7 +245,7 @@ def test_graphdef_is_hashable_for_jit_static_arguments():
 
 
 def test_optax_labels_and_masks_by_path_on_an_nnx_state():
-    _, state = stnnx.split(AE(rngs=nnx.Rngs(9)), TIES)
+    _, state = stnnx.split(AE(rngs=nnx.Rngs(9)), ties=TIES)
     labels = st.label_by_path(state, {"enc": "adam", "dec": "sgd"})
     assert labels["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
     tx = optax.multi_transform({"adam": optax.adam(0.1), "sgd": optax.sgd(0.5)}, labels)
@@ -259,11 +261,11 @@ def test_optax_labels_and_masks_by_path_on_an_nnx_state():
 def test_check_false_lets_a_view_of_another_shape_through_like_st_tie():
     model = AE(rngs=nnx.Rngs(10))
     with pytest.raises(st.TieError) as e:
-        stnnx.split(model, {"dec/kernel": "enc/kernel"})
+        stnnx.split(model, ties={"dec/kernel": "enc/kernel"})
     msg = str(e.value)
     assert msg.startswith("sharetree.nnx.split: tie 'dec/kernel/value' <- Tied('enc/kernel')")
     assert "or pass check=False" in msg  # split takes check=, so the advice holds
-    graphdef, state = stnnx.split(model, {"dec/kernel": "enc/kernel"}, check=False)
+    graphdef, state = stnnx.split(model, ties={"dec/kernel": "enc/kernel"}, check=False)
     assert state["dec"]["kernel"] == st.Tied("enc/kernel")
     new = stnnx.merge(graphdef, state)
     assert new.dec.kernel.shape == (6, 3) and type(new.dec.kernel) is nnx.Param
@@ -294,8 +296,8 @@ def test_a_module_held_in_an_nnx_data_list_and_an_attribute_gives_identity_ties(
 
 
 def test_split_and_merge_reject_what_is_no_mapping_or_state():
-    with pytest.raises(st.TieError, match=r"split\(model, ties\): expected a mapping.*got int"):
-        stnnx.split(AE(rngs=nnx.Rngs(0)), 1)
+    with pytest.raises(st.TieError, match=r"ties=\.\.\.\): expected a mapping.*got int"):
+        stnnx.split(AE(rngs=nnx.Rngs(0)), ties=1)
     graphdef, _ = stnnx.split(AE(rngs=nnx.Rngs(0)))
     with pytest.raises(st.TieError, match=r"expected an NNX state .*found NoneType"):
         stnnx.merge(graphdef, None)
@@ -306,4 +308,20 @@ def test_split_and_merge_reject_what_is_no_mapping_or_state():
 def test_split_rejects_a_target_spelled_twice():
     ties = {"dec/kernel": st.Tied("enc/kernel", st.T), ("dec", "kernel"): "enc/kernel"}
     with pytest.raises(st.TieError, match=r"name the same path 'dec/kernel'"):
-        stnnx.split(AE(rngs=nnx.Rngs(0)), ties)
+        stnnx.split(AE(rngs=nnx.Rngs(0)), ties=ties)
+
+
+def test_split_takes_nnx_splits_positional_arguments():
+    # a drop-in replacement: split(model, *filters) as nnx.split, ties by keyword
+    model = AE(rngs=nnx.Rngs(3))
+    graphdef, params, rest = stnnx.split(model, nnx.Param, ...)
+    g, p, r = nnx.split(model, nnx.Param, ...)
+    assert graphdef.graphdef == g and graphdef.num_states == 2
+    assert jax.tree.structure(params) == jax.tree.structure(p)
+    assert jax.tree.structure(rest) == jax.tree.structure(r)
+    (_, only) = stnnx.split(model, nnx.Param)
+    assert jax.tree.structure(only) == jax.tree.structure(nnx.split(model, nnx.Param)[1])
+    _, tied, _ = stnnx.split(model, nnx.Param, ..., ties=TIES)
+    assert tied["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
+    with pytest.raises(st.TieError, match=r"a mapping .* among the filters.*ties=\{"):
+        stnnx.split(model, TIES)

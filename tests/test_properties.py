@@ -11,10 +11,12 @@ sharetree's transform objects appear only where the canonical tree is built
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as hs
 
 import sharetree as st
+from sharetree._paths import node_paths
+from sharetree._resolve import ref_to
 
 SHAPES = [(), (3,), (2, 3), (3, 3), (2, 2, 2)]
 TRANSFORMS = [
@@ -159,8 +161,19 @@ def tied_trees(draw):
         ref = draw(hs.sampled_from(earlier + subtrees))
         table[target] = (ref, draw(hs.sampled_from(TRANSFORMS)))
     canonical = tree
+    positions = node_paths(leaves)
     for target, (ref, chain) in table.items():
-        canonical = _set(canonical, target, st.Tied(ref, _st_chain(chain)))
+        try:  # refs are scoped (innermost subtree first): write the one that names `ref`
+            written = ref_to(ref, target, positions)
+        except st.TieError:
+            assume(False)  # no spelling names it from there (a subtree has the same path)
+        # ref_to sees nodes only: no inner scope may reach the ref through a view either
+        for k in range(len(target) - 1, 0, -1):
+            p = target[:k] + written
+            assume(not any(p[:m] in table for m in range(1, len(p) + 1)))
+        canonical = _set(
+            canonical, target, st.Tied(written, _st_chain(chain))
+        )
     return tree, canonical, table
 
 

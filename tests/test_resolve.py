@@ -1,5 +1,7 @@
 """The resolver: iterative, linear, and its errors name what the user wrote."""
 
+import hypothesis
+import hypothesis.strategies as st_h
 import jax
 import numpy as np
 import pytest
@@ -46,7 +48,7 @@ def test_long_cycle_is_a_tie_error_with_start_and_length():
     with pytest.raises(
         st.TieError,
         match=r"cycle of ties: 'c0000' -> .*\.\.\..*-> 'c0000' "
-        r"\(1000 ties, starting at 'c0000'\)",
+        r"\(1,000 ties, starting at 'c0000'\)",
     ):
         st.canonicalize(tree)
 
@@ -151,16 +153,18 @@ def test_flax_style_variables_and_an_equinox_parent_keep_the_ties_of_their_parts
         np.testing.assert_array_equal(m[k]["head"], parent[k]["embed"].T)
 
 
-def test_a_ref_the_root_has_means_the_root_and_the_innermost_scope_wins_otherwise():
+def test_the_innermost_subtree_that_has_the_ref_wins_and_the_root_comes_last():
     a, b, c = (np.full((2,), v, np.float32) for v in (1.0, 2.0, 3.0))
-    # the root's "enc/w" exists: a ref written from the root (as st.tie writes it) keeps it
+    # lexical scope: "block" standing alone means its own enc/w, so it does inside a bigger tree
     tree = {"enc": {"w": a}, "block": {"enc": {"w": b}, "dec": st.Tied("enc/w")}}
-    assert st.materialize(tree)["block"]["dec"] is a
-    # absent at the root: the nearest subtree holding the tie that has it
-    tree = {"x": {"y": {"w": b, "v": st.Tied("w")}, "w": c}}
+    assert st.materialize(tree)["block"]["dec"] is b
+    assert st.materialize(tree["block"])["dec"] is b
+    tree = {"x": {"y": {"w": b, "v": st.Tied("w")}, "w": c}, "w": a}
     assert st.materialize(tree)["x"]["y"]["v"] is b
-    tree = {"x": {"y": {"v": st.Tied("w")}, "w": c}}
+    tree = {"x": {"y": {"v": st.Tied("w")}, "w": c}, "w": a}
     assert st.materialize(tree)["x"]["y"]["v"] is c
+    tree = {"x": {"y": {"v": st.Tied("w")}}, "w": a}
+    assert st.materialize(tree)["x"]["y"]["v"] is a
     # through a view of the same nested tree
     tree = {"m": {"w": np.ones((2, 3)), "v": st.Tied("w"), "u": st.Tied("v", st.T)}}
     assert st.materialize(tree)["m"]["u"].shape == (3, 2)
@@ -168,7 +172,132 @@ def test_a_ref_the_root_has_means_the_root_and_the_innermost_scope_wins_otherwis
 
 def test_a_scope_that_makes_the_tie_its_own_ref_is_skipped_and_a_missing_ref_says_so():
     # at "a/b", ref "b" from the scope "a" would be the tie itself: not a match
-    with pytest.raises(st.TieError, match=r"ref 'b' does not exist.*from a subtree that contains"):
+    with pytest.raises(st.TieError, match=r"ref 'b' does not exist.*from the innermost subtree"):
         st.materialize({"a": {"b": st.Tied("b"), "c": np.ones(2)}})
     with pytest.raises(st.TieError, match=r"refers to 'a', a subtree that contains it"):
         st.materialize({"a": {"b": st.Tied("a"), "c": np.ones(2)}})
+
+
+# -- refs are lexically scoped: wrapping a tree never changes what its ties mean ---
+
+_KEYS = ["a", "b", "enc", "w"]
+
+
+@st_h.composite
+def _tied_trees(draw):
+    """A dict of leaves and sub-dicts (distinct values), some leaves replaced by ties."""
+    counter = iter(range(1, 1_000))
+    tree = {}
+    for k in draw(st_h.lists(st_h.sampled_from(_KEYS), min_size=2, max_size=4, unique=True)):
+        if draw(st_h.booleans()):
+            sub = draw(st_h.lists(st_h.sampled_from(_KEYS), min_size=1, max_size=3, unique=True))
+            tree[k] = {j: np.full(2, next(counter), np.float32) for j in sub}
+        else:
+            tree[k] = np.full(2, next(counter), np.float32)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = [tuple(str(getattr(e, "key", e)) for e in p) for p in paths]
+    targets = draw(st_h.lists(st_h.sampled_from(paths), max_size=len(paths) - 1, unique=True))
+    sources = [p for p in paths if p not in targets]
+    for target in targets:
+        ref = draw(st_h.sampled_from(sources))
+        # written from the tree's root, or from the target's own subtree when it has it
+        if len(target) == 2 and ref[0] == target[0] and draw(st_h.booleans()):
+            ref = ref[1:]
+        t = st.Tied("/".join(ref), draw(st_h.sampled_from([st.identity, st.scale(2.0)])))
+        node = tree
+        for k in target[:-1]:
+            node = node[k]
+        node[target[-1]] = t
+    return tree
+
+
+def _shifted(tree, by):
+    """The materialized tree with other values: the colliding keys of a bigger tree."""
+    return jax.tree.map(lambda x: x + by, st.materialize(tree))
+
+
+@hypothesis.given(
+    _tied_trees(), st_h.sampled_from(_KEYS + ["params"]), st_h.sampled_from(_KEYS + ["state"])
+)
+@hypothesis.settings(max_examples=150, deadline=None)
+def test_wrapping_a_tied_tree_in_a_dict_with_colliding_keys_never_changes_its_ties(
+    tree, key, outer_key
+):
+    try:
+        alone = st.materialize(tree)
+    except st.TieError:  # a tie to another tie's buffer path that is itself a target, etc.
+        hypothesis.assume(False)
+    inner_copy = _shifted(tree, 100.0)
+    # the bigger tree has every key of the tree (and of its subtrees) next to it, with
+    # other values, and the whole thing again one level up (a train state, a bigger model)
+    wrapped = {k: v for k, v in inner_copy.items() if k != key}
+    wrapped[key] = tree
+    for sub in (v for v in inner_copy.values() if isinstance(v, dict)):
+        for k, v in sub.items():
+            wrapped.setdefault(k, v + 1_000.0)
+    twice = {k: v for k, v in _shifted(wrapped, 10_000.0).items() if k != outer_key}
+    twice[outer_key] = wrapped
+    for big, get in ((wrapped, lambda m: m[key]), (twice, lambda m: m[outer_key][key])):
+        got = get(st.materialize(big))
+        assert jax.tree.structure(got) == jax.tree.structure(alone)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(alone)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_tie_inside_a_bigger_tree_reads_its_own_tree_not_the_bigger_trees_path():
+    # the issue's case: the outer "enc" must not capture the inner tree's ref "enc"
+    inner = {"enc": np.ones((2, 3), np.float32), "dec": st.Tied("enc", st.T)}
+    m = st.materialize({"enc": np.full((2, 3), 7.0, np.float32), "model": inner})
+    np.testing.assert_array_equal(m["model"]["dec"], np.ones((3, 2), np.float32))
+    assert st.materialize({"model": inner})["model"]["dec"].shape == (3, 2)
+
+
+# -- cycle errors show the chain as the user wrote it ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("tree", "chain", "count"),
+    [
+        (  # through a view: the ref as written, the view it passes, where it lands
+            {"a": {"x": st.Tied("b/x"), "y": np.ones(2)}, "b": st.Tied("a")},
+            "'a/x' -> 'b/x' (via Tied('a') at 'b') -> 'a/x'",
+            "2 ties",
+        ),
+        (  # through a subtree tie: the subtree it lands on holds the next tie
+            {"a": {"x": st.Tied("b"), "y": np.ones(2)}, "b": st.Tied("a")},
+            "'a/x' -> 'b' -> 'a' (holding the tie 'a/x')",
+            "2 ties",
+        ),
+        (  # refs written from a subtree: the path found and the ref as written
+            {"m": {"a": st.Tied("b"), "b": st.Tied("a")}, "w": np.ones(2)},
+            "'m/a' -> 'm/b' (written 'b') -> 'm/a' (written 'a')",
+            "2 ties",
+        ),
+        (  # views that refer below each other
+            {"a": st.Tied("b/y"), "b": st.Tied("a/x"), "w": np.ones(2)},
+            "'a' -> 'b/y' (through the view 'b') -> 'a/x' (through the view 'a')",
+            "2 ties",
+        ),
+        ({"a": st.Tied("a2"), "a2": st.Tied("a"), "w": np.ones(2)}, "'a' -> 'a2' -> 'a'", "2 ties"),
+    ],
+)
+def test_cycle_errors_show_each_ref_as_written_with_the_views_it_passes(tree, chain, count):
+    with pytest.raises(st.TieError) as info:
+        st.materialize(tree)
+    msg = str(info.value)
+    assert f"cycle of ties: {chain} ({count}, starting at" in msg, msg
+    assert "1 ties" not in msg
+
+
+def test_ties_found_by_position_are_written_so_that_the_scoped_lookup_finds_their_buffer():
+    x, y, z = np.arange(2.0), np.arange(2.0) + 5, np.arange(2.0) + 9
+    # "m/w" is the same object as "m/v": the ref from the root, "m/v", would be looked up
+    # as "m/m/v" first (the subtree "m" has its own "m/v"): the ref from "m" is written
+    tree = {"m": {"m": {"v": z}, "v": x, "w": x}, "w": y}
+    tied = st.tie_identical(tree)
+    assert st.materialize(tied)["m"]["w"] is x and tied["m"]["w"] == st.Tied("v")
+    found = st.find_ties({"m": {"m": {"v": z}, "v": x, "w": x.copy()}, "w": y})
+    assert found == {"m/w": st.Tied("v")}
+    # no spelling can name the root's "a" from inside "sub", which has its own "a"
+    with pytest.raises(st.TieError, match=r"cannot tie 'sub/v' to 'a'.*'sub/a' is found there"):
+        st.tie_identical({"a": x, "sub": {"a": y, "v": x}})

@@ -8,6 +8,8 @@ import stat
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from safetensors.numpy import save_file
 
 import sharetree as st
@@ -140,3 +142,55 @@ def test_atomic_write_refuses_a_read_only_file_as_open_would(tmp_path, monkeypat
     with pytest.raises(PermissionError, match=r"cannot write '.*x\.safetensors': .*read-only"):
         atomic_write(str(path), {"a": np.zeros(1)}, {})
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["x.safetensors"]
+
+
+_READ_DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "int4", "bool"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=hs.data())
+def test_tensor_parts_equal_numpy_slices(tmp_path_factory, data) -> None:
+    """``Tensor.read(index)`` of any part, stored or transposed, is NumPy's slice of the array."""
+    import jax.numpy as jnp
+
+    from sharetree._safetensors import Tensor
+
+    shape = tuple(data.draw(hs.lists(hs.integers(0, 5), min_size=1, max_size=3), label="shape"))
+    dtype = np.dtype(jnp.dtype(data.draw(hs.sampled_from(_READ_DTYPES), label="dtype")))
+    full = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) % 7
+    full = full.astype(dtype)
+    raw = dtype.name == "int4"  # no safetensors code: st.save stores its bytes as uint8
+    path = str(tmp_path_factory.mktemp("parts") / "x.safetensors")
+    stored = np.frombuffer(full.tobytes(), np.uint8) if raw else full
+    save_file({"x": np.ascontiguousarray(stored)}, path)
+    perm = tuple(data.draw(hs.permutations(range(len(shape))), label="axes"))
+    view = np.transpose(full, perm)
+    axes = None if perm == tuple(range(len(shape))) else perm
+    t = Tensor(Reader(path), "x", view.shape, dtype, axes=axes, view=raw)
+    index = []
+    for n in view.shape:
+        a, b = sorted(data.draw(hs.tuples(hs.integers(0, n), hs.integers(0, n)), label="slice"))
+        index.append(slice(a, b))
+    got = t.read(tuple(index))
+    assert got.dtype == dtype and got.flags.writeable
+    want = np.ascontiguousarray(view[tuple(index)])
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bits: NaN too
+    np.testing.assert_array_equal(
+        t.read().view(np.uint8), np.ascontiguousarray(view).view(np.uint8)
+    )
+
+
+def test_a_transposed_tensor_is_read_in_bounded_chunks(tmp_path, monkeypatch) -> None:
+    from sharetree._safetensors import Tensor
+
+    path = str(tmp_path / "x.safetensors")
+    full = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
+    save_file({"x": full}, path)
+    monkeypatch.setattr(_safetensors, "_CHUNK", 3 * 40 * 4)  # three rows of the transpose
+    reader = Reader(path)
+    parts = []
+    real = Reader.read
+    monkeypatch.setattr(Reader, "read", lambda self, *a: parts.append(a[1]) or real(self, *a))
+    got = Tensor(reader, "x", (6, 40), np.dtype("float32"), axes=(1, 0)).read()
+    np.testing.assert_array_equal(got, full.T)
+    assert [p[1] for p in parts] == [slice(0, 3), slice(3, 6)]  # columns of the stored tensor

@@ -144,3 +144,23 @@ def test_numpy_integer_keys_are_indices():
     assert st.Tied(("layers", np.int32(2), "w")).ref == ("layers", "2", "w")
     with pytest.raises(st.TieError, match="keys must be str or int"):
         st.Tied(("a", np.bool_(True)))
+
+
+def test_unflatten_checks_nothing_and_gives_back_the_same_tied(monkeypatch):
+    # a Tied is validated once, when it is made: every tree operation after that
+    # (jax.tree.map, jit dispatch, an optimizer step) unflattens it without checks
+    from sharetree import _tied
+
+    tree = {"w": np.ones((2, 3)), "v": st.Tied("w", st.T), "u": st.Tied(("w",))}
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a Tied was validated again")
+
+    monkeypatch.setattr(_tied, "check_transform", fail)
+    monkeypatch.setattr(_tied, "to_path", fail)
+    out = jax.tree.map(lambda x: 2 * x, tree)
+    assert out["v"] is tree["v"] and out["u"] is tree["u"]
+    again = jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(tree))
+    assert again["v"] is tree["v"] and again["u"] is tree["u"]
+    with pytest.raises(AssertionError, match="validated again"):
+        st.Tied("w", st.T)  # making one still validates

@@ -137,32 +137,54 @@ EXACT_SCALES = [0.5, 2.0, -1.0, 1.5, -3.0, 0.25]  # products of a few are exact 
 CASTS = [np.float32, np.float16, ml_dtypes.bfloat16]
 
 
+def _shapes_of_size(n):
+    """Shapes with ``n`` elements: the SHAPES that fit, and ``(n,)`` and ``(a, n // a)``."""
+    pairs = [(a, n // a) for a in range(2, n) if n % a == 0]
+    return [s for s in SHAPES if np.prod(s) == n] + [(n,)] + pairs
+
+
+MOVES = {"identity", "T", "transpose", "reshape", "slice", "index"}  # they declare state_view
+
+
 @hs.composite
-def valid_chains(draw, max_parts=7):
-    """(start shape, [(transform, numpy step)]), every step valid on the shape it gets."""
+def valid_chains(draw, max_parts=7, with_names=False):
+    """(start shape, [(transform, numpy step)]), every step valid on the shape it gets.
+
+    With ``with_names``: also the kinds drawn and the axis names step by step
+    (``None`` once a step loses them), from the start names ``"abcd"[:ndim]``.
+    """
     shape = draw(hs.sampled_from(SHAPES))
-    start, steps = shape, []
+    start, steps, kinds = shape, [], []
+    names = tuple("abcd"[: len(shape)])
     for _ in range(draw(hs.integers(0, max_parts))):
         ndim = len(shape)
         kind = draw(
-            hs.sampled_from(["identity", "T", "transpose", "reshape", "scale", "cast", "fn"])
+            hs.sampled_from(
+                ["identity", "T", "transpose", "reshape", "scale", "cast", "fn", "slice", "index"]
+            )
         )
+        if kind == "index" and ndim < 2:
+            kind = "identity"  # keep at least one axis: every step sees an array
+        kinds.append(kind)
         if kind == "identity":
             steps.append((st.identity, lambda x: x))
         elif kind == "T":
             steps.append((st.T, np.transpose))
             shape = shape[::-1]
+            names = names and names[::-1]
         elif kind == "transpose":
             perm = draw(hs.permutations(range(ndim)))
             spelled = [a - ndim if draw(hs.booleans()) else a for a in perm]
             steps.append((st.transpose(*spelled), functools.partial(np.transpose, axes=perm)))
             shape = tuple(shape[a] for a in perm)
+            names = names and tuple(names[a] for a in perm)
         elif kind == "reshape":
-            new = draw(hs.sampled_from(SHAPES))
+            new = draw(hs.sampled_from(_shapes_of_size(int(np.prod(shape)))))
             spelled = list(new)
             if draw(hs.booleans()):
                 spelled[draw(hs.integers(0, len(new) - 1))] = -1
             steps.append((st.reshape(*spelled), functools.partial(_np_reshape, new)))
+            names = names if new == shape else None
             shape = new
         elif kind == "scale":
             c = draw(
@@ -173,8 +195,28 @@ def valid_chains(draw, max_parts=7):
         elif kind == "cast":
             dtype = draw(hs.sampled_from(CASTS))
             steps.append((st.astype(dtype), lambda x, d=dtype: x.astype(d).astype(np.float64)))
+        elif kind == "slice":
+            axis = draw(hs.integers(0, ndim - 1))
+            n = shape[axis]
+            lo = draw(hs.integers(0, n - 1))
+            hi = draw(hs.integers(lo + 1, n))
+            where = (slice(None),) * axis + (slice(lo, hi),)
+            start_ = lo - n if draw(hs.booleans()) else lo
+            stop = None if hi == n and draw(hs.booleans()) else hi
+            steps.append((st.slice(start_, stop, axis=axis), lambda x, w=where: x[w]))
+            shape = (*shape[:axis], hi - lo, *shape[axis + 1 :])
+        elif kind == "index":
+            axis = draw(hs.integers(-ndim, ndim - 1))
+            i = draw(hs.integers(-shape[axis], shape[axis] - 1))
+            where = (slice(None),) * (axis % ndim) + (i,)
+            steps.append((st.index(i, axis=axis), lambda x, w=where: x[w]))
+            shape = (*shape[: axis % ndim], *shape[axis % ndim + 1 :])
+            names = names and (*names[: axis % ndim], *names[axis % ndim + 1 :])
         else:
             steps.append((st.fn(jnp.flipud), np.flipud))
+            names = None
+    if with_names:
+        return start, steps, kinds, names
     return start, steps
 
 
@@ -263,3 +305,29 @@ def test_groupings_agree(chain_and_start, k, seed):
     if not mixed and not no_op and all(c in EXACT_SCALES for c in scales):
         for other in (split, right):
             assert other == whole and hash(other) == hash(whole) and repr(other) == repr(whole)
+
+
+@settings(max_examples=150, deadline=None)
+@given(valid_chains(with_names=True), hs.integers(0, 2**32 - 1))
+def test_capabilities_of_a_chain_are_those_of_its_parts(chain_names, seed):
+    start, steps, kinds, names = chain_names
+    normal = st.chain(*(t for t, _ in steps))
+    x = np.random.default_rng(seed).standard_normal(start)  # float64: NumPy keeps it
+    ref = x
+    for _, step in steps:
+        ref = step(ref)
+    # numpy: the same values as NumPy step by step, without JAX's float32
+    np.testing.assert_allclose(np.asarray(normal.numpy(x), np.float64), ref, rtol=3e-2, atol=1e-6)
+    # state_view: declared exactly when every part moves or selects elements
+    moves = normal.state_view()
+    assert (moves is not None) == all(k in MOVES for k in kinds)
+    if moves is not None:
+        np.testing.assert_array_equal(moves.numpy(x), ref)  # moments move like the values
+    # axis names: where NumPy step by step keeps them, the chain gives the same ones
+    aval = jax.ShapeDtypeStruct(start, np.float32)
+    if names is not None:
+        assert normal.axis_names(tuple("abcd"[: len(start)]), aval) == names
+    # inverse: where there is one, it undoes the view bit for bit
+    back = normal.inverse()
+    if back is not None:
+        np.testing.assert_array_equal(back.numpy(normal.numpy(x)), x)

@@ -33,6 +33,10 @@ ALL = [
     st.T >> st.reshape(24),
     st.astype(jnp.float16) >> st.astype(jnp.float32),
     st.fn(jnp.flipud) >> st.scale(3.0) >> st.T,
+    st.slice(0, 2, axis=1),
+    st.slice(-2, None),
+    st.index(-1, axis=2),
+    st.slice(0, 1) >> st.T >> st.index(0),
 ]
 
 
@@ -184,41 +188,39 @@ def test_rank_mismatch_stays_an_error_when_the_view_is_computed():
 
 
 def test_every_registered_transform_has_a_factory_and_spec_names():
-    assert set(_transforms._REGISTRY) == {
+    builtin = {n for n, c in _transforms._REGISTRY.items() if c.__qualname__.startswith("_")}
+    assert builtin == {
         "identity",
         "transpose",
         "reshape",
         "astype",
         "scale",
         "fn",
+        "slice",
+        "index",
         "chain",
     }
     for name, cls in _transforms._REGISTRY.items():
         assert cls.spec_name == name
     specs = {t.spec()["name"] for t in ALL}
-    assert specs == set(_transforms._REGISTRY)  # ALL covers every registered transform
+    assert specs == builtin  # ALL covers every registered transform
 
 
 @pytest.fixture
 def flip_transform():
-    """A transform defined outside sharetree: one class, nothing else to edit."""
+    """A transform defined outside sharetree: one dataclass, no spec code, nothing else to edit."""
 
     @dataclasses.dataclass(frozen=True)
     class Flip(Transform, name="test_flip"):
         axis: int
-        spec_fields: ClassVar[dict[str, str]] = {"axis": "an integer"}
+        field_docs: ClassVar[dict[str, str]] = {"axis": "an integer"}
+
+        def __post_init__(self):
+            if not isinstance(self.axis, int):
+                raise TypeError(f"Flip(axis) takes an integer, got {self.axis!r}")
 
         def __call__(self, x):
             return jnp.flip(jnp.asarray(x), self.axis)
-
-        def spec(self):
-            return {"name": "test_flip", "axis": self.axis}
-
-        @classmethod
-        def from_spec(cls, spec, resolve):
-            if not isinstance(spec["axis"], int):
-                raise _transforms._bad_field(spec, "axis", spec["axis"])
-            return cls(spec["axis"])
 
     yield Flip
     del _transforms._REGISTRY["test_flip"]
@@ -226,6 +228,7 @@ def flip_transform():
 
 def test_a_new_transform_is_one_class(flip_transform):
     t = st.T >> flip_transform(0)
+    assert t.spec()["parts"][1] == {"name": "test_flip", "axis": 0}
     assert st.transform_from_spec(t.spec()) == t
     assert describe_spec(t.spec()) == "T >> " + repr(flip_transform(0))
     np.testing.assert_array_equal(t(X[0]), np.flip(X[0].T, 0))
@@ -233,32 +236,41 @@ def test_a_new_transform_is_one_class(flip_transform):
         st.transform_from_spec({"name": "flop"})
     with pytest.raises(st.TieError, match=r"st\.test_flip"):
         st.Tied("a", 3)
-    with pytest.raises(st.TieError, match=r"field 'axis' of 'test_flip' should be an integer"):
+    with pytest.raises(
+        st.TieError,
+        match=r"field 'axis' of 'test_flip' should be an integer, found str '0' "
+        r"\(TypeError: Flip\(axis\) takes an integer, got '0'\)",
+    ):
         st.transform_from_spec({"name": "test_flip", "axis": "0"})
+    with pytest.raises(st.TieError, match=r"the field 'axis' is missing.*'axis' \(an integer\)"):
+        st.transform_from_spec({"name": "test_flip"})
 
 
-def test_registry_refuses_a_taken_name_and_a_class_without_from_spec():
+def test_registry_refuses_a_taken_name_and_a_class_that_is_no_dataclass():
     with pytest.raises(TypeError, match="'scale' is already taken"):
 
         class Other(Transform, name="scale"):
-            @classmethod
-            def from_spec(cls, spec, resolve):
-                return st.identity
-
-    with pytest.raises(TypeError, match="must define from_spec"):
-
-        class NoReader(Transform, name="test_no_reader"):
             pass
 
-    assert "test_no_reader" not in _transforms._REGISTRY
+    class NoFields(Transform, name="test_no_fields"):  # not a dataclass: no spec to write
+        def __call__(self, x):
+            return x
+
+    try:
+        with pytest.raises(TypeError, match="NoFields is not a dataclass.*@dataclasses"):
+            NoFields().spec()
+    finally:
+        del _transforms._REGISTRY["test_no_fields"]
     assert _transforms._REGISTRY["scale"] is type(st.scale(1.0))
 
 
 def test_unknown_name_lists_the_known_ones():
+    known = ", ".join(sorted(_transforms._REGISTRY))  # the built-ins, and any defined by users
+    assert "astype, chain, fn, identity, index, reshape, scale, slice, transpose" in ", ".join(
+        n for n in sorted(_transforms._REGISTRY) if not n.startswith(("doc_", "test_"))
+    )
     with pytest.raises(
-        st.TieError,
-        match=r"unknown transform name 'rot90'; known: astype, chain, fn, identity, reshape, "
-        r"scale, transpose\. Fix:",
+        st.TieError, match=rf"unknown transform name 'rot90'; known: {known}\. Fix:"
     ):
         st.transform_from_spec({"name": "rot90"})
 

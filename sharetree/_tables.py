@@ -1,0 +1,104 @@
+"""Text and HTML tables, cut after ``max_rows`` rows: what ``summary`` and ``grad_report`` share.
+
+Every cell is escaped before it goes into HTML or SVG; styles are inline
+(notebook viewers drop ``<style>`` blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence, Set
+from html import escape
+from typing import Any
+
+from sharetree._errors import TieError
+
+MAX_ROWS = 20
+"""Default number of rows per table (and views per drawing) before cutting."""
+
+
+def check_max_rows(max_rows: Any, where: str) -> None:
+    """Raise a TieError unless ``max_rows`` (rows per table) is an int >= 1."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise TieError(
+            f"{where}: max_rows must be an int >= 1 (rows per table), got "
+            f"{type(max_rows).__name__} {max_rows!r}. Fix: pass e.g. max_rows=50."
+        )
+
+
+def _more(total: int, shown: int, what: str) -> str:
+    """The ``... and K more WHAT`` line of a table or drawing cut after ``shown`` of ``total``."""
+    return f"... and {total - shown:,} more {what}" if total > shown else ""
+
+
+def _first(names: Sequence[str], n: int) -> str:
+    """The first ``n`` of ``names``, comma-separated, then ``, ... (K more)``."""
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
+    """The lines of a text table (indented, columns padded), then the ``more`` line if any."""
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = [("  " + "  ".join(map(str.ljust, r, widths))).rstrip() for r in [header, *rows]]
+    return lines + (["  " + more] if more else [])
+
+
+_CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e5e7eb;"
+_NUM = "padding:2px 8px;text-align:right;border-bottom:1px solid #e5e7eb;"
+_MONO = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;"
+
+
+def _html_table(
+    header: tuple[str, ...],
+    rows: Sequence[tuple[str, ...]],
+    numeric: Set[int],
+    more: str = "",
+    details: Sequence[Sequence[tuple[str, ...]]] = (),
+) -> str:
+    """An HTML table; a row with ``details`` is followed by a disclosure holding them."""
+
+    def cells(tag: str, r: Sequence[str]) -> str:
+        return "".join(
+            f'<{tag} style="{_NUM if i in numeric else _CELL}">{escape(x)}</{tag}>'
+            for i, x in enumerate(r)
+        )
+
+    body = []
+    for k, r in enumerate(rows):
+        body.append(f"<tr>{cells('td', r)}</tr>")
+        inner = details[k] if k < len(details) else ()
+        if inner:
+            leaves = f"{len(inner):,} leaf" if len(inner) == 1 else f"{len(inner):,} leaves"
+            body.append(
+                f'<tr><td colspan="{len(header)}" style="padding:0 8px 4px 24px;">'
+                f'<details><summary style="cursor:pointer;color:#4b5563;">'
+                f"the {leaves} of {escape(r[0])}</summary>"
+                f"{_html_table(header, inner, numeric)}</details></td></tr>"
+            )
+    if more:
+        body.append(
+            f'<tr><td colspan="{len(header)}" style="{_CELL}color:#6b7280;">'
+            f"{escape(more)}</td></tr>"
+        )
+    return (
+        # a class, so that page themes (mkdocs-material styles `table:not([class])`) leave it be
+        f'<table class="sharetree-table" '
+        f'style="border-collapse:collapse;margin:4px 0 8px 0;{_MONO}font-size:12px;">'
+        f"<thead><tr>{cells('th', header)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _page(kind: str, headline: str, parts: Iterable[str]) -> str:
+    """An HTML block of class ``kind``: a bold ``headline``, then ``parts`` (inline styles only)."""
+    return (
+        f'<div class="{kind}" style="{_MONO}font-size:12px;line-height:1.35;">'
+        f"<div><b>{escape(headline)}</b></div>{''.join(parts)}</div>"
+    )
+
+
+def _svg(width: float, height: float, font_px: int, body: Iterable[str]) -> str:
+    """An inline ``<svg>`` element of the given size holding ``body``."""
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" style="{_MONO}font-size:{font_px}px;">'
+        f"{''.join(body)}</svg>"
+    )

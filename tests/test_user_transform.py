@@ -1,0 +1,174 @@
+"""A transform defined outside the package works everywhere a built-in one does.
+
+``Roll`` and ``Power`` below are what a user writes: a frozen dataclass that
+subclasses ``st.Transform`` with ``name=`` and defines ``__call__`` (``Roll``
+also says how optimizer moments move through it). Every result is checked
+against NumPy written by hand or finite differences, never against sharetree.
+"""
+
+import dataclasses
+import pathlib
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sharetree as st
+from sharetree import _transforms
+
+A = np.arange(12.0, dtype=np.float32).reshape(4, 3) / 7.0
+W_A = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)
+W_B = np.linspace(2.0, -3.0, 12, dtype=np.float32).reshape(4, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roll(st.Transform, name="test_user_roll"):
+    """Roll the entries of one axis by ``shift``: moves elements, so moments move the same way."""
+
+    shift: int
+    axis: int = 0
+
+    def __post_init__(self):
+        for v in (self.shift, self.axis):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise st.TieTypeError(f"Roll takes integers, got {v!r}. Fix: Roll(1).")
+
+    def __call__(self, x):
+        return jnp.roll(jnp.asarray(x), self.shift, self.axis)
+
+    def state_view(self):
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Power(st.Transform, name="test_user_power"):
+    """``x ** p``: says nothing about moments (the default)."""
+
+    p: int = 2
+
+    def __call__(self, x):
+        return jnp.asarray(x) ** self.p
+
+
+def _tree():
+    return {"a": A, "b": st.Tied("a", Roll(1)), "c": st.Tied("a", Roll(-1, 1) >> Power(3))}
+
+
+def _loss(m):
+    return jnp.sum(W_A * m["a"]) + jnp.sum(W_B * m["b"]) + jnp.sum(jnp.sin(m["c"]))
+
+
+def _loss_by_hand(a):
+    """The same loss on the untied values, computed with NumPy (float64)."""
+    a = a.astype(np.float64)
+    b, c = np.roll(a, 1, 0), np.roll(a, -1, 1) ** 3
+    return np.sum(W_A * a) + np.sum(W_B * b) + np.sum(np.sin(c))
+
+
+def _grad_by_hand(a):
+    """d loss / d a by the chain rule, by hand: each use pulled back through its view."""
+    a = a.astype(np.float64)
+    by_b = np.roll(W_B, -1, 0)  # the transpose of a roll is the opposite roll
+    by_c = np.roll(np.cos(np.roll(a, -1, 1) ** 3) * 3 * np.roll(a, -1, 1) ** 2, 1, 1)
+    return W_A + by_b + by_c, by_b, by_c
+
+
+def test_materialize_and_tie_compute_the_views_by_hand():
+    m = st.materialize(_tree())
+    np.testing.assert_array_equal(m["b"], np.roll(A, 1, 0))
+    np.testing.assert_allclose(m["c"], np.roll(A, -1, 1) ** 3, rtol=1e-6)
+    # st.tie compares the copies a checkpoint stores twice
+    untied = {"a": A, "b": np.roll(A, 1, 0)}
+    assert st.tie(untied, {"b": st.Tied("a", Roll(1))}, atol=0.0)["b"] == st.Tied("a", Roll(1))
+    with pytest.raises(st.TieError, match=r"'b'.*the two copies differ"):
+        st.tie(untied, {"b": st.Tied("a", Roll(2))}, atol=0.0)
+    with pytest.raises(TypeError, match="Roll takes integers"):
+        Roll(1.5)
+
+
+def test_grad_destructure_and_grad_by_use_match_the_chain_rule_by_hand():
+    full, by_b, by_c = _grad_by_hand(A)
+    g = jax.grad(lambda t: _loss(st.materialize(t)))(_tree())
+    assert g["b"] == st.Tied("a", Roll(1))
+    np.testing.assert_allclose(g["a"], full, rtol=1e-5, atol=1e-6)
+    # finite differences of the hand-written loss agree with the hand-written gradient
+    eps, k = 1e-5, (2, 1)
+    bump = np.zeros_like(A, np.float64)
+    bump[k] = eps
+    fd = (_loss_by_hand(A + bump) - _loss_by_hand(A - bump)) / (2 * eps)
+    np.testing.assert_allclose(fd, full[k], rtol=1e-5)
+
+    flat, re_ = st.destructure(_tree())
+    np.testing.assert_array_equal(re_(flat)["b"], np.roll(A, 1, 0))
+    g_flat = jax.jit(jax.grad(lambda v: _loss(re_(v))))(flat)
+    np.testing.assert_allclose(g_flat.reshape(4, 3), full, rtol=1e-5, atol=1e-6)
+
+    by_use = st.grad_by_use(_loss)(_tree())["a"]
+    assert set(by_use) == {"a", "b", "c"}
+    np.testing.assert_allclose(by_use["a"], W_A, rtol=1e-6)
+    np.testing.assert_allclose(by_use["b"], by_b, rtol=1e-6)
+    np.testing.assert_allclose(by_use["c"], by_c, rtol=1e-5, atol=1e-6)
+
+
+def test_save_load_summary_and_html_show_the_user_transform(tmp_path):
+    tree = _tree()
+    path = tmp_path / "user.safetensors"
+    st.save(path, tree)
+    back = st.load(path)
+    assert back["b"] == st.Tied("a", Roll(1)) and back["c"] == tree["c"]
+    np.testing.assert_array_equal(back["a"], A)
+    assert st.transform_from_spec(Roll(-1, 1).spec()) == Roll(-1, 1)
+    assert Roll(-1, 1).spec() == {"name": "test_user_roll", "shift": -1, "axis": 1}
+    with pytest.raises(st.TieError, match=r"fields of 'test_user_roll' do not build.*integers"):
+        st.transform_from_spec({"name": "test_user_roll", "shift": "1", "axis": 0})
+
+    text = st.summary(tree)
+    assert re.search(r"b\s+a\s+Roll\(shift=1, axis=0\)\s+\(4, 3\)\s+float32", text), text
+    assert "Roll(shift=-1, axis=1) >> Power(p=3)" in text
+    html = st.canonicalize(tree)._repr_html_()
+    assert "Roll(shift=1, axis=0)" in html and "(4, 3)" in html
+
+
+def test_untie_state_moves_moments_when_declared_and_names_the_fix_when_not():
+    tree = {"a": A, "b": st.Tied("a", Roll(1))}
+    opt = optax.adam(0.1)
+    state = opt.init(tree)
+    grads = {"a": jnp.asarray(W_A), "b": st.Tied("a", Roll(1))}
+    _, state = opt.update(grads, state, tree)
+    new_state = st.untie_state(state, tree)
+    mu_a = np.asarray(state[0].mu["a"])
+    np.testing.assert_allclose(mu_a, 0.1 * W_A, rtol=1e-6)  # Adam's first moment by hand
+    np.testing.assert_array_equal(new_state[0].mu["b"], np.roll(mu_a, 1, 0))
+    np.testing.assert_array_equal(new_state[0].nu["b"], np.roll(state[0].nu["a"], 1, 0))
+
+    powered = {"a": A, "b": st.Tied("a", Power(3))}
+    with pytest.raises(
+        st.TieError, match=r"view 'b' is Power\(p=3\) of 'a'.*define its state_view\(\)"
+    ):
+        st.untie_state(optax.adam(0.1).init(powered), powered)
+
+
+def test_no_module_outside_transforms_tests_a_transform_class_or_spec_name():
+    builtin = [c.__name__ for c in _transforms._REGISTRY.values() if c.__qualname__[0] == "_"]
+    pattern = re.compile(rf"\b({'|'.join(builtin)})\b|\bspec_name\b")
+    for f in pathlib.Path(_transforms.__file__).parent.glob("*.py"):
+        if f.name != "_transforms.py":
+            hits = [line for line in f.read_text().splitlines() if pattern.search(line)]
+            assert not hits, f"{f.name} dispatches on transform classes: {hits}"
+
+
+def test_a_foreign_file_moves_its_buffer_through_the_declared_inverse(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = str(tmp_path / "model.safetensors")
+    save_file({"head": np.ascontiguousarray(A.T)}, path, metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = st.load(path, ties={"head": st.Tied("embed", st.transpose(1, 0))})
+        np.testing.assert_array_equal(sd["embed"], A)
+        with pytest.raises(st.TieError, match=r"Roll\(shift=1, axis=0\) has no inverse"):
+            st.load(path, ties={"head": st.Tied("embed", Roll(1))})
