@@ -50,6 +50,7 @@ def test_every_section_ran_and_every_check_passed(results):
         "eager tree ops",
         "design: distinct kernels",
         "transformer LM",
+        "hot path",
     }
     checks = [c for s in results["sections"] for c in s["checks"]]
     assert len(checks) == results["checks_passed"] >= 30
