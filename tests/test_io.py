@@ -1306,15 +1306,16 @@ def test_file_content_in_messages_is_cut_and_type_names_are_checked(tmp_path) ->
     def kind(tensors, meta, structure):
         structure["t"] = "[" * 10_000
 
+    path = tampered(tmp_path, TIED, kind)
     with pytest.raises(st.TieError, match=r"unknown node kind '\[{56}\.\.\. at '<root>'") as e:
-        st.load(tampered(tmp_path, TIED, kind))
-    assert len(str(e.value)) < 300
+        st.load(path)
+    assert len(str(e.value).replace(str(path), "")) < 300  # the file's text cut, whatever the path
     bad = tampered(
         tmp_path, TIED, lambda t, m, s: m.update({"sharetree.format_version": "9" * 5000})
     )
     with pytest.raises(st.TieError, match=r"malformed format version '9+\.\.\.; expected") as e:
         st.load(bad)
-    assert len(str(e.value)) < 400
+    assert len(str(e.value).replace(str(bad), "")) < 400
 
     def escape(tensors, meta, structure):
         structure["children"].append({"t": "static", "type": "\x1b[2J"})
