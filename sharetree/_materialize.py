@@ -25,6 +25,7 @@ __all__ = [
     "leaf_aval",
     "transform_error",
     "abstract_error",
+    "check_view_value",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
 
@@ -96,6 +97,27 @@ def transform_error(
     )
 
 
+def check_view_value(out: Any, transform: Transform) -> Any:
+    """``out`` if it is one view value (an array, number or shape/dtype), else a :class:`TieError`.
+
+    A view is one leaf of the materialized tree: a transform returning ``None``
+    would drop it, a tuple or dict would add leaves. Raised inside the caller's
+    ``try``, so :func:`transform_error` names the view, tie and buffer.
+    """
+    if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
+        return out
+    raise TieError(
+        f"{transform!r} returned {type(out).__name__} {_show_value(out)}, not an array. "
+        f"Fix: return one array from {type(transform).__name__}.__call__ (a view is one "
+        "leaf of the materialized tree; tie each part as a view of its own)."
+    )
+
+
+def _show_value(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def abstract_error(structure: Structure, leaf: Leaf | ViewLeaf) -> TieError:
     """The :class:`TieError` for a view of a ``jax.ShapeDtypeStruct`` buffer (no values)."""
     buffer = path_str(structure.buffer_paths[leaf.buffer])
@@ -157,7 +179,7 @@ def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]
             leaf = structure.expanded[k]
             x = buffers[slot[leaf.buffer]]
             try:
-                out.append(t(x))
+                out.append(check_view_value(t(x), t))
             except Exception as e:
                 raise transform_error(structure, leaf, aval_of(x), e) from e
         return out
@@ -196,7 +218,7 @@ def expand_leaves(
         if not _transformable(x):
             continue
         try:
-            out[k] = t(x) if apply is None else apply(t, x)
+            out[k] = check_view_value(t(x) if apply is None else apply(t, x), t)
         except Exception as e:
             if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
                 raise abstract_error(structure, structure.expanded[k]) from e

@@ -172,3 +172,33 @@ def test_a_foreign_file_moves_its_buffer_through_the_declared_inverse(tmp_path):
         np.testing.assert_array_equal(sd["embed"], A)
         with pytest.raises(st.TieError, match=r"Roll\(shift=1, axis=0\) has no inverse"):
             st.load(path, ties={"head": st.Tied("embed", Roll(1))})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnsNone(st.Transform, name="test_user_returns_none"):
+    def __call__(self, x):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnsPair(st.Transform, name="test_user_returns_pair"):
+    def __call__(self, x):
+        return (x, x)
+
+
+@pytest.mark.parametrize("bad", [ReturnsNone(), ReturnsPair()], ids=repr)
+def test_a_transform_returning_no_array_is_refused_wherever_views_are_computed(bad):
+    tree = {"w": np.ones((2, 2), np.float32), "v": st.Tied("w", bad)}
+    name = re.escape(repr(bad))
+    msg = rf"(?s)view 'v' .*{name} returned (NoneType|tuple).*not an array.*Fix: return one array"
+    with pytest.raises(st.TieError, match=msg):
+        st.materialize(tree)
+    with pytest.raises(st.TieError, match=msg):
+        st.summary(tree)
+    with pytest.raises(st.TieError, match=msg):
+        jax.eval_shape(st.materialize, tree)
+    with pytest.raises(st.TieError, match=msg):
+        jax.jit(st.materialize)(tree)
+    many = {"w": np.ones((2, 2), np.float32), **{f"v{i}": st.Tied("w", bad) for i in range(20)}}
+    with pytest.raises(st.TieError, match=msg.replace("'v'", "'v0'")):
+        st.materialize(many)  # the batched eager path (one compiled call for many views)
