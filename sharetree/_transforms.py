@@ -28,6 +28,9 @@ import functools
 import math
 import pkgutil
 import reprlib
+import threading
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -87,8 +90,11 @@ class Transform:
     - ``__call__(x)``: the view of the buffer ``x`` (pure JAX).
     - :meth:`abstract`: shape and dtype of the view (default: ``jax.eval_shape``).
     - :meth:`spec` / :meth:`from_spec`: JSON from the dataclass fields and back
-      (default: each field by name; ``from_spec`` calls the class, so the
-      values are checked where the class checks them, in ``__post_init__``).
+      (default: each field by name; tuples as lists, complex numbers as
+      ``[real, imag]``, transforms as specs, read back by the field's
+      annotation: annotate a complex field ``complex`` and a transform field
+      ``Transform``; ``from_spec`` calls the class, so the values are checked
+      where the class checks them, in ``__post_init__``).
     - :meth:`fold`: one transform equal to ``self >> after`` (default: none).
     - :meth:`state_view`: how a per-element optimizer state moves through the
       view, for :func:`~sharetree.untie_state` (default: unknown).
@@ -165,12 +171,19 @@ class Transform:
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         """Rebuild the transform from its spec, whose fields are all present (checked before).
 
-        By default the class is called with each field (lists read as
-        tuples); whatever it raises becomes a :class:`TieError` naming the
-        spec. ``resolve`` turns a function name into a function; only ``fn``
-        uses it.
+        By default the class is called with each field read back as its
+        annotation says, the inverse of the default :meth:`spec`: a field
+        annotated ``complex`` reads ``[real, imag]`` as a complex number, one
+        annotated ``Transform`` (or a subclass) reads a spec as a transform,
+        ``tuple[X, ...]`` and ``X | None`` read their parts so; every other
+        field reads JSON with its lists as tuples. (So annotate such fields:
+        a complex or a transform in a field annotated ``Any`` comes back as
+        its JSON.) Whatever the class raises becomes a :class:`TieError`
+        naming the spec. ``resolve`` turns a function name into a function;
+        only ``fn`` uses it.
         """
-        return _construct(cls, spec, {f: _tuples(spec[f]) for f in _fields(cls)})
+        kinds = _field_types(cls)
+        return _construct(cls, spec, {f: _read(spec[f], kinds[f], resolve) for f in kinds})
 
     def fold(self, after: Transform) -> Transform | None:
         """One transform equal to ``self >> after``, or ``None`` when they do not fold.
@@ -266,6 +279,65 @@ def _tuples(v: Any, depth: int = 4) -> Any:
     if isinstance(v, list) and depth:
         return tuple(_tuples(x, depth - 1) for x in v)
     return v
+
+
+def _field_types(cls: type[Transform]) -> dict[str, Any]:
+    """Each spec field's annotation, resolved where possible (else as written, maybe a string)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a name the class's module cannot resolve: keep the strings
+        hints = {}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    return {f.name: hints.get(f.name, f.type) for f in fields if f.init}
+
+
+_NOT_READ = object()
+_nesting = threading.local()
+_MAX_NESTING = 8
+"""How deep transform fields may hold transforms in a spec (a file never drives deep recursion)."""
+
+
+def _read(v: Any, kind: Any, resolve: Resolve) -> Any:
+    """A field's spec value read back as its annotation ``kind`` says (inverts ``_json``)."""
+    out = _read_as(v, kind, resolve)
+    return _tuples(v) if out is _NOT_READ else out
+
+
+def _read_as(v: Any, kind: Any, resolve: Resolve) -> Any:
+    """``v`` read as ``kind`` (complex, a transform, a tuple or union of them), or ``_NOT_READ``."""
+    if isinstance(kind, str):  # an annotation that did not resolve: known names only
+        kind = {"complex": complex}.get(kind, Transform if kind.endswith("Transform") else None)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is complex:
+        pair = isinstance(v, list) and len(v) == 2 and all(map(_is_real, v))
+        return complex(*v) if pair else _NOT_READ
+    if isinstance(kind, type) and issubclass(kind, Transform):
+        return _nested_from_spec(v, resolve) if isinstance(v, Mapping) else _NOT_READ
+    if origin is tuple and isinstance(v, list):
+        many = len(args) == 2 and args[1] is Ellipsis
+        if not many and len(args) != len(v):
+            return _NOT_READ
+        kinds = [args[0]] * len(v) if many else list(args)
+        return tuple(_read(x, k, resolve) for x, k in zip(v, kinds, strict=True))
+    if origin in (typing.Union, types.UnionType):
+        for member in args:
+            if (out := _read_as(v, member, resolve)) is not _NOT_READ:
+                return out
+    return _NOT_READ
+
+
+def _nested_from_spec(spec: Mapping[str, Any], resolve: Resolve) -> Transform:
+    depth = getattr(_nesting, "depth", 0)
+    if depth >= _MAX_NESTING:
+        raise TieError(
+            f"transform spec {_show.repr(spec)}: transforms nested in transform fields more "
+            f"than {_MAX_NESTING} deep. Fix: {_SPEC_FIX}"
+        )
+    _nesting.depth = depth + 1
+    try:
+        return _from_spec(spec, resolve)
+    finally:
+        _nesting.depth = depth
 
 
 def _construct(cls: type[Transform], spec: Mapping[str, Any], values: dict[str, Any]) -> Transform:
