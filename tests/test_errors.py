@@ -592,8 +592,14 @@ def test_61_tree_jax_cannot_flatten():
     deep = jnp.ones(2)
     for _ in range(2000):
         deep = {"a": deep}
-    with pytest.raises(st.TieError, match=r"nested more than 500 levels deep \(at 'a/a/a"):
-        st.materialize({"w": W, "v": st.Tied("w"), **deep})
+    tree = {"w": W, "v": st.Tied("w"), **deep}
+    try:  # jax <= 0.10 recurses and gives up at this depth; jax 0.12 flattens it
+        jax.tree_util.tree_flatten(tree)
+    except (RecursionError, SystemError):
+        with pytest.raises(st.TieError, match=r"nested more than 500 levels deep \(at 'a/a/a"):
+            st.materialize(tree)
+    else:
+        assert st.materialize(tree)["v"] is W  # no limit of sharetree's own
     with pytest.raises(st.TieError, match=r"dict at 'm' has keys that cannot be sorted"):
         st.canonicalize({"m": {0: W, "0": W}})
 

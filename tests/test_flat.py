@@ -70,7 +70,18 @@ def test_gradient_equals_materialize_gradient():
     expected = jnp.concatenate(
         [g_tree["emb"].ravel(), g_tree["mid"]["w"].ravel().astype(jnp.float32)]
     )
-    np.testing.assert_allclose(g_flat, expected, rtol=2e-3, atol=1e-3)
+    _assert_gradient_close(g_flat, expected)
+
+
+def _assert_gradient_close(got, want):
+    """``_tied_model``'s flat gradient: float32 for ``emb``, a float16 rounding for ``mid/w``.
+
+    The float16 buffer's cotangent is rounded to float16 (JAX's VJP of its cast), and
+    jit may round it at another step: one float16 ulp apart.
+    """
+    np.testing.assert_allclose(got[:15], want[:15], rtol=1e-5, atol=1e-6)
+    half = 2 * float(jnp.finfo(jnp.float16).eps)
+    np.testing.assert_allclose(got[15:], want[15:], rtol=half, atol=half * np.abs(want).max())
 
 
 def _split(tree):
@@ -212,16 +223,31 @@ def _tied_layers(layers: int, seed: int, dim: int = 2) -> dict:
     return tree
 
 
-def _by_hand(re):
-    """An independent restructure: naive slices of the vector, then ``st.materialize``."""
+def _by_hand(tree):
+    """An independent restructure of a dict tree whose ties are ``Tied(leaf, T)`` or ``Tied(leaf)``.
+
+    ``ravel_pytree`` of the buffers in JAX's flatten order (``Tied`` nodes have no
+    leaves), then each view written out by hand: no sharetree layout or materialize.
+    """
+    found = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [tuple(k.key for k in kp) for kp, _ in found]
+    unravel = ravel_pytree([x for _, x in found])[1]
 
     def rebuild(v):
-        leaves = [None] * re.structure.treedef.num_leaves
-        for i, static in re.statics:
-            leaves[i] = static.value
-        for i, o, n, shape, dtype in zip(re.slots, re.offsets, re.sizes, re.shapes, re.dtypes):
-            leaves[i] = v[o : o + n].reshape(shape).astype(dtype)
-        return st.materialize(jax.tree.unflatten(re.structure.treedef, leaves))
+        values = dict(zip(paths, unravel(v), strict=True))
+
+        def build(node, path):
+            if isinstance(node, dict):
+                return {k: build(c, (*path, k)) for k, c in node.items()}
+            if isinstance(node, st.Tied):
+                x = values[node.ref]
+                if node.transform == st.T:
+                    return jnp.transpose(x)
+                assert node.transform == st.identity, node
+                return x
+            return values[path]
+
+        return build(tree, ())
 
     return rebuild
 
@@ -249,7 +275,8 @@ def test_traced_cut_has_opaque_offsets_and_concatenate_gradient():
     # offsets come out of a cond on a predicate behind an optimization barrier (XLA
     # cannot fold them into constant slices); the gradient is still concatenates,
     # with no padding
-    flat, re = st.destructure(_tied_layers(20, seed=2))
+    tree = _tied_layers(20, seed=2)
+    flat, re = st.destructure(tree)
     n = len(re.sizes)
     assert _flat._OPAQUE_MIN <= n < _flat._GROUPED_MIN
     loss = lambda v: _sum_of_sines(re(v))  # noqa: E731
@@ -260,7 +287,7 @@ def test_traced_cut_has_opaque_offsets_and_concatenate_gradient():
     hlo = jax.jit(jax.grad(loss)).lower(flat).compile().as_text()
     assert hlo.count(" slice(") == 0 and hlo.count("dynamic-slice(") >= n
     g = jax.jit(jax.grad(loss))(flat)
-    want = jax.grad(lambda v: _sum_of_sines(_by_hand(re)(v)))(flat)
+    want = jax.grad(lambda v: _sum_of_sines(_by_hand(tree)(v)))(flat)
     np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
 
 
@@ -286,11 +313,12 @@ def test_opaque_offsets_only_when_lowered_for_cpu():
 
 def test_opaque_offsets_do_not_depend_on_the_values():
     # the values (nan and inf included) never change where the vector is cut
-    flat, re = st.destructure(_tied_layers(12, seed=5))
+    tree = _tied_layers(12, seed=5)
+    flat, re = st.destructure(tree)
     heads = jax.jit(lambda v: jax.tree.leaves(re(v)))
     for first in (0.0, -3.0, jnp.nan, jnp.inf):
         v = flat.at[0].set(first)
-        for got, want in zip(heads(v), jax.tree.leaves(_by_hand(re)(v))):
+        for got, want in zip(heads(v), jax.tree.leaves(_by_hand(tree)(v))):
             np.testing.assert_array_equal(got, want)
 
 
@@ -299,13 +327,15 @@ def test_restructure_is_linear_for_linear_transpose_at_every_size(n_layers):
     # jax.linear_transpose (gmres, custom_linear_solve, lineax) needs the split to be
     # linear in the vector with offsets that are not: at 8 or more buffers the opaque
     # offsets once came from the vector itself and linear_transpose failed inside JAX
-    flat, re = st.destructure(_tied_layers(n_layers, seed=7))
+    tree = _tied_layers(n_layers, seed=7)
+    flat, re = st.destructure(tree)
     cot = jax.tree.map(lambda x: jnp.cos(x), re(flat))
     got = jax.linear_transpose(re, flat)(cot)[0]
-    want = jax.vjp(_by_hand(re), flat)[1](cot)[0]  # the transpose of the by-hand split
+    want = jax.vjp(_by_hand(tree), flat)[1](cot)[0]  # the transpose of the by-hand split
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     got_jit = jax.jit(lambda c: jax.linear_transpose(re, flat)(c)[0])(cot)
     np.testing.assert_allclose(got_jit, want, rtol=1e-6, atol=1e-6)
+
 
 def test_restructure_passed_to_jit_gives_the_same_values_and_gradients():
     tree = _tied_model()
@@ -316,7 +346,7 @@ def test_restructure_passed_to_jit_gives_the_same_values_and_gradients():
         [g_tree["emb"].ravel(), g_tree["mid"]["w"].ravel().astype(jnp.float32)]
     )
     g_arg = jax.jit(jax.grad(lambda v, r: _loss(r(v))))(flat, re)
-    np.testing.assert_allclose(g_arg, expected, rtol=2e-3, atol=1e-3)
+    _assert_gradient_close(g_arg, expected)
     heads = jax.jit(lambda v, r: (r(v)["head"], r(v)["half"], r.canonical(v)["mid"]["w"]))
     head, half, w = heads(flat, re)
     np.testing.assert_array_equal(head, tree["emb"].T)
@@ -383,10 +413,10 @@ def _reference_checks(tree, f_tree, rtol, forward=True):
     """grad (and jvp, hvp, vmap(grad)) of the jitted flat path against independent ones."""
     flat, re = st.destructure(tree)
     f = lambda v: f_tree(re(v))  # noqa: E731
-    ref = lambda v: f_tree(_by_hand(re)(v))  # noqa: E731
+    ref = lambda v: f_tree(_by_hand(tree)(v))  # noqa: E731
     g = jax.jit(jax.grad(f))(flat)
     canonical = jax.grad(lambda t: f_tree(st.materialize(t)))(tree)  # the canonical gradient
-    np.testing.assert_allclose(g, st.destructure(canonical)[0], rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(g, ravel_pytree(jax.tree.leaves(canonical))[0], rtol=rtol, atol=rtol)
     np.testing.assert_allclose(g, jax.jit(jax.grad(ref))(flat), rtol=rtol, atol=rtol)
     if not forward:
         return flat, re
@@ -413,7 +443,7 @@ def test_forward_mode_and_hessian_under_jit():
         return jnp.sum(m["a"] @ m["b"] @ m["c"] ** 2) + extra
 
     f = lambda v: f_tree(re(v))  # noqa: E731
-    ref = lambda v: f_tree(_by_hand(re)(v))  # noqa: E731
+    ref = lambda v: f_tree(_by_hand(tree)(v))  # noqa: E731
     np.testing.assert_allclose(jax.jit(jax.hessian(f))(flat), jax.hessian(ref)(flat), rtol=1e-5)
     np.testing.assert_allclose(jax.jit(jax.jacfwd(f))(flat), jax.grad(ref)(flat), rtol=1e-5)
 
@@ -433,7 +463,7 @@ def test_many_buffers_gradient_is_assembled_in_two_levels():
 def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
     # from 256 buffers on the first level groups 8 buffers (XLA:CPU fuses such a
     # concatenate with its producers)
-    flat, re = _reference_checks(_tied_layers(148, seed=4), _sum_of_sines, 1e-4, False)
+    flat, re = _reference_checks(_tied_layers(148, seed=4), _sum_of_sines, 1e-5, False)
     n = len(re.sizes)
     assert n >= _flat._FUSED_GROUPS_MIN
     prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _sum_of_sines(re(v))))(flat).jaxpr)
@@ -442,18 +472,20 @@ def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
 
 
 def test_vmap_of_restructure_compiles_to_dynamic_slices_not_gathers():
-    flat, re = st.destructure(_tied_layers(20, seed=8, dim=3))
+    tree = _tied_layers(20, seed=8, dim=3)
+    flat, re = st.destructure(tree)
     batch = flat[None] * jnp.arange(1.0, 5.0)[:, None]
     hlo = jax.jit(jax.vmap(re)).lower(batch).compile().as_text()
     assert " gather(" not in hlo and "dynamic-slice(" in hlo
     out = jax.jit(jax.vmap(re))(batch)
-    for k in (0, 3):
-        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(_by_hand(re)(batch[k]))):
+    for k in range(len(batch)):  # every vector of the batch
+        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(_by_hand(tree)(batch[k]))):
             np.testing.assert_array_equal(got[k], want)
 
 
 def test_inside_scan_and_checkpoint():
-    flat, re = st.destructure(_tied_layers(12, seed=9))
+    tree = _tied_layers(12, seed=9)
+    flat, re = st.destructure(tree)
 
     def step(v, _):
         g = jax.grad(jax.checkpoint(lambda u: _sum_of_sines(re(u))))(v)
@@ -462,7 +494,7 @@ def test_inside_scan_and_checkpoint():
     out, _ = jax.jit(lambda v: jax.lax.scan(step, v, length=3))(flat)
 
     def ref_step(v, _):
-        return v - 0.01 * jax.grad(lambda u: _sum_of_sines(_by_hand(re)(u)))(v), None
+        return v - 0.01 * jax.grad(lambda u: _sum_of_sines(_by_hand(tree)(u)))(v), None
 
     want, _ = jax.lax.scan(ref_step, flat, length=3)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,8 @@
 The reference for each contribution is the gradient of an *untied* copy of the
 tree (every view an independent array, built by plain recursion in
 test_properties, never by sharetree's resolver) at that position, pulled back
-by hand through ``jax.vjp`` of the view's transform.
+by hand through each step of the view's chain (``test_properties._vjp_by_hand``:
+``jnp`` written out per step, never sharetree's transforms).
 """
 
 import html.parser
@@ -16,15 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_properties import _compose, _get, _loss, _names, _reference, tied_trees
+from test_properties import (
+    F32_ATOL,
+    F32_RTOL,
+    HALF_TOL,
+    _get,
+    _half,
+    _loss,
+    _names,
+    _reference,
+    _vjp_by_hand,
+    tied_trees,
+)
 
 import sharetree as st
-
-
-def _half(views):
-    return any(
-        str(getattr(t, "dtype", "")) in ("float16", "bfloat16") for *_, c in views for t in c
-    )
 
 
 def _by_use_reference(tree, canonical, table):
@@ -36,9 +42,8 @@ def _by_use_reference(tree, canonical, table):
         path = _names(kp)
         ref["/".join(path)] = {"/".join(path): _get(g_untied, path)}
     for target, bpath, chain in views:
-        buf = _get(tree, bpath)
-        _, vjp = jax.vjp(lambda b, chain=chain: _compose(chain)(b), buf)
-        ref["/".join(bpath)]["/".join(target)] = vjp(_get(g_untied, target))[0]
+        pulled = _vjp_by_hand(chain, _get(tree, bpath), _get(g_untied, target))
+        ref["/".join(bpath)]["/".join(target)] = pulled
     return ref, views
 
 
@@ -49,7 +54,7 @@ def test_each_use_equals_the_untied_gradient_pulled_back_and_they_sum_to_jax_gra
     reference, views = _by_use_reference(tree, canonical, table)
     by_use = st.grad_by_use(_loss)(canonical)
     assert list(by_use) == list(reference)  # every buffer, in flatten order
-    tol = 1e-2 if _half(views) else 1e-5
+    rtol, atol = (HALF_TOL, HALF_TOL) if _half(views) else (F32_RTOL, F32_ATOL)
     for buffer, uses in reference.items():
         assert set(by_use[buffer]) == set(uses)
         for use, g in uses.items():
@@ -57,22 +62,26 @@ def test_each_use_equals_the_untied_gradient_pulled_back_and_they_sum_to_jax_gra
             assert (
                 got.shape == g.shape and got.dtype == g.dtype == _get(tree, buffer.split("/")).dtype
             )
-            np.testing.assert_allclose(got, g, rtol=tol, atol=tol)
+            np.testing.assert_allclose(got, g, rtol=rtol, atol=atol)
     accumulated = jax.grad(lambda t: _loss(st.materialize(t)))(canonical)
     for kp, g in jax.tree_util.tree_flatten_with_path(accumulated)[0]:
         total = sum(by_use["/".join(_names(kp))].values())
-        np.testing.assert_allclose(total, g, rtol=tol, atol=tol)
+        np.testing.assert_allclose(total, g, rtol=rtol, atol=atol)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(tied_trees())
 def test_under_jit_equals_eager(case):
-    _, canonical, _ = case
+    tree, canonical, table = case
+    _, views = _reference(tree, table)
     eager = st.grad_by_use(_loss)(canonical)
     jitted = jax.jit(st.grad_by_use(_loss))(canonical)
     assert jax.tree.structure(jitted) == jax.tree.structure(eager)
+    # the same computation; jit may fuse a float16 cast with its neighbours (one rounding
+    # placed elsewhere), and float32 sums of sines may be reassociated
+    rtol, atol = (HALF_TOL, HALF_TOL) if _half(views) else (F32_RTOL, F32_ATOL)
     for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
 
 
 def _apply(m, x):

@@ -166,7 +166,9 @@ def test_transformed_view_is_compared() -> None:
     tree = {"w": w, "v": w.T * np.float32(2.0)}
     tied = st.tie(tree, {"v": st.Tied("w", st.T >> st.scale(2.0))}, atol=0.0)
     assert tied["v"] == st.Tied("w", st.T >> st.scale(2.0))
-    with pytest.raises(st.TieError, match=r"T >> scale\(3\.0\) of 'w'.*inverse of T >> scale"):
+    with pytest.raises(
+        st.TieError, match=r"T >> scale\(3\.0\) of 'w'.*T >> scale\(3\.0\) has no inverse"
+    ):
         st.tie(tree, {"v": st.Tied("w", st.T >> st.scale(3.0))}, atol=0.0)
 
 

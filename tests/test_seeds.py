@@ -70,7 +70,8 @@ def test_seed_002_transposed_tie_survives_casts_and_device_transfer():
         np.testing.assert_array_equal(mm["layers"][1]["weight"], mm["layers"][0]["weight"].T)
     dev = jax.device_put(m, jax.devices()[0])  # `m |> gpu`
     assert dev["layers"][1]["weight"] == m["layers"][1]["weight"]
-    # training stays tied: an optax step updates the single buffer
+    # an optax step updates the single buffer by the gradient summed over both uses
+    # (checked against an untied copy below; that the view is W.T is materialize's job)
     opt = optax.sgd(0.1)
     x = jnp.array([1.0, 2.0])
 
@@ -81,5 +82,13 @@ def test_seed_002_transposed_tie_survives_casts_and_device_transfer():
     g = jax.grad(loss)(dev)
     upd, _ = opt.update(g, opt.init(dev))
     new = optax.apply_updates(dev, upd)
-    q = st.materialize(new)
-    np.testing.assert_array_equal(q["layers"][1]["weight"], q["layers"][0]["weight"].T)
+    assert new["layers"][1]["weight"] == st.Tied("layers/0/weight", st.T)
+
+    def untied(w_in, w_out):  # the two uses of the weight as separate arrays, by hand
+        h = jnp.tanh(w_in @ x + enc["bias"])
+        return jnp.sum((w_out @ h + jnp.zeros(2)) ** 2)
+
+    w = enc["weight"]
+    g_in, g_out = jax.grad(untied, argnums=(0, 1))(w, w.T)
+    want = w - 0.1 * (g_in + g_out.T)
+    np.testing.assert_allclose(new["layers"][0]["weight"], want, rtol=1e-6, atol=1e-7)
