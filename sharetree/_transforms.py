@@ -25,6 +25,7 @@ import builtins
 import cmath
 import dataclasses
 import functools
+import json
 import math
 import pkgutil
 import reprlib
@@ -55,6 +56,8 @@ __all__ = [
     "chain",
     "transform_from_spec",
     "describe_spec",
+    "describe_transform",
+    "is_described",
 ]
 
 ArrayFn = Callable[[jax.Array], jax.Array]
@@ -888,6 +891,52 @@ class _Chain(Transform, name="chain"):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Unregistered(Transform):
+    """Stands for a spec whose transform class is not registered, when only describing a file."""
+
+    spec_text: str  # the spec as compact JSON (hashable, shown as it is)
+
+    def __call__(self, x: ArrayLike) -> jax.Array:
+        raise TieError(  # pragma: no cover - describing never computes a view
+            f"the transform {self.spec_text} was only described: its class is not registered "
+            "in this process. Fix: import (or define) the class, then load the file."
+        )
+
+    def __repr__(self) -> str:
+        return self.spec_text
+
+
+def _spec_text(spec: Mapping[str, Any]) -> str:
+    try:
+        text = json.dumps(spec, separators=(",", ":"), sort_keys=False)
+    except (TypeError, ValueError):
+        text = repr(spec)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describing(name: str) -> ArrayFn:
+    """The ``resolve`` of describing: an ``fn`` becomes a stand-in, never called."""
+    return _Unresolved(name)
+
+
+def is_described(t: Transform) -> bool:
+    """Whether ``t`` (a chain part by part) holds a stand-in that describes without computing."""
+    return any(
+        isinstance(p, _Unregistered) or isinstance(getattr(p, "function", None), _Unresolved)
+        for p in parts_of(t)
+    )
+
+
+def describe_transform(spec: object) -> Transform:
+    """A transform standing for ``spec`` without resolving, importing or calling anything.
+
+    An ``fn`` is shown by its stored name, a transform whose class is not
+    registered in this process by its spec as it is; neither is ever called.
+    """
+    return _from_spec(spec, _describing)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Unresolved:
     """Stands for an ``fn`` spec's function in :func:`describe_spec`; never called."""
 
@@ -1212,11 +1261,19 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
         )
     name = spec["name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None and isinstance(name, str) and resolve is _describing:
+        return _Unregistered(_spec_text(spec))
     if cls is None:
+        own = (
+            f" if it is a transform of your own, import (or define) the class registered as "
+            f"{name!r} (class ...(st.Transform, name={name!r})) before loading; else"
+            if isinstance(name, str) and name.isidentifier()
+            else ""
+        )
         raise TieError(
-            f"transform spec: unknown transform name {_show.repr(name)}; known: "
-            f"{', '.join(sorted(_REGISTRY))}. Fix: upgrade sharetree, or check the file "
-            "was written by sharetree."
+            f"transform spec: unknown transform name {_show.repr(name)}; known in this "
+            f"process: {', '.join(sorted(_REGISTRY))}. Fix:{own} upgrade sharetree if the "
+            "file was written by a newer one, or check the file was written by sharetree."
         )
     names = _fields(cls)
     problems = [f"the field {f!r} is missing" for f in names if f not in spec] + [
@@ -1301,4 +1358,4 @@ def describe_spec(spec: object) -> str:
         >>> describe_spec((st.T >> st.scale(2.0)).spec())
         'T >> scale(2.0)'
     """
-    return repr(_from_spec(spec, _Unresolved))
+    return repr(describe_transform(spec))

@@ -1411,3 +1411,27 @@ def test_atol_without_ties_for_a_foreign_file_is_a_tie_error(tmp_path) -> None:
     for atol in (1e-6, "x"):
         with pytest.raises(st.TieError, match=r"load: atol=.* without ties=.*nothing is compared"):
             st.load(path, atol=atol)
+
+
+def test_a_file_with_a_transform_not_registered_here_says_to_import_it_and_inspect_shows_it(
+    tmp_path,
+) -> None:
+    def rename(tensors, meta, structure):
+        i = structure["keys"].index("head")
+        spec = {"name": "mylib_rotate", "k": 3}
+        structure["children"][i]["transform"] = {
+            "name": "chain",
+            "parts": [spec, {"name": "transpose", "axes": None}],
+        }
+
+    bad = tampered(tmp_path, TIED, rename)
+    with pytest.raises(
+        st.TieError,
+        match=r"tie at 'head'.*unknown transform name 'mylib_rotate'.*Fix: if it is a transform "
+        r"of your own, import \(or define\) the class registered as 'mylib_rotate'",
+    ):
+        st.load(bad)
+    text = describe(bad)  # the graph, the spec as it is, nothing called
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["head", "embed"])
+    assert '{"name":"mylib_rotate","k":3} >> T' in row
+    assert "not registered in this process" in text

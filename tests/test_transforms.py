@@ -232,7 +232,7 @@ def test_a_new_transform_is_one_class(flip_transform):
     assert st.transform_from_spec(t.spec()) == t
     assert describe_spec(t.spec()) == "T >> " + repr(flip_transform(0))
     np.testing.assert_array_equal(t(X[0]), np.flip(X[0].T, 0))
-    with pytest.raises(st.TieError, match=r"known: .*test_flip"):
+    with pytest.raises(st.TieError, match=r"known in this process: .*test_flip"):
         st.transform_from_spec({"name": "flop"})
     with pytest.raises(st.TieError, match=r"st\.test_flip"):
         st.Tied("a", 3)
@@ -270,7 +270,9 @@ def test_unknown_name_lists_the_known_ones():
         n for n in sorted(_transforms._REGISTRY) if not n.startswith(("doc_", "test_"))
     )
     with pytest.raises(
-        st.TieError, match=rf"unknown transform name 'rot90'; known: {known}\. Fix:"
+        st.TieError,
+        match=rf"unknown transform name 'rot90'; known in this process: {known}\. Fix: if it "
+        r"is a transform of your own, import \(or define\) the class registered as 'rot90'",
     ):
         st.transform_from_spec({"name": "rot90"})
 
