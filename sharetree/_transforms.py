@@ -1287,7 +1287,17 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
             f"transform spec {_show.repr(spec)}: {problems[0]}; the fields of {name!r} besides "
             f"'name' are: {fields}. Fix: {_SPEC_FIX}"
         )
-    return cls.from_spec(spec, resolve)
+    try:
+        return cls.from_spec(spec, resolve)
+    except TieError:
+        raise
+    except Exception as e:  # a user transform's own from_spec: named, with the spec and a fix
+        raise TieError(
+            f"transform spec {_show.repr(spec)}: {cls.__qualname__}.from_spec raised "
+            f"{type(e).__name__}: {e}. Fix: make from_spec read what spec() writes (or drop "
+            "the override: the default reads each field by its annotation), or save the tree "
+            "again."
+        ) from e
 
 
 def transform_from_spec(
