@@ -719,6 +719,15 @@ class _Fn(Transform, name="fn"):
         return f"fn({name if isinstance(name, str) else repr(self.function)})"
 
 
+def _nonempty(start: int, stop: int) -> str:
+    """A ``st.slice`` call near the empty ``start:stop`` that is not empty for a large buffer."""
+    if stop < start:  # reversed: the other way round (both counted from one end)
+        return f"st.slice({stop}, {start})"
+    if start < 0 and (stop == 0 or start + 1 == 0):  # from the end: to the end
+        return f"st.slice({start}, None)"
+    return f"st.slice({start}, {start + 1})"  # one entry
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slice(Transform, name="slice"):
     """``slice(start, stop, axis)``: the entries ``start:stop`` of one axis; see :func:`slice`."""
@@ -739,11 +748,13 @@ class _Slice(Transform, name="slice"):
             if not _is_int(v) and not (what == "stop" and v is None):
                 raise _type_error(call, f"an integer {what}", v, example)
         start, stop = int(self.start), None if self.stop is None else int(self.stop)
-        if stop is not None and (start < 0) == (stop < 0) and stop <= start:
+        # empty for every size: both counted from one end and stop <= start, or a
+        # negative start (from the end) with the stop at 0 (the very beginning)
+        if stop is not None and (((start < 0) == (stop < 0) and stop <= start) or stop == 0):
             raise TieError(
-                f"{call}: the range {start}:{stop} is empty or reversed, so the view would hold "
-                "nothing; a slice keeps at least one entry, in the buffer's order. Fix: pass "
-                f"start < stop, e.g. st.slice({min(start, stop)}, {max(stop, start + 1)})."
+                f"{call}: the range {start}:{stop} is empty or reversed for every buffer, so the "
+                "view would hold nothing; a slice keeps at least one entry, in the buffer's "
+                f"order. Fix: pass a range that is not empty, e.g. {_nonempty(start, stop)}."
             )
         _set(self, start=start, stop=stop, axis=int(self.axis))
 

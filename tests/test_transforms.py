@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import math
 import pickle
+import re
 import sys
 from typing import Any, ClassVar
 
@@ -430,3 +431,25 @@ def test_bad_argument_messages_fit_the_transform_and_stay_short():
     with pytest.raises(st.TieError) as e:
         st.scale(10**400)
     assert len(str(e.value)) < 300
+
+
+def test_slice_refuses_exactly_the_ranges_empty_for_every_buffer_and_suggests_valid_ones():
+    def nonempty_for_some_size(start, stop):  # NumPy by hand, sizes up to 16, no clipping
+        for n in range(1, 17):
+            if -n <= start < n and (stop is None or -n <= stop <= n):
+                if np.arange(n)[start:stop].size:
+                    return True
+        return False
+
+    for start in range(-6, 7):
+        for stop in [None, *range(-6, 7)]:
+            possible = nonempty_for_some_size(start, stop)
+            try:
+                st.slice(start, stop)
+            except st.TieError as e:
+                assert not possible, (start, stop)
+                fix = re.search(r"e\.g\. (st\.slice\([^)]*\))", str(e)).group(1)
+                suggested = eval(fix, {"st": st})  # builds, and is not empty for some size
+                assert nonempty_for_some_size(suggested.start, suggested.stop), (start, stop, fix)
+            else:
+                assert possible, (start, stop)
