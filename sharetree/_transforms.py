@@ -381,6 +381,13 @@ def _check_ints(call: str, values: Any, what: str, example: str) -> tuple[int, .
 
 def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
     """``axis`` of a buffer of ``shape`` counted from 0, else the TieError for ``t``."""
+    if not shape:
+        raise TieError(
+            f"{t!r} needs axis {axis}, but the buffer is a scalar (shape (), no axes). Fix: "
+            "refer to a buffer that has that axis; a subtree tie views every array and number "
+            "leaf of the subtree, so keep scalars out of a subtree tied with an axis transform "
+            "(e.g. as a static field, or tie the array leaves one by one)."
+        )
     if not -len(shape) <= axis < len(shape):
         raise TieError(
             f"{t!r} needs axis {axis}, but the buffer has shape {tuple(shape)} "

@@ -453,3 +453,15 @@ def test_slice_refuses_exactly_the_ranges_empty_for_every_buffer_and_suggests_va
                 assert nonempty_for_some_size(suggested.start, suggested.stop), (start, stop, fix)
             else:
                 assert possible, (start, stop)
+
+
+@pytest.mark.parametrize("t", [st.index(3), st.slice(0, 1), st.index(0, axis=-1)], ids=repr)
+def test_an_axis_transform_of_a_scalar_says_it_has_no_axes(t):
+    stack = {"w": np.ones((4, 3, 2), np.float32), "n_heads": 3}
+    with pytest.raises(st.TieError) as e:
+        st.materialize({"stack": stack, "extra": st.Tied("stack", t)})
+    msg = str(e.value)
+    assert "view 'extra/n_heads'" in msg and "the buffer is a scalar (shape (), no axes)" in msg
+    assert "between 0 and -1" not in msg and "Fix:" in msg
+    with pytest.raises(st.TieError, match=r"scalar \(shape \(\), no axes\)"):
+        t(np.float32(2.0))
