@@ -224,7 +224,7 @@ def _apply_ties(
                 raise TieError(
                     f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
                     f"file holds {target!r} but not {ref!r}, and {t.transform!r} has no "
-                    f"inverse (it loses entries), so {ref!r} cannot be computed from it. Fix: "
+                    f"inverse, so {ref!r} cannot be computed from it. Fix: "
                     f"load without this tie, keeping {target!r} as a buffer of its own, or "
                     f"load a checkpoint that holds {ref!r}."
                 )
