@@ -1203,12 +1203,39 @@ def _push(stack: list[Transform], t: Transform) -> bool:
     return False
 
 
+_FACTORY_EXAMPLES = {
+    "transpose": "st.transpose(1, 0)",
+    "reshape": "st.reshape(6)",
+    "astype": "st.astype(jnp.bfloat16)",
+    "scale": "st.scale(2.0)",
+    "fn": "st.fn(jnp.flipud)",
+    "slice": "st.slice(0, 10)",
+    "index": "st.index(0)",
+    "chain": "st.chain(st.T, st.scale(2.0))",
+    "transform_from_spec": "st.transform_from_spec(st.T.spec())",
+}
+
+
+def _is_factory(f: Any) -> bool:
+    """Whether ``f`` is one of this module's functions that make a transform (``st.slice``)."""
+    return (
+        callable(f)
+        and getattr(f, "__module__", None) == __name__
+        and getattr(f, "__annotations__", {}).get("return") in ("Transform", Transform)
+    )
+
+
 def check_transform(t: Any, where: str = "") -> Transform:
     """Return ``t`` if it is a hashable transform, else raise a TieError."""
     where = f" {where}" if where else ""
     if not isinstance(t, Transform):
         names = ", ".join(f"st.{name}" for name in _REGISTRY)
         hint = "wrap the function with st.fn(...)" if callable(t) else f"use one of {names}"
+        if isinstance(t, type) and issubclass(t, Transform):
+            hint = f"{t.__name__} is a transform class: pass an instance, {t.__name__}(...)"
+        elif _is_factory(t):
+            example = _FACTORY_EXAMPLES.get(t.__name__, f"st.{t.__name__}(...)")
+            hint = f"st.{t.__name__} makes a transform: call it, e.g. {example}"
         raise TieTypeError(
             f"transform{where}: expected a sharetree transform, got {type(t).__name__} {t!r}. "
             f"Fix: {hint}."

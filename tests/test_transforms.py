@@ -465,3 +465,26 @@ def test_an_axis_transform_of_a_scalar_says_it_has_no_axes(t):
     assert "between 0 and -1" not in msg and "Fix:" in msg
     with pytest.raises(st.TieError, match=r"scalar \(shape \(\), no axes\)"):
         t(np.float32(2.0))
+
+
+def test_an_uncalled_transform_factory_is_told_to_call_it_with_a_working_example():
+    factories = [
+        getattr(st, n) for n in st.__all__ if _transforms._is_factory(getattr(st, n, None))
+    ]
+    assert {f.__name__ for f in factories} >= {"slice", "index", "transpose", "reshape", "scale"}
+    for f in factories:
+        with pytest.raises(st.TieError) as e:
+            st.Tied("embed", f)
+        msg = str(e.value)
+        assert f"st.{f.__name__} makes a transform: call it, e.g. st.{f.__name__}(" in msg
+        assert "st.fn(...)" not in msg
+        example = re.search(r"e\.g\. (st\..*)\.$", msg).group(1)
+        assert isinstance(eval(example, {"st": st, "jnp": jnp}), st.Transform), example
+    with pytest.raises(st.TieError, match=r"Roll is a transform class: pass an instance, Roll"):
+
+        @dataclasses.dataclass(frozen=True)
+        class Roll(st.Transform):
+            def __call__(self, x):
+                return jnp.roll(x, 1)
+
+        st.Tied("embed", Roll)
