@@ -85,11 +85,18 @@ def transform_error(
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
     where = leaf.tie or leaf.path
     tie, shown = structure.ties.get(where), format_aval(aval)
-    why = (
-        str(err)
-        if isinstance(err, TieError)
-        else f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
-    )
+    if isinstance(err, TieError):
+        why = str(err)
+    elif _is_sharding_error(err):
+        why = (
+            f"{type(err).__name__}: {err}. The view needs a resharding JAX does not do on its "
+            "own (an Explicit mesh axis): the transform is fine, the buffer's sharding is not. "
+            "Fix: reshard the buffer so the axis the view cuts is not sharded "
+            "(jax.sharding.reshard(x, P(...)) before tying, or shard another axis), or make "
+            "that mesh axis Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...)))."
+        )
+    else:
+        why = f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
     return TieError(
         f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
@@ -116,6 +123,11 @@ def check_view_value(out: Any, transform: Transform) -> Any:
 def _show_value(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_sharding_error(err: BaseException) -> bool:
+    """Whether JAX refused an op for its sharding (``ShardingTypeError``; private in JAX)."""
+    return any(c.__name__ == "ShardingTypeError" for c in type(err).__mro__)
 
 
 def abstract_error(structure: Structure, leaf: Leaf | ViewLeaf) -> TieError:
