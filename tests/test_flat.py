@@ -456,7 +456,9 @@ def test_many_buffers_gradient_is_assembled_in_two_levels():
     assert _flat._GROUPED_MIN <= n < _flat._FUSED_GROUPS_MIN
     prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _sum_of_sines(re(v))))(flat).jaxpr)
     groups = -(-n // (math.isqrt(n - 1) + 1))
-    assert prims.count("concatenate") == groups + 1 and "optimization_barrier" in prims
+    # the jaxpr holds both platforms' branches: this path's groups + 1 concatenates for
+    # XLA:CPU, and the plain split's one (its transpose) for every other platform
+    assert prims.count("concatenate") == groups + 1 + 1 and "optimization_barrier" in prims
     assert not _NO_PADDING & set(prims)
 
 
@@ -467,7 +469,8 @@ def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
     n = len(re.sizes)
     assert n >= _flat._FUSED_GROUPS_MIN
     prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _sum_of_sines(re(v))))(flat).jaxpr)
-    assert prims.count("concatenate") == -(-n // 8) + 1 and "optimization_barrier" in prims
+    # + 1: the plain split's concatenate in the other platforms' branch (see above)
+    assert prims.count("concatenate") == -(-n // 8) + 1 + 1 and "optimization_barrier" in prims
     assert not _NO_PADDING & set(prims)
 
 

@@ -29,7 +29,7 @@ def test_readme_summary_output_is_what_summary_prints(capsys):
 
 def _tour():
     text = README.read_text()
-    code = re.search(r"## A 20-line tour\n\n```python\n(.*?)```", text, re.S).group(1)
+    code = re.search(r"## A 20-line tour\n.*?```python\n(.*?)```", text, re.S).group(1)
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)
     return code, namespace
