@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from sharetree._display import format_bytes, summary
 from sharetree._errors import TieError
@@ -29,7 +29,7 @@ from sharetree._materialize import leaves_and_structure
 from sharetree._report import SharingGraph
 from sharetree._safetensors import Reader, file_path, one_line
 from sharetree._tables import check_max_rows
-from sharetree._transforms import Transform, _Unresolved, parts_of
+from sharetree._transforms import describe_transform, is_described
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
 
@@ -132,24 +132,10 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(text)
 
 
-class _AnyFunction(dict[str, Any]):
-    """``functions=`` for describing: every name maps to a stand-in that is never called."""
-
-    def __contains__(self, name: object) -> bool:
-        return True
-
-    def __missing__(self, name: str) -> Any:
-        return _Unresolved(name)
-
-
-def _is_described(t: Transform) -> bool:
-    return any(isinstance(getattr(p, "function", None), _Unresolved) for p in parts_of(t))
-
-
 class _FileGraph(SharingGraph):
     """The sharing graph of a file: ``st.fn`` views are named, never called."""
 
-    _uncalled = staticmethod(_is_described)
+    _uncalled = staticmethod(is_described)
 
 
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
@@ -205,7 +191,9 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         if len(reader.infos) > max_rows:
             rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
         return "\n".join([head, *rows])
-    builder = _Builder(reader, reader.infos, _AnyFunction())
+    builder = _Builder(reader, reader.infos, None)
+    # fn and unregistered transforms: named, never called
+    builder.resolve = functools.partial(describe_transform)
     tree = builder.run()
     try:
         leaves, structure = leaves_and_structure(tree)
@@ -222,11 +210,12 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         f"(written by sharetree {_printable(meta.get(KEY_LIBRARY, '?'))})"
     )
     notes = []
-    named = sum(_is_described(v.transform) for v in graph.structure.views)
+    named = sum(is_described(v.transform) for v in graph.structure.views)
     if named:
         notes.append(
-            f"note: {named:,} view(s) use st.fn functions the file names; they were not "
-            "imported or called, so their shape and dtype are not shown"
+            f"note: {named:,} view(s) use st.fn functions the file names or transforms not "
+            "registered in this process (shown by their spec); they were not imported or "
+            "called, so their shape and dtype are not shown"
         )
     if builder.keys:
         notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")

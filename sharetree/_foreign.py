@@ -224,8 +224,9 @@ def _apply_ties(
                 raise TieError(
                     f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
                     f"file holds {target!r} but not {ref!r}, and {t.transform!r} has no "
-                    "inverse to compute the ref from it. Fix: tie the other way round, "
-                    f"ties={{{ref!r}: st.Tied({target!r}, <inverse>)}}."
+                    f"inverse, so {ref!r} cannot be computed from it. Fix: "
+                    f"load without this tie, keeping {target!r} as a buffer of its own, or "
+                    f"load a checkpoint that holds {ref!r}."
                 )
             tree[ref], moved = _moved(tree[target], back), moved | {target}
     compare: dict[tuple[str, ...], Tied] = {}
@@ -326,12 +327,18 @@ def _compare(
             worst, bad = (float(x.addressable_data(0)) for x in _differ(copy, view, atol))
         if worst > atol:
             seen = repr(ref) if t == identity else f"{t!r} of {ref!r}"
+            other = (
+                f"to keep {name!r} instead, tie the other way round"
+                if t.inverse() is not None
+                else f"to keep {name!r} instead, write the values you want into {ref!r} ({t!r} "
+                f"has no inverse to tie {ref!r} to {name!r}), or keep {ref!r}"
+            )
             raise TieError(
                 f"load {label} with ties: tie {name!r} <- {asked[name]!r}: the two copies "
                 f"differ: {name!r} and {seen} differ by up to {worst:.6g} (max abs difference; "
                 f"{int(bad)} of {copy.size} elements above atol={atol}), so they are not one "
-                f"tied weight. Fix: to keep {name!r} instead, tie the other way round; or "
-                f"raise atol to {worst:.3g} if the difference is rounding; or load without ties."
+                f"tied weight. Fix: {other}; or raise atol to {worst:.3g} if the difference "
+                "is rounding; or load without ties."
             )
 
 

@@ -84,6 +84,36 @@ def _addressable(x: jax.Array) -> bool:
     return bool(x.is_fully_addressable)
 
 
+def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
+    """A TieError naming the field when a transform's spec is not JSON (checked before writing)."""
+
+    def bad(v: Any) -> str | None:
+        try:
+            json.dumps(v, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            return one_line(e)
+        return None
+
+    why = bad(spec)
+    if why is None:
+        return
+    items = spec.items() if isinstance(spec, dict) else []
+    field = next(((k, v) for k, v in items if bad(v) is not None and isinstance(k, str)), None)
+    what = (
+        f"its field {field[0]!r} holds {type(field[1]).__name__} {field[1]!r:.60}, "
+        "which is not JSON"
+        if field is not None
+        else f"its spec {spec!r:.80} is not a JSON object"
+    )
+    raise TieError(
+        f"save: the tie at {path_str(path)!r} ({x!r}): {what} ({why}); a spec holds str, int, "
+        "float, bool, None and lists and dicts of them (complex numbers and transforms are "
+        "written as such by the default spec()). Fix: store a JSON value in the field (e.g. a "
+        "dtype's name, converted in __post_init__), or define the transform's spec() and "
+        "from_spec()."
+    )
+
+
 class _Writer:
     """Walks a canonical tree into (JSON structure, {tensor name: array})."""
 
@@ -112,6 +142,13 @@ class _Writer:
                 spec = x.transform.spec()
             except TieError as e:
                 raise TieError(f"save: the tie at {path_str(path)!r} ({x!r}): {e}") from None
+            except Exception as e:  # a user transform's own spec()
+                raise TieError(
+                    f"save: the tie at {path_str(path)!r} ({x!r}): its spec() raised "
+                    f"{type(e).__name__}: {one_line(e)}. Fix: make spec() return a dict of "
+                    "JSON values (see Transform.spec)."
+                ) from e
+            _check_spec_json(spec, x, path)
             return {"t": "tied", "ref": list(x.ref), "transform": spec}
         if x is None:
             return {"t": "none"}
@@ -653,7 +690,7 @@ class _Builder:
         except TieError as e:
             fix = "" if "Fix:" in str(e) else _RESAVE
             what = f"the tie at {where!r} cannot be rebuilt from its field 'transform': {e}"
-            raise self.fail(what, fix) from None
+            raise self.fail(what, fix) from e.__cause__  # a user from_spec's own error
         try:
             return Tied(tuple(ref), transform)
         except TieError as e:

@@ -25,6 +25,7 @@ __all__ = [
     "leaf_aval",
     "transform_error",
     "abstract_error",
+    "check_view_value",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
 
@@ -84,16 +85,49 @@ def transform_error(
     """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
     where = leaf.tie or leaf.path
     tie, shown = structure.ties.get(where), format_aval(aval)
-    why = (
-        str(err)
-        if isinstance(err, TieError)
-        else f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
-    )
+    if isinstance(err, TieError):
+        why = str(err)
+    elif _is_sharding_error(err):
+        why = (
+            f"{type(err).__name__}: {err}. The view needs a resharding JAX does not do on its "
+            "own (an Explicit mesh axis): the transform is fine, the buffer's sharding is not. "
+            "Fix: reshard the buffer so the axis the view cuts is not sharded "
+            "(jax.sharding.reshard(x, P(...)) before tying, or shard another axis), or make "
+            "that mesh axis Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...)))."
+        )
+    else:
+        why = f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
     return TieError(
         f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
         f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
         f"of {shown}: {why}"
     )
+
+
+def check_view_value(out: Any, transform: Transform) -> Any:
+    """``out`` if it is one view value (an array, number or shape/dtype), else a :class:`TieError`.
+
+    A view is one leaf of the materialized tree: a transform returning ``None``
+    would drop it, a tuple or dict would add leaves. Raised inside the caller's
+    ``try``, so :func:`transform_error` names the view, tie and buffer.
+    """
+    if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
+        return out
+    raise TieError(
+        f"{transform!r} returned {type(out).__name__} {_show_value(out)}, not an array. "
+        f"Fix: return one array from {type(transform).__name__}.__call__ (a view is one "
+        "leaf of the materialized tree; tie each part as a view of its own)."
+    )
+
+
+def _show_value(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_sharding_error(err: BaseException) -> bool:
+    """Whether JAX refused an op for its sharding (``ShardingTypeError``; private in JAX)."""
+    return any(c.__name__ == "ShardingTypeError" for c in type(err).__mro__)
 
 
 def abstract_error(structure: Structure, leaf: Leaf | ViewLeaf) -> TieError:
@@ -157,7 +191,7 @@ def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]
             leaf = structure.expanded[k]
             x = buffers[slot[leaf.buffer]]
             try:
-                out.append(t(x))
+                out.append(check_view_value(t(x), t))
             except Exception as e:
                 raise transform_error(structure, leaf, aval_of(x), e) from e
         return out
@@ -196,7 +230,7 @@ def expand_leaves(
         if not _transformable(x):
             continue
         try:
-            out[k] = t(x) if apply is None else apply(t, x)
+            out[k] = check_view_value(t(x) if apply is None else apply(t, x), t)
         except Exception as e:
             if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
                 raise abstract_error(structure, structure.expanded[k]) from e

@@ -15,7 +15,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharetree._materialize import leaf_aval, leaves_and_structure, transform_error
+from sharetree._materialize import (
+    check_view_value,
+    leaf_aval,
+    leaves_and_structure,
+    transform_error,
+)
 from sharetree._paths import aval_nbytes, format_aval, path_key, plural
 from sharetree._resolve import Structure
 from sharetree._tied import DISPLAY, Tied
@@ -122,7 +127,8 @@ class SharingGraph:
         for view in self.structure.views:
             aval = None if self._uncalled(view.transform) else self._avals[view.buffer]
             try:
-                out.append(None if aval is None else view.transform.abstract(aval))
+                t = view.transform
+                out.append(None if aval is None else check_view_value(t.abstract(aval), t))
             except Exception as e:
                 raise transform_error(self.structure, view, aval, e) from e
         return out

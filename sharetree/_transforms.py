@@ -25,9 +25,13 @@ import builtins
 import cmath
 import dataclasses
 import functools
+import json
 import math
 import pkgutil
 import reprlib
+import threading
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -52,6 +56,8 @@ __all__ = [
     "chain",
     "transform_from_spec",
     "describe_spec",
+    "describe_transform",
+    "is_described",
 ]
 
 ArrayFn = Callable[[jax.Array], jax.Array]
@@ -87,8 +93,11 @@ class Transform:
     - ``__call__(x)``: the view of the buffer ``x`` (pure JAX).
     - :meth:`abstract`: shape and dtype of the view (default: ``jax.eval_shape``).
     - :meth:`spec` / :meth:`from_spec`: JSON from the dataclass fields and back
-      (default: each field by name; ``from_spec`` calls the class, so the
-      values are checked where the class checks them, in ``__post_init__``).
+      (default: each field by name; tuples as lists, complex numbers as
+      ``[real, imag]``, transforms as specs, read back by the field's
+      annotation: annotate a complex field ``complex`` and a transform field
+      ``Transform``; ``from_spec`` calls the class, so the values are checked
+      where the class checks them, in ``__post_init__``).
     - :meth:`fold`: one transform equal to ``self >> after`` (default: none).
     - :meth:`state_view`: how a per-element optimizer state moves through the
       view, for :func:`~sharetree.untie_state` (default: unknown).
@@ -165,12 +174,19 @@ class Transform:
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         """Rebuild the transform from its spec, whose fields are all present (checked before).
 
-        By default the class is called with each field (lists read as
-        tuples); whatever it raises becomes a :class:`TieError` naming the
-        spec. ``resolve`` turns a function name into a function; only ``fn``
-        uses it.
+        By default the class is called with each field read back as its
+        annotation says, the inverse of the default :meth:`spec`: a field
+        annotated ``complex`` reads ``[real, imag]`` as a complex number, one
+        annotated ``Transform`` (or a subclass) reads a spec as a transform,
+        ``tuple[X, ...]`` and ``X | None`` read their parts so; every other
+        field reads JSON with its lists as tuples. (So annotate such fields:
+        a complex or a transform in a field annotated ``Any`` comes back as
+        its JSON.) Whatever the class raises becomes a :class:`TieError`
+        naming the spec. ``resolve`` turns a function name into a function;
+        only ``fn`` uses it.
         """
-        return _construct(cls, spec, {f: _tuples(spec[f]) for f in _fields(cls)})
+        kinds = _field_types(cls)
+        return _construct(cls, spec, {f: _read(spec[f], kinds[f], resolve) for f in kinds})
 
     def fold(self, after: Transform) -> Transform | None:
         """One transform equal to ``self >> after``, or ``None`` when they do not fold.
@@ -268,6 +284,65 @@ def _tuples(v: Any, depth: int = 4) -> Any:
     return v
 
 
+def _field_types(cls: type[Transform]) -> dict[str, Any]:
+    """Each spec field's annotation, resolved where possible (else as written, maybe a string)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a name the class's module cannot resolve: keep the strings
+        hints = {}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    return {f.name: hints.get(f.name, f.type) for f in fields if f.init}
+
+
+_NOT_READ = object()
+_nesting = threading.local()
+_MAX_NESTING = 8
+"""How deep transform fields may hold transforms in a spec (a file never drives deep recursion)."""
+
+
+def _read(v: Any, kind: Any, resolve: Resolve) -> Any:
+    """A field's spec value read back as its annotation ``kind`` says (inverts ``_json``)."""
+    out = _read_as(v, kind, resolve)
+    return _tuples(v) if out is _NOT_READ else out
+
+
+def _read_as(v: Any, kind: Any, resolve: Resolve) -> Any:
+    """``v`` read as ``kind`` (complex, a transform, a tuple or union of them), or ``_NOT_READ``."""
+    if isinstance(kind, str):  # an annotation that did not resolve: known names only
+        kind = {"complex": complex}.get(kind, Transform if kind.endswith("Transform") else None)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is complex:
+        pair = isinstance(v, list) and len(v) == 2 and all(map(_is_real, v))
+        return complex(*v) if pair else _NOT_READ
+    if isinstance(kind, type) and issubclass(kind, Transform):
+        return _nested_from_spec(v, resolve) if isinstance(v, Mapping) else _NOT_READ
+    if origin is tuple and isinstance(v, list):
+        many = len(args) == 2 and args[1] is Ellipsis
+        if not many and len(args) != len(v):
+            return _NOT_READ
+        kinds = [args[0]] * len(v) if many else list(args)
+        return tuple(_read(x, k, resolve) for x, k in zip(v, kinds, strict=True))
+    if origin in (typing.Union, types.UnionType):
+        for member in args:
+            if (out := _read_as(v, member, resolve)) is not _NOT_READ:
+                return out
+    return _NOT_READ
+
+
+def _nested_from_spec(spec: Mapping[str, Any], resolve: Resolve) -> Transform:
+    depth = getattr(_nesting, "depth", 0)
+    if depth >= _MAX_NESTING:
+        raise TieError(
+            f"transform spec {_show.repr(spec)}: transforms nested in transform fields more "
+            f"than {_MAX_NESTING} deep. Fix: {_SPEC_FIX}"
+        )
+    _nesting.depth = depth + 1
+    try:
+        return _from_spec(spec, resolve)
+    finally:
+        _nesting.depth = depth
+
+
 def _construct(cls: type[Transform], spec: Mapping[str, Any], values: dict[str, Any]) -> Transform:
     """``cls(**values)``; what it raises becomes the TieError naming the spec and its fields."""
     try:
@@ -306,6 +381,13 @@ def _check_ints(call: str, values: Any, what: str, example: str) -> tuple[int, .
 
 def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
     """``axis`` of a buffer of ``shape`` counted from 0, else the TieError for ``t``."""
+    if not shape:
+        raise TieError(
+            f"{t!r} needs axis {axis}, but the buffer is a scalar (shape (), no axes). Fix: "
+            "refer to a buffer that has that axis; a subtree tie views every array and number "
+            "leaf of the subtree, so keep scalars out of a subtree tied with an axis transform "
+            "(e.g. as a static field, or tie the array leaves one by one)."
+        )
     if not -len(shape) <= axis < len(shape):
         raise TieError(
             f"{t!r} needs axis {axis}, but the buffer has shape {tuple(shape)} "
@@ -644,6 +726,15 @@ class _Fn(Transform, name="fn"):
         return f"fn({name if isinstance(name, str) else repr(self.function)})"
 
 
+def _nonempty(start: int, stop: int) -> str:
+    """A ``st.slice`` call near the empty ``start:stop`` that is not empty for a large buffer."""
+    if stop < start:  # reversed: the other way round (both counted from one end)
+        return f"st.slice({stop}, {start})"
+    if start < 0 and (stop == 0 or start + 1 == 0):  # from the end: to the end
+        return f"st.slice({start}, None)"
+    return f"st.slice({start}, {start + 1})"  # one entry
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slice(Transform, name="slice"):
     """``slice(start, stop, axis)``: the entries ``start:stop`` of one axis; see :func:`slice`."""
@@ -664,11 +755,13 @@ class _Slice(Transform, name="slice"):
             if not _is_int(v) and not (what == "stop" and v is None):
                 raise _type_error(call, f"an integer {what}", v, example)
         start, stop = int(self.start), None if self.stop is None else int(self.stop)
-        if stop is not None and (start < 0) == (stop < 0) and stop <= start:
+        # empty for every size: both counted from one end and stop <= start, or a
+        # negative start (from the end) with the stop at 0 (the very beginning)
+        if stop is not None and (((start < 0) == (stop < 0) and stop <= start) or stop == 0):
             raise TieError(
-                f"{call}: the range {start}:{stop} is empty or reversed, so the view would hold "
-                "nothing; a slice keeps at least one entry, in the buffer's order. Fix: pass "
-                f"start < stop, e.g. st.slice({min(start, stop)}, {max(stop, start + 1)})."
+                f"{call}: the range {start}:{stop} is empty or reversed for every buffer, so the "
+                "view would hold nothing; a slice keeps at least one entry, in the buffer's "
+                f"order. Fix: pass a range that is not empty, e.g. {_nonempty(start, stop)}."
             )
         _set(self, start=start, stop=stop, axis=int(self.axis))
 
@@ -813,6 +906,52 @@ class _Chain(Transform, name="chain"):
 
     def __repr__(self) -> str:
         return " >> ".join(map(repr, self.parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unregistered(Transform):
+    """Stands for a spec whose transform class is not registered, when only describing a file."""
+
+    spec_text: str  # the spec as compact JSON (hashable, shown as it is)
+
+    def __call__(self, x: ArrayLike) -> jax.Array:
+        raise TieError(  # pragma: no cover - describing never computes a view
+            f"the transform {self.spec_text} was only described: its class is not registered "
+            "in this process. Fix: import (or define) the class, then load the file."
+        )
+
+    def __repr__(self) -> str:
+        return self.spec_text
+
+
+def _spec_text(spec: Mapping[str, Any]) -> str:
+    try:
+        text = json.dumps(spec, separators=(",", ":"), sort_keys=False)
+    except (TypeError, ValueError):
+        text = repr(spec)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describing(name: str) -> ArrayFn:
+    """The ``resolve`` of describing: an ``fn`` becomes a stand-in, never called."""
+    return _Unresolved(name)
+
+
+def is_described(t: Transform) -> bool:
+    """Whether ``t`` (a chain part by part) holds a stand-in that describes without computing."""
+    return any(
+        isinstance(p, _Unregistered) or isinstance(getattr(p, "function", None), _Unresolved)
+        for p in parts_of(t)
+    )
+
+
+def describe_transform(spec: object) -> Transform:
+    """A transform standing for ``spec`` without resolving, importing or calling anything.
+
+    An ``fn`` is shown by its stored name, a transform whose class is not
+    registered in this process by its spec as it is; neither is ever called.
+    """
+    return _from_spec(spec, _describing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1064,12 +1203,39 @@ def _push(stack: list[Transform], t: Transform) -> bool:
     return False
 
 
+_FACTORY_EXAMPLES = {
+    "transpose": "st.transpose(1, 0)",
+    "reshape": "st.reshape(6)",
+    "astype": "st.astype(jnp.bfloat16)",
+    "scale": "st.scale(2.0)",
+    "fn": "st.fn(jnp.flipud)",
+    "slice": "st.slice(0, 10)",
+    "index": "st.index(0)",
+    "chain": "st.chain(st.T, st.scale(2.0))",
+    "transform_from_spec": "st.transform_from_spec(st.T.spec())",
+}
+
+
+def _is_factory(f: Any) -> bool:
+    """Whether ``f`` is one of this module's functions that make a transform (``st.slice``)."""
+    return (
+        callable(f)
+        and getattr(f, "__module__", None) == __name__
+        and getattr(f, "__annotations__", {}).get("return") in ("Transform", Transform)
+    )
+
+
 def check_transform(t: Any, where: str = "") -> Transform:
     """Return ``t`` if it is a hashable transform, else raise a TieError."""
     where = f" {where}" if where else ""
     if not isinstance(t, Transform):
         names = ", ".join(f"st.{name}" for name in _REGISTRY)
         hint = "wrap the function with st.fn(...)" if callable(t) else f"use one of {names}"
+        if isinstance(t, type) and issubclass(t, Transform):
+            hint = f"{t.__name__} is a transform class: pass an instance, {t.__name__}(...)"
+        elif _is_factory(t):
+            example = _FACTORY_EXAMPLES.get(t.__name__, f"st.{t.__name__}(...)")
+            hint = f"st.{t.__name__} makes a transform: call it, e.g. {example}"
         raise TieTypeError(
             f"transform{where}: expected a sharetree transform, got {type(t).__name__} {t!r}. "
             f"Fix: {hint}."
@@ -1140,11 +1306,19 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
         )
     name = spec["name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None and isinstance(name, str) and resolve is _describing:
+        return _Unregistered(_spec_text(spec))
     if cls is None:
+        own = (
+            f" if it is a transform of your own, import (or define) the class registered as "
+            f"{name!r} (class ...(st.Transform, name={name!r})) before loading; else"
+            if isinstance(name, str) and name.isidentifier()
+            else ""
+        )
         raise TieError(
-            f"transform spec: unknown transform name {_show.repr(name)}; known: "
-            f"{', '.join(sorted(_REGISTRY))}. Fix: upgrade sharetree, or check the file "
-            "was written by sharetree."
+            f"transform spec: unknown transform name {_show.repr(name)}; known in this "
+            f"process: {', '.join(sorted(_REGISTRY))}. Fix:{own} upgrade sharetree if the "
+            "file was written by a newer one, or check the file was written by sharetree."
         )
     names = _fields(cls)
     problems = [f"the field {f!r} is missing" for f in names if f not in spec] + [
@@ -1158,7 +1332,17 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
             f"transform spec {_show.repr(spec)}: {problems[0]}; the fields of {name!r} besides "
             f"'name' are: {fields}. Fix: {_SPEC_FIX}"
         )
-    return cls.from_spec(spec, resolve)
+    try:
+        return cls.from_spec(spec, resolve)
+    except TieError:
+        raise
+    except Exception as e:  # a user transform's own from_spec: named, with the spec and a fix
+        raise TieError(
+            f"transform spec {_show.repr(spec)}: {cls.__qualname__}.from_spec raised "
+            f"{type(e).__name__}: {e}. Fix: make from_spec read what spec() writes (or drop "
+            "the override: the default reads each field by its annotation), or save the tree "
+            "again."
+        ) from e
 
 
 def transform_from_spec(
@@ -1229,4 +1413,4 @@ def describe_spec(spec: object) -> str:
         >>> describe_spec((st.T >> st.scale(2.0)).spec())
         'T >> scale(2.0)'
     """
-    return repr(_from_spec(spec, _Unresolved))
+    return repr(describe_transform(spec))

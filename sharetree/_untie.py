@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -28,9 +30,35 @@ from sharetree._resolve import Structure
 from sharetree._tied import is_tied
 from sharetree._transforms import Transform
 
-__all__ = ["untie", "untie_state"]
+__all__ = ["untie", "untie_state", "register_box_renamer"]
 
 PyTree = Any
+
+BoxRenamer = Callable[[PyTree, PyTree, str], PyTree]
+_BOX_RENAMERS: list[BoxRenamer] = []
+
+
+def register_box_renamer(rename: BoxRenamer) -> None:
+    """Register ``rename(canonical, expanded, where)``, which gives copied boxes the view's names.
+
+    An integration whose containers carry per-axis metadata (``sharetree.flax``:
+    partition boxes) registers one when imported; ``untie`` and ``untie_state``
+    pass their untied copies through it, so an untied box is named as
+    ``materialize`` of that integration names it.
+    """
+    if rename not in _BOX_RENAMERS:
+        _BOX_RENAMERS.append(rename)
+
+
+def _renamed(canonical: PyTree, expanded: PyTree, where: str) -> PyTree:
+    """``expanded`` through every registered box renamer."""
+    if "flax" in sys.modules and "sharetree.flax" not in sys.modules:
+        # a tree may hold Flax partition boxes without sharetree.flax imported:
+        # import it (by name, it is a higher layer) so that its renamer is registered
+        importlib.import_module("sharetree.flax")
+    for rename in _BOX_RENAMERS:
+        expanded = rename(canonical, expanded, where)
+    return expanded
 
 
 def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None) -> set[Path]:
@@ -62,7 +90,7 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
     return chosen
 
 
-def _untie_positions(tree: PyTree, at: set[Path], values: PyTree = None) -> PyTree:
+def _untie_positions(tree: PyTree, at: set[Path], where: str, values: PyTree = None) -> PyTree:
     """``tree`` with the positions ``at`` replaced by their ``values`` (default: materialized)."""
     buffers = {id(x) for x in jtu.tree_leaves(tree) if isinstance(x, (np.ndarray, jax.Array))}
     # an identity view is the buffer object itself: copy it, so that no two
@@ -74,6 +102,7 @@ def _untie_positions(tree: PyTree, at: set[Path], values: PyTree = None) -> PyTr
 
     # the tree, with its ties as leaves, is a prefix of the materialized tree
     values = materialize(tree) if values is None else values
+    values = _renamed(tree, values, where)
     return jtu.tree_map_with_path(replace, tree, values, is_leaf=is_tied)
 
 
@@ -112,7 +141,7 @@ def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> P
         Tied('enc', T)
     """
     chosen = _selected(leaves_and_structure(tree)[1], paths)
-    return _untie_positions(tree, chosen) if chosen else tree
+    return _untie_positions(tree, chosen, "untie") if chosen else tree
 
 
 def _move_state(t: Transform, state: Any) -> Any:
@@ -246,7 +275,8 @@ def untie_state(
                     "untied. Fix: initialize a fresh optimizer state for the untied tree."
                 )
         moved = expand_leaves(structure, jtu.tree_leaves(x), _move_state)
-        return _untie_positions(x, at, jtu.tree_unflatten(structure.expanded_treedef, moved))
+        moved_tree = jtu.tree_unflatten(structure.expanded_treedef, moved)
+        return _untie_positions(x, at, "untie_state", moved_tree)
 
     check_flattens(opt_state)  # too deep, or unsortable dict keys: before a flatten with a callback
     return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)

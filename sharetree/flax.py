@@ -43,6 +43,7 @@ from sharetree._resolve import _nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 from sharetree._transforms import Transform
+from sharetree._untie import register_box_renamer
 
 __all__ = ["TiedModule", "tied"]
 
@@ -130,7 +131,15 @@ def _with_params(variables: Any, params: Any) -> Any:
 
 def _materialized(canonical: Any, where: str) -> Any:
     """Materialize ``canonical``; each box a view copied from its buffer gets the view's names."""
-    materialized = materialize(canonical)
+    return _rename_boxes(canonical, materialize(canonical), where)
+
+
+def _rename_boxes(canonical: Any, materialized: Any, where: str) -> Any:
+    """``materialized`` (views of ``canonical``) with each box copied from a buffer renamed.
+
+    Also what :func:`sharetree.untie` and :func:`sharetree.untie_state` call on
+    their untied copies (registered below), so an untied box has the view's names.
+    """
     structure = structure_of(jtu.tree_structure(canonical))
     own = _boxes(canonical)  # boxes that hold a Tied value keep their own names
     copied = _boxes(materialized)
@@ -420,3 +429,6 @@ def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:
             "Fix: for NNX use sharetree.nnx.split; for other pytrees use st.tie."
         )
     return TiedModule(module, _normalize(ties), check)
+
+
+register_box_renamer(_rename_boxes)

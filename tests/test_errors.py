@@ -481,7 +481,9 @@ def test_44_load_tie_target_and_ref_absent(tmp_path):
 
 
 def test_45_load_tie_buffer_cannot_move(tmp_path):
-    with pytest.raises(st.TieError, match=r"holds 'emb' but not 'new'.*no inverse.*other way"):
+    with pytest.raises(
+        st.TieError, match=r"holds 'emb' but not 'new'.*no inverse.*Fix: load without this tie"
+    ):
         _load_ties(_foreign_file(tmp_path), {"emb": st.Tied("new", st.scale(2.0))})
 
 

@@ -490,3 +490,24 @@ def test_file_tie_chains_onto_an_asked_tie(tmp_path) -> None:
     assert tree[HEAD] == st.Tied("w", st.T) and tree[EMB] == st.Tied(HEAD)
     assert st.canonicalize(tree).num_unique == 1  # nothing stored twice
     _assert_materializes_to(tree, {"w": w, HEAD: w.T, EMB: w.T})
+
+
+def test_a_foreign_tie_through_a_transform_without_inverse_suggests_only_what_is_possible(
+    tmp_path,
+):
+    import warnings
+
+    fused = np.random.RandomState(0).randn(4, 6).astype(np.float32)
+    both, only = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    save_file({"fused": fused, "q": fused[:, :2] + 1}, both)
+    save_file({"q": fused[:, :2].copy()}, only)
+    ties = {"q": st.Tied("fused", st.slice(0, 2, axis=1))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for f in (both, only):
+            with pytest.raises(st.TieError) as e:
+                st.load(f, ties=ties)
+            fix = str(e.value)[str(e.value).index("Fix:") :]
+            assert "<inverse>" not in fix and "with the inverse of" not in fix
+            assert "tie the other way round" not in fix
+        assert "has no inverse" in str(e.value) and "load without this tie" in fix

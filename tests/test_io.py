@@ -1412,3 +1412,63 @@ def test_atol_without_ties_for_a_foreign_file_is_a_tie_error(tmp_path) -> None:
     for atol in (1e-6, "x"):
         with pytest.raises(st.TieError, match=r"load: atol=.* without ties=.*nothing is compared"):
             st.load(path, atol=atol)
+
+
+def test_a_file_with_a_transform_not_registered_here_says_to_import_it_and_inspect_shows_it(
+    tmp_path,
+) -> None:
+    def rename(tensors, meta, structure):
+        i = structure["keys"].index("head")
+        spec = {"name": "mylib_rotate", "k": 3}
+        structure["children"][i]["transform"] = {
+            "name": "chain",
+            "parts": [spec, {"name": "transpose", "axes": None}],
+        }
+
+    bad = tampered(tmp_path, TIED, rename)
+    with pytest.raises(
+        st.TieError,
+        match=r"tie at 'head'.*unknown transform name 'mylib_rotate'.*Fix: if it is a transform "
+        r"of your own, import \(or define\) the class registered as 'mylib_rotate'",
+    ):
+        st.load(bad)
+    text = describe(bad)  # the graph, the spec as it is, nothing called
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["head", "embed"])
+    assert '{"name":"mylib_rotate","k":3} >> T' in row
+    assert "not registered in this process" in text
+
+
+@dataclasses.dataclass(frozen=True)
+class CastTo(st.Transform, name="test_io_cast_to"):
+    dtype: object = np.dtype("float16")
+
+    def __call__(self, x):
+        return jnp.asarray(x).astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unreadable(st.Transform, name="test_io_unreadable"):
+    k: int = 2
+
+    def __call__(self, x):
+        return jnp.asarray(x) * self.k
+
+    @classmethod
+    def from_spec(cls, spec, resolve):
+        raise NotImplementedError("cannot read")
+
+
+def test_a_user_transform_that_cannot_be_written_or_read_is_a_tie_error(tmp_path) -> None:
+    w, path = np.ones((2, 2), np.float32), str(tmp_path / "u.safetensors")
+    with pytest.raises(
+        st.TieError, match=r"save: the tie at 'v' .*its field 'dtype' holds .*not JSON.*Fix:"
+    ):
+        st.save(path, {"w": w, "v": st.Tied("w", CastTo())})
+    assert not os.path.exists(path)
+    st.save(path, {"w": w, "v": st.Tied("w", Unreadable())})
+    with pytest.raises(st.TieError) as e:
+        st.load(path)
+    msg = str(e.value)
+    assert path in msg and "tie at 'v'" in msg and "'name': 'test_io_unreadable'" in msg
+    assert "Unreadable.from_spec raised NotImplementedError: cannot read. Fix:" in msg
+    assert isinstance(e.value.__cause__, NotImplementedError)

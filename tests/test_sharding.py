@@ -261,3 +261,28 @@ def test_specs_jax_rejects_on_the_mesh_name_the_path():
     mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(st.TieError, match=r"'w' \(rule '\*' -> .*JAX rejects this spec"):
         st.shardings_by_path({"w": np.zeros((2, 2))}, mesh, {"*": P(P.UNCONSTRAINED)})
+
+
+def test_a_view_along_an_explicitly_sharded_axis_says_to_reshard() -> None:
+    code = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import sharetree as st
+mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+S = jax.device_put(np.zeros((4, 8, 8), np.float32), NamedSharding(mesh, P("data", None, "model")))
+try:
+    st.materialize({"stack": S, "layer": st.Tied("stack", st.index(2))})
+except st.TieError as e:
+    print(e)
+"""
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "view 'layer'" in out and "ShardingTypeError" in out, out
+    assert "Fix: reshard the buffer" in out and "jax.sharding.reshard" in out
+    assert "Fix: use a transform that accepts" not in out

@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import math
 import pickle
+import re
 import sys
 from typing import Any, ClassVar
 
@@ -232,7 +233,7 @@ def test_a_new_transform_is_one_class(flip_transform):
     assert st.transform_from_spec(t.spec()) == t
     assert describe_spec(t.spec()) == "T >> " + repr(flip_transform(0))
     np.testing.assert_array_equal(t(X[0]), np.flip(X[0].T, 0))
-    with pytest.raises(st.TieError, match=r"known: .*test_flip"):
+    with pytest.raises(st.TieError, match=r"known in this process: .*test_flip"):
         st.transform_from_spec({"name": "flop"})
     with pytest.raises(st.TieError, match=r"st\.test_flip"):
         st.Tied("a", 3)
@@ -270,7 +271,9 @@ def test_unknown_name_lists_the_known_ones():
         n for n in sorted(_transforms._REGISTRY) if not n.startswith(("doc_", "test_"))
     )
     with pytest.raises(
-        st.TieError, match=rf"unknown transform name 'rot90'; known: {known}\. Fix:"
+        st.TieError,
+        match=rf"unknown transform name 'rot90'; known in this process: {known}\. Fix: if it "
+        r"is a transform of your own, import \(or define\) the class registered as 'rot90'",
     ):
         st.transform_from_spec({"name": "rot90"})
 
@@ -428,3 +431,60 @@ def test_bad_argument_messages_fit_the_transform_and_stay_short():
     with pytest.raises(st.TieError) as e:
         st.scale(10**400)
     assert len(str(e.value)) < 300
+
+
+def test_slice_refuses_exactly_the_ranges_empty_for_every_buffer_and_suggests_valid_ones():
+    def nonempty_for_some_size(start, stop):  # NumPy by hand, sizes up to 16, no clipping
+        for n in range(1, 17):
+            if -n <= start < n and (stop is None or -n <= stop <= n):
+                if np.arange(n)[start:stop].size:
+                    return True
+        return False
+
+    for start in range(-6, 7):
+        for stop in [None, *range(-6, 7)]:
+            possible = nonempty_for_some_size(start, stop)
+            try:
+                st.slice(start, stop)
+            except st.TieError as e:
+                assert not possible, (start, stop)
+                fix = re.search(r"e\.g\. (st\.slice\([^)]*\))", str(e)).group(1)
+                suggested = eval(fix, {"st": st})  # builds, and is not empty for some size
+                assert nonempty_for_some_size(suggested.start, suggested.stop), (start, stop, fix)
+            else:
+                assert possible, (start, stop)
+
+
+@pytest.mark.parametrize("t", [st.index(3), st.slice(0, 1), st.index(0, axis=-1)], ids=repr)
+def test_an_axis_transform_of_a_scalar_says_it_has_no_axes(t):
+    stack = {"w": np.ones((4, 3, 2), np.float32), "n_heads": 3}
+    with pytest.raises(st.TieError) as e:
+        st.materialize({"stack": stack, "extra": st.Tied("stack", t)})
+    msg = str(e.value)
+    assert "view 'extra/n_heads'" in msg and "the buffer is a scalar (shape (), no axes)" in msg
+    assert "between 0 and -1" not in msg and "Fix:" in msg
+    with pytest.raises(st.TieError, match=r"scalar \(shape \(\), no axes\)"):
+        t(np.float32(2.0))
+
+
+def test_an_uncalled_transform_factory_is_told_to_call_it_with_a_working_example():
+    factories = [
+        getattr(st, n) for n in st.__all__ if _transforms._is_factory(getattr(st, n, None))
+    ]
+    assert {f.__name__ for f in factories} >= {"slice", "index", "transpose", "reshape", "scale"}
+    for f in factories:
+        with pytest.raises(st.TieError) as e:
+            st.Tied("embed", f)
+        msg = str(e.value)
+        assert f"st.{f.__name__} makes a transform: call it, e.g. st.{f.__name__}(" in msg
+        assert "st.fn(...)" not in msg
+        example = re.search(r"e\.g\. (st\..*)\.$", msg).group(1)
+        assert isinstance(eval(example, {"st": st, "jnp": jnp}), st.Transform), example
+    with pytest.raises(st.TieError, match=r"Roll is a transform class: pass an instance, Roll"):
+
+        @dataclasses.dataclass(frozen=True)
+        class Roll(st.Transform):
+            def __call__(self, x):
+                return jnp.roll(x, 1)
+
+        st.Tied("embed", Roll)

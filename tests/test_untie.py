@@ -236,3 +236,48 @@ def test_untie_path_that_is_one_int_or_float():
     assert st.untie(tree, 1)[1].shape == (2,)
     with pytest.raises(st.TieError, match=r"untie path: expected a '/'-joined string"):
         st.untie(tree, 1.5)
+
+
+def _boxed_params():
+    """Flax params with whole partition boxes tied: a transposed head and an index row."""
+    flax_nn = pytest.importorskip("flax.linen")
+    from sharetree.flax import tied
+
+    def boxed(*names):
+        return flax_nn.with_partitioning(flax_nn.initializers.normal(1.0), names)
+
+    class LM(flax_nn.Module):
+        @flax_nn.compact
+        def __call__(self, tok):
+            emb = self.param("embed", boxed("vocab", "embed"), (16, 4))
+            head = self.param("head", boxed("embed", "vocab"), (4, 10))
+            row = self.param("row", boxed("vocab"), (16,))
+            return emb[tok] @ head + row[:10]
+
+    ties = {
+        "head": st.Tied("embed", st.slice(0, 10) >> st.T),
+        "row": st.Tied("embed", st.index(-1, axis=1)),
+    }
+    return tied(LM(), ties).init(jax.random.key(0), jnp.array([1, 2]))["params"]
+
+
+def test_untied_partition_boxes_carry_the_views_names():
+    p = _boxed_params()
+    emb = np.asarray(p["embed"].value)
+    u = st.untie(p)
+    # names by hand: the head is embed^T ('embed', 'vocab'), the row drops 'embed'
+    assert u["head"].names == ("embed", "vocab") and u["row"].names == ("vocab",)
+    np.testing.assert_array_equal(u["head"].value, emb[:10].T)
+    np.testing.assert_array_equal(u["row"].value, emb[:, -1])
+    assert u["embed"].names == ("vocab", "embed")
+    s = st.untie_state(optax.adam(1e-3).init(p), p)
+    for moment in (s[0].mu, s[0].nu):
+        assert moment["head"].names == ("embed", "vocab") and moment["row"].names == ("vocab",)
+        assert moment["head"].value.shape == (4, 10) and moment["row"].value.shape == (16,)
+
+
+def test_untie_of_a_box_view_whose_transform_names_no_axes_is_refused():
+    p = _boxed_params()
+    p = {**p, "row": st.Tied("embed", st.fn(lambda x: x[:, -1]))}
+    with pytest.raises(st.TieError, match=r"(?s)'row'.*does not map its axes.*Fix: tie"):
+        st.untie(p)

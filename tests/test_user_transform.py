@@ -7,6 +7,7 @@ against NumPy written by hand or finite differences, never against sharetree.
 """
 
 import dataclasses
+import json
 import pathlib
 import re
 import warnings
@@ -172,3 +173,81 @@ def test_a_foreign_file_moves_its_buffer_through_the_declared_inverse(tmp_path):
         np.testing.assert_array_equal(sd["embed"], A)
         with pytest.raises(st.TieError, match=r"Roll\(shift=1, axis=0\) has no inverse"):
             st.load(path, ties={"head": st.Tied("embed", Roll(1))})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnsNone(st.Transform, name="test_user_returns_none"):
+    def __call__(self, x):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnsPair(st.Transform, name="test_user_returns_pair"):
+    def __call__(self, x):
+        return (x, x)
+
+
+@pytest.mark.parametrize("bad", [ReturnsNone(), ReturnsPair()], ids=repr)
+def test_a_transform_returning_no_array_is_refused_wherever_views_are_computed(bad):
+    tree = {"w": np.ones((2, 2), np.float32), "v": st.Tied("w", bad)}
+    name = re.escape(repr(bad))
+    msg = rf"(?s)view 'v' .*{name} returned (NoneType|tuple).*not an array.*Fix: return one array"
+    with pytest.raises(st.TieError, match=msg):
+        st.materialize(tree)
+    with pytest.raises(st.TieError, match=msg):
+        st.summary(tree)
+    with pytest.raises(st.TieError, match=msg):
+        jax.eval_shape(st.materialize, tree)
+    with pytest.raises(st.TieError, match=msg):
+        jax.jit(st.materialize)(tree)
+    many = {"w": np.ones((2, 2), np.float32), **{f"v{i}": st.Tied("w", bad) for i in range(20)}}
+    with pytest.raises(st.TieError, match=msg.replace("'v'", "'v0'")):
+        st.materialize(many)  # the batched eager path (one compiled call for many views)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotate(st.Transform, name="test_user_rotate"):
+    z: complex = 1 + 2j
+    zs: tuple[complex, ...] = ()
+    then: st.Transform | None = None
+    parts: tuple[st.Transform, ...] = ()
+
+    def __call__(self, x):
+        y = jnp.asarray(x) * self.z
+        for z in self.zs:
+            y = y * z
+        for t in (self.then, *self.parts):
+            y = y if t is None else t(y)
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class Unresolved(st.Transform, name="test_user_unresolved_annotations"):
+    z: "complex" = 1j
+    inner: "NoSuchTransform" = st.T  # noqa: F821 - an annotation get_type_hints cannot resolve
+
+    def __call__(self, x):
+        return self.inner(jnp.asarray(x) * self.z)
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        Rotate(),
+        Rotate(2.0 - 0.5j, zs=(1j, 3 + 0j), then=st.slice(0, 2) >> st.T),
+        Rotate(1j, parts=(st.T, st.scale(2.0), Rotate(then=st.T))),
+        Unresolved(2 + 1j, st.slice(0, 1)),
+    ],
+    ids=repr,
+)
+def test_complex_and_transform_fields_round_trip_through_spec_and_a_file(t, tmp_path):
+    spec = t.spec()
+    assert json.loads(json.dumps(spec)) == spec  # the spec is plain JSON
+    back = st.transform_from_spec(spec)
+    assert back == t and type(back.z) is complex
+    w = np.arange(4.0, dtype=np.float32).reshape(2, 2)
+    path = str(tmp_path / "rot.safetensors")
+    st.save(path, {"w": w, "v": st.Tied("w", t)})
+    loaded = st.load(path)
+    assert loaded["v"] == st.Tied("w", t)
+    np.testing.assert_allclose(st.materialize(loaded)["v"], t(w))
