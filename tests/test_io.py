@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, reject, settings
 from hypothesis import strategies as hs
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -300,7 +300,11 @@ def test_roundtrip_property(tmp_path_factory, tree, data) -> None:
                 ties[p] = st.Tied(q)
             elif y.shape == x.shape[::-1]:
                 ties[p] = st.Tied(q, st.T)
-    tree = st.tie(tree, ties) if ties else tree
+    try:
+        tree = st.tie(tree, ties) if ties else tree
+    except st.TieError as e:  # a ref from the root that a subtree holding the tie shadows
+        assert "innermost subtree holding the tie" in str(e)
+        reject()
     path = tmp_path_factory.mktemp("prop") / "t.safetensors"
     st.save(path, tree)
     back = st.load(path)
@@ -950,7 +954,9 @@ def test_deeply_nested_metadata_is_a_tie_error(tmp_path) -> None:
     lists = '{"t":"list","children":[' * 250 + '{"t":"none"}' + "]}" * 250
     for text, match in [
         ("[" * 100_000 + "]" * 100_000, deep),  # json.loads stops at the recursion limit
-        ('{"t":"list","children":' + "[" * 5000, deep),
+        # unterminated: CPython < 3.13's decoder recurses and stops at the limit, 3.13's
+        # reaches the end of the text first; either way a TieError naming the file
+        ('{"t":"list","children":' + "[" * 5000, rf"{deep}|b\.safetensors'.*not valid JSON"),
         (lists, r"b\.safetensors'.*nested deeper than 200 levels"),  # parsed, refused by depth
         # parsed or not (that depends on the stack), a value echoed in the message
         *[(f'{{"t":"static","type":{"[" * n}{"]" * n}}}', f"{deep}|'type'") for n in (600, 990)],

@@ -57,7 +57,11 @@ def test_with_shardings_each_part_is_read_once_and_shards_equal_the_file(tmp_pat
         got = out[name]
         assert all(got["shards_equal"].values()), got["shards_equal"]
         assert got["head"] == "Tied('embed', T)"
-        assert got["specs"]["embed"] == "P(('data', 'model'), None)"
+        # PartitionSpec's repr: "P(...)" on newer jax, "PartitionSpec(...)" on 0.8
+        assert got["specs"]["embed"] in (
+            "P(('data', 'model'), None)",
+            "PartitionSpec(('data', 'model'), None)",
+        )
         parts = [(n, tuple(map(tuple, b))) for n, b, _ in got["reads"] if b is not None]
         assert len(parts) == len(set(parts))  # no part read twice (replicas share one read)
         for tensor, shape in (
