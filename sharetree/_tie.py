@@ -26,11 +26,12 @@ from sharetree._paths import (
     format_aval,
     keypath_to_path,
     leaves_with_paths,
+    node_paths,
     path_str,
     prefixes,
     to_path,
 )
-from sharetree._resolve import structure_of
+from sharetree._resolve import ref_to, structure_of
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import canonical_dtype, identity
 
@@ -119,6 +120,7 @@ def tie(
         return path in new
 
     check_flattens(tree)  # too deep, or unsortable dict keys: before a flatten with a callback
+    new = _from_the_root(tree, new)
     out = jtu.tree_map_with_path(
         lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
     )
@@ -137,6 +139,22 @@ def tie(
         _check(tree, out, new)
     if atol is not None:
         _check_values(tree, out, new, atol)
+    return out
+
+
+def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
+    """Each ref that names a node of ``tree`` from its root, written so that it names it.
+
+    Targets are paths from the root, and so are the refs beside them: a ref is written
+    with :func:`~sharetree._resolve.ref_to`, which keeps it as it is unless a subtree
+    holding the target has the same path (refs are looked up from there first). A ref
+    the root lacks is kept as written (a scoped ref, e.g. inside a train state).
+    """
+    nodes = node_paths(p for p, _ in leaves_with_paths(tree, is_leaf=is_tied))
+    out = {}
+    for target, t in new.items():
+        ref = ref_to(t.ref, target, nodes) if t.ref in nodes else t.ref
+        out[target] = t if ref == t.ref else Tied(ref, t.transform)
     return out
 
 

@@ -121,3 +121,19 @@ def test_tie_atol_on_shape_structs_says_there_are_no_values():
     assert st.tie(tree, {"b": st.Tied("a", st.T)})["b"] == st.Tied("a", st.T)  # shapes suffice
     with pytest.raises(st.TieError, match=r"tie 'a' with atol: .*a jax\.ShapeDtypeStruct"):
         st.tie(tree, {"b": st.Tied("a", st.T)}, atol=0.0)
+
+
+def test_refs_are_paths_from_the_root_like_the_targets():
+    # targets are paths from the root, and so are refs: written so that they name that
+    # path even where a subtree holding the tie has the same key (refs are looked up from
+    # there first); before, Tied('w') at 'sub/v' silently read 'sub/w'
+    w, sw, sv = np.ones(2, np.float32), np.zeros(2, np.float32), np.full(2, 3.0, np.float32)
+    tree = {"w": w, "sub": {"w": sw, "v": sv, "x": {"v": sv}}}
+    out = st.tie(tree, {"sub/x/v": "sub/w"})  # ref from the root; 'sub/x' has no 'sub'
+    np.testing.assert_array_equal(st.materialize(out)["sub"]["x"]["v"], sw)
+    with pytest.raises(st.TieError, match=r"cannot tie 'sub/v' to 'w'.*'sub/w' is found there"):
+        st.tie(tree, {"sub/v": "w"})  # every spelling of 'w' is shadowed by 'sub/w'
+    # a ref the root lacks is kept as written: scoped, found in the enclosing 'sub'
+    scoped = st.tie({"sub": {"enc": w, "dec": sw}}, {"sub/dec": "enc"})
+    assert scoped["sub"]["dec"] == st.Tied("enc")
+    np.testing.assert_array_equal(st.materialize(scoped)["sub"]["dec"], w)
