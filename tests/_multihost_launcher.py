@@ -58,6 +58,17 @@ class Job:
         )
 
 
+def deadline(seconds: float) -> float:
+    """``seconds`` as on an idle 4-core machine, scaled to this one's cores and load.
+
+    A job of 2 processes x 4 simulated devices shares the cores with whatever else
+    runs (pytest-xdist workers, other jobs): fewer cores or a higher load average give
+    it proportionally longer, so a deadline stops a hang, never a slow machine.
+    """
+    cores = os.cpu_count() or 1
+    return seconds * max(1.0, 4 / cores) * max(1.0, os.getloadavg()[0] / cores)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -44,13 +44,15 @@ class Run:
         self.work = work
         self.seconds: dict[str, float] = {}
         write_load_checkpoints(work)
-        self.train = launcher.launch(["train", str(work)], timeout=120)
+        self.train = launcher.launch(["train", str(work)], timeout=launcher.deadline(120))
         assert self.train.ok, self.train.report()
         self.seconds["train"] = self.train.seconds
-        self.resume = launcher.launch(["resume", str(work), "--kill-during-save"], timeout=120)
+        self.resume = launcher.launch(
+            ["resume", str(work), "--kill-during-save"], timeout=launcher.deadline(120)
+        )
         self.seconds["resume"] = self.resume.seconds
         start = time.monotonic()
-        single = launcher.run_single(["single", str(work)], timeout=120)
+        single = launcher.run_single(["single", str(work)], timeout=launcher.deadline(120))
         assert single.returncode == 0, single.stderr[-4000:]
         self.seconds["single"] = time.monotonic() - start
 
