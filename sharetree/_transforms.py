@@ -1,22 +1,9 @@
 """Transforms: hashable, value-equal, picklable functions from a buffer to a view.
 
-A transform is what a :class:`~sharetree.Tied` applies to the value it refers
-to. Two transforms built the same way are equal and hash alike
-(``st.T == st.transpose()``), so as static pytree aux data equal structures
-never retrace under ``jit``. ``a >> b`` applies ``a`` first, then ``b``. Each
-transform is one frozen dataclass registered under its spec name; everything
-the rest of the package asks of a transform is a method of :class:`Transform`,
-so a transform defined outside the package is as good as a built-in one::
-
-    @dataclasses.dataclass(frozen=True)
-    class Flip(st.Transform, name="flip"):
-        axis: int = 0
-
-        def __call__(self, x):
-            return jnp.flip(x, self.axis)
-
-        def state_view(self):  # optimizer moments move like the values
-            return self
+Each transform is a frozen dataclass registered under its spec name; ``a >> b``
+applies ``a``, then ``b``. Equal transforms hash alike, so as static aux data
+equal structures never retrace under ``jit``. docs/ties_and_transforms.md
+describes each transform and how to write your own.
 """
 
 from __future__ import annotations
@@ -86,32 +73,9 @@ def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
 class Transform:
     """Base class of every transform: a frozen dataclass registered by ``name=``.
 
-    The package asks a transform only through these methods; a subclass
-    defines ``__call__`` and overrides the others where it knows better than
-    the default:
-
-    - ``__call__(x)``: the view of the buffer ``x`` (pure JAX).
-    - :meth:`abstract`: shape and dtype of the view (default: ``jax.eval_shape``).
-    - :meth:`spec` / :meth:`from_spec`: JSON from the dataclass fields and back
-      (default: each field by name; tuples as lists, complex numbers as
-      ``[real, imag]``, transforms as specs, read back by the field's
-      annotation: annotate a complex field ``complex`` and a transform field
-      ``Transform``; ``from_spec`` calls the class, so the values are checked
-      where the class checks them, in ``__post_init__``).
-    - :meth:`fold`: one transform equal to ``self >> after`` (default: none).
-    - :meth:`state_view`: how a per-element optimizer state moves through the
-      view, for :func:`~sharetree.untie_state` (default: unknown).
-    - :meth:`axis_names`: the names of the view's axes from the buffer's, for
-      Flax partition boxes (default: unknown).
-    - :meth:`inverse`: a transform that undoes it, for checkpoints that store
-      only the view (default: none).
-    - :meth:`numpy`: the view computed with NumPy, for
-      :func:`~sharetree.find_ties` (default: computed with JAX).
-    - :meth:`traceable`: whether views may be computed together in one
-      compiled call (default: yes).
-
-    A chain (``a >> b``) answers each of them part by part. Every transform
-    raises a :class:`~sharetree.TieError` for a buffer it cannot view.
+    A subclass defines ``__call__`` (pure JAX) and overrides the other methods
+    where it knows better than their defaults; a chain answers each of them part
+    by part. docs/ties_and_transforms.md ("Your own transforms") lists them.
 
     Example:
         >>> import dataclasses, jax.numpy as jnp, numpy as np, sharetree as st
@@ -158,10 +122,7 @@ class Transform:
         return jax.eval_shape(self, aval)
 
     def spec(self) -> dict[str, Any]:
-        """A JSON-able description, the inverse of :func:`transform_from_spec`.
-
-        ``"name"`` and each dataclass field by its name; tuples written as
-        lists, complex numbers as ``[real, imag]``, transforms as specs.
+        """A JSON-able dict of ``"name"`` and each field, read back by :func:`transform_from_spec`.
 
         Example:
             >>> import sharetree as st
@@ -174,36 +135,20 @@ class Transform:
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         """Rebuild the transform from its spec, whose fields are all present (checked before).
 
-        By default the class is called with each field read back as its
-        annotation says, the inverse of the default :meth:`spec`: a field
-        annotated ``complex`` reads ``[real, imag]`` as a complex number, one
-        annotated ``Transform`` (or a subclass) reads a spec as a transform,
-        ``tuple[X, ...]`` and ``X | None`` read their parts so; every other
-        field reads JSON with its lists as tuples. (So annotate such fields:
-        a complex or a transform in a field annotated ``Any`` comes back as
-        its JSON.) Whatever the class raises becomes a :class:`TieError`
-        naming the spec. ``resolve`` turns a function name into a function;
-        only ``fn`` uses it.
+        By default each field is read back as its annotation says (``complex``,
+        ``Transform``, ``tuple[X, ...]``, ``X | None``; other lists as tuples) and the
+        class is called; what it raises becomes a :class:`TieError` naming the spec.
+        ``resolve`` turns an ``fn`` spec's function name into the function.
         """
         kinds = _field_types(cls)
         return _construct(cls, spec, {f: _read(spec[f], kinds[f], resolve) for f in kinds})
 
     def fold(self, after: Transform) -> Transform | None:
-        """One transform equal to ``self >> after``, or ``None`` when they do not fold.
-
-        :func:`chain` calls it on neighbours only, so a normalised chain never
-        has two neighbours that fold.
-        """
+        """One transform equal to ``self >> after``, or ``None`` when they do not fold."""
         return None
 
     def state_view(self) -> Transform | None:
-        """The transform that takes a per-element state of the buffer to the view's, or ``None``.
-
-        A per-element optimizer state (Adam's ``mu`` and ``nu``) of a view
-        that only moves or selects elements is that transform of the buffer's
-        state; through ``scale(c)`` a first and a second moment would change
-        differently, so ``None`` (unknown) is the default and
-        :func:`~sharetree.untie_state` refuses such views.
+        """The transform of a per-element optimizer state (Adam's moments), or ``None``: unknown.
 
         Example:
             >>> import sharetree as st
@@ -213,10 +158,7 @@ class Transform:
         return None
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
-        """The names of the view's axes, for a buffer ``aval`` whose axes have ``names``.
-
-        ``None`` when the axes of the view are not axes of the buffer (the
-        default): a reshape that changes the shape, an ``fn``.
+        """The names of the view's axes from the buffer's, or ``None`` when they are not its axes.
 
         Example:
             >>> import jax, sharetree as st
@@ -248,11 +190,7 @@ class Transform:
         return np.asarray(self(x))
 
     def traceable(self) -> bool:
-        """Whether the view may be computed inside one compiled call with others.
-
-        ``False`` for ``fn``, whose function may not trace (eager
-        ``materialize`` then calls it on its own).
-        """
+        """Whether the view may be computed in one compiled call with others (``fn``: no)."""
         return True
 
 
@@ -274,11 +212,7 @@ def _doc(cls: type[Transform], field: str) -> str:
 
 
 def _tuples(v: Any, depth: int = 4) -> Any:
-    """A JSON value with its lists as tuples (how dataclass fields hold sequences).
-
-    Only ``depth`` levels: a file's content never drives a deep recursion (deeper
-    lists stay lists, which no transform field accepts, as they are unhashable).
-    """
+    """A JSON value with its lists as tuples, ``depth`` levels deep (files never recurse deeper)."""
     if isinstance(v, list) and depth:
         return tuple(_tuples(x, depth - 1) for x in v)
     return v
@@ -348,17 +282,13 @@ def _construct(cls: type[Transform], spec: Mapping[str, Any], values: dict[str, 
     try:
         return cls(**values)
     except Exception as e:  # the class's own checks, e.g. in __post_init__
-        fields = _fields(cls)
-        what = (
-            f"field {fields[0]!r} of {cls.spec_name!r} should be {_doc(cls, fields[0])}, found "
-            f"{type(spec[fields[0]]).__name__} {_show.repr(spec[fields[0]])}"
-            if len(fields) == 1
-            else f"the fields of {cls.spec_name!r} do not build a transform"
-        )
         why = str(e) if isinstance(e, TieError) else f"{type(e).__name__}: {e}"
-        why = why if len(why) <= 200 else why[:197] + "..."
+        why = f" ({why if len(why) <= 200 else why[:197] + '...'})"
+        if len(fields := _fields(cls)) == 1:
+            raise _bad_field(cls, spec, fields[0], spec[fields[0]], why) from None
         raise TieError(
-            f"transform spec {_show.repr(spec)}: {what} ({why}). Fix: {_SPEC_FIX}"
+            f"transform spec {_show.repr(spec)}: the fields of {cls.spec_name!r} do not build a "
+            f"transform{why}. Fix: {_SPEC_FIX}"
         ) from None
 
 
@@ -647,9 +577,8 @@ class _Scale(Transform, name="scale"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        c = spec["c"]  # a complex number is written as [real, imag]
-        pair = isinstance(c, list) and len(c) == 2 and all(map(_is_real, c))
-        return _construct(cls, spec, {"c": complex(*c) if pair else c})
+        c = _read_as(spec["c"], complex, resolve)  # [real, imag]; else as found, for the error
+        return _construct(cls, spec, {"c": spec["c"] if c is _NOT_READ else c})
 
     def fold(self, after: Transform) -> Transform | None:
         if not isinstance(after, _Scale):
@@ -715,7 +644,7 @@ class _Fn(Transform, name="fn"):
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         if not _is_function_name(name := spec["function"]):
-            raise _bad_field(spec, "function", name)
+            raise _bad_field(cls, spec, "function", name)
         return _Fn(resolve(name))  # resolve checked it
 
     def traceable(self) -> bool:
@@ -873,10 +802,10 @@ class _Chain(Transform, name="chain"):
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         if not isinstance(parts := spec["parts"], (list, tuple)):
-            raise _bad_field(spec, "parts", parts)
+            raise _bad_field(cls, spec, "parts", parts)
         for p in parts:
             if isinstance(p, Mapping) and p.get("name") == "chain":
-                raise _bad_field(spec, "parts", p)  # chains are flat: depth stays bounded
+                raise _bad_field(cls, spec, "parts", p)  # chains are flat: depth stays bounded
         return chain(*(_from_spec(p, resolve) for p in parts))
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -932,11 +861,6 @@ def _spec_text(spec: Mapping[str, Any]) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _describing(name: str) -> ArrayFn:
-    """The ``resolve`` of describing: an ``fn`` becomes a stand-in, never called."""
-    return _Unresolved(name)
-
-
 def is_described(t: Transform) -> bool:
     """Whether ``t`` (a chain part by part) holds a stand-in that describes without computing."""
     return any(
@@ -946,12 +870,8 @@ def is_described(t: Transform) -> bool:
 
 
 def describe_transform(spec: object) -> Transform:
-    """A transform standing for ``spec`` without resolving, importing or calling anything.
-
-    An ``fn`` is shown by its stored name, a transform whose class is not
-    registered in this process by its spec as it is; neither is ever called.
-    """
-    return _from_spec(spec, _describing)
+    """A transform for ``spec``; an ``fn`` or an unregistered class is a stand-in, never called."""
+    return _from_spec(spec, _Unresolved)  # an fn's function becomes a stand-in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -987,15 +907,6 @@ def _args(values: Sequence[Any]) -> tuple[Any, ...]:
 def transpose(*axes: int | Sequence[int]) -> Transform:
     """Permute axes like ``jnp.transpose(x, axes)``; no axes reverses them (``T``).
 
-    ``axes`` must be a permutation of ``0 .. n-1`` (negative axes count from
-    the end and are stored as their positive equivalents, so spellings of the
-    same permutation are equal); the view of a buffer with another number of
-    dimensions is an error when it is computed. An explicit identity
-    permutation such as ``transpose(0, 1, 2)`` is kept as written (a rank check)
-    until it folds with a neighbour. Two transposes in a row compose into one,
-    and vanish when they cancel (see :func:`chain`). Axes that are not
-    integers are a :class:`~sharetree.TieTypeError`.
-
     Example:
         >>> import sharetree as st
         >>> st.transpose() == st.T, st.transpose(0, 2, 1), st.transpose(-1, 0)
@@ -1008,29 +919,16 @@ def transpose(*axes: int | Sequence[int]) -> Transform:
 def reshape(*shape: int | Sequence[int]) -> Transform:
     """Reshape like ``jnp.reshape(x, shape)``: sizes ``>= 0``, at most one ``-1``.
 
-    The view of a buffer whose size does not fit ``shape`` is an error when it
-    is computed. Two reshapes in a row are the second one (with its ``-1``
-    filled in when the first fixes the size).
-
     Example:
         >>> import numpy as np, sharetree as st
-        >>> st.reshape(4, 6)(np.zeros(24)).shape
-        (4, 6)
-        >>> st.reshape(24) >> st.reshape(2, -1)
-        reshape(2, 12)
+        >>> st.reshape(4, -1)(np.zeros(24)).shape, st.reshape(24) >> st.reshape(2, -1)
+        ((4, 6), reshape(2, 12))
     """
     return _Reshape(_args(shape))
 
 
 def astype(dtype: DTypeLike) -> Transform:
-    """Cast to ``dtype`` (e.g. a ``bfloat16`` compute view of a ``float32`` master buffer).
-
-    ``dtype`` is a boolean or numeric dtype given as a ``np.dtype``, a scalar
-    type (``jnp.bfloat16``, ``np.float32``, ``float``) or its name
-    (``"float16"``); anything else, ``None`` included, is a :class:`TieError`.
-    Gradients flow back to the buffer in the buffer's own dtype. A cast is
-    never composed with a different cast: ``astype(f16) >> astype(f32)``
-    rounds to float16 and stays two steps.
+    """Cast to ``dtype``, a boolean or numeric dtype (a ``bfloat16`` view of a ``float32`` buffer).
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st
@@ -1043,43 +941,16 @@ def astype(dtype: DTypeLike) -> Transform:
 def scale(c: complex | np.number[Any]) -> Transform:
     """Multiply by the constant ``c``, a finite real or complex number.
 
-    ``c`` is a Python or NumPy number other than ``bool``; ``nan``, ``inf`` and
-    values too large for a float are a :class:`TieError` (``nan`` is not equal
-    to itself, so equal trees would get unequal structures). Integers become
-    floats (``scale(2) == scale(2.0)``), ``-0.0`` becomes ``0.0``; a complex
-    ``c`` stays complex (``scale(2+0j) != scale(2.0)``) and round-trips
-    through its spec as ``[real, imag]``.
-
-    The dtype of the view follows JAX's promotion of an array times a Python
-    scalar: a real ``c`` keeps a floating or complex buffer's dtype (as JAX
-    computes it: float64 is float32 while x64 is off) and turns an integer or
-    boolean buffer into the default float dtype; a complex ``c`` makes the
-    view complex (complex64 for float32, float16 or bfloat16 buffers). Two
-    scales in a row are one, ``scale(a) >> scale(b) == scale(a * b)``, unless
-    the product overflows.
-
     Example:
         >>> import jax.numpy as jnp, sharetree as st
-        >>> float(st.scale(0.5)(4.0))
-        2.0
-        >>> st.scale(0.5)(jnp.ones(2, jnp.float16)).dtype, st.scale(0.5)(jnp.ones(2, int)).dtype
-        (dtype('float16'), dtype('float32'))
-        >>> st.scale(1j)(jnp.ones(2, jnp.bfloat16)).dtype
-        dtype('complex64')
-        >>> st.scale(2.0) >> st.scale(3.0)
-        scale(6.0)
+        >>> st.scale(0.5)(jnp.ones(2, jnp.float16)).dtype, st.scale(2.0) >> st.scale(3.0)
+        (dtype('float16'), scale(6.0))
     """
     return _Scale(c)
 
 
 def fn(f: ArrayFn) -> Transform:
-    """Wrap a user function (array -> array, pure JAX) as a transform.
-
-    ``f`` is called with a ``jax.Array``. It must be hashable; two ``fn``
-    transforms are equal when their functions are. ``fn`` transforms are
-    never composed with their neighbours. Use module-level functions (not
-    lambdas) so that the transform is picklable and can be saved; loading it
-    back needs the function passed in (see :func:`transform_from_spec`).
+    """Wrap a hashable user function (array -> array, pure JAX) as a transform.
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st
@@ -1090,26 +961,13 @@ def fn(f: ArrayFn) -> Transform:
 
 
 def slice(start: int, stop: int | None = None, axis: int = 0) -> Transform:
-    """The entries ``start:stop`` of one axis (``x[start:stop]`` for ``axis=0``).
-
-    Python's semantics: negative indices count from the end, ``stop=None``
-    runs to the end; but a view never clips: a range that is empty, or
-    reaches outside the buffer, or an axis the buffer lacks, is a
-    :class:`TieError` naming the view, the buffer's shape and the fix when
-    the view is resolved (``st.tie``, ``materialize``). An empty or reversed
-    range is refused already when built, and so are arguments that are not
-    integers (a :class:`~sharetree.TieTypeError`). The gradient of the view
-    lands in its part of the buffer only; optimizer moments and partition
-    names move through it unchanged.
+    """The entries ``start:stop`` of one axis (``x[start:stop]`` for ``axis=0``), never clipped.
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> embed = np.arange(12.0).reshape(6, 2)  # 4 tokens, padded to 6 rows
         >>> head = st.slice(0, 4) >> st.T
-        >>> head, head(embed).shape
+        >>> head, head(np.zeros((6, 2))).shape
         (slice(0, 4) >> T, (2, 4))
-        >>> st.slice(-2, None, axis=1)(np.zeros((2, 5))).shape
-        (2, 2)
     """
     return _Slice(start, stop, axis)
 
@@ -1117,16 +975,9 @@ def slice(start: int, stop: int | None = None, axis: int = 0) -> Transform:
 def index(i: int, axis: int = 0) -> Transform:
     """Entry ``i`` of one axis, which the view drops (``x[i]`` for ``axis=0``).
 
-    For layer ``i`` of a scanned stack: ``Tied("stack", st.index(3))`` maps
-    over the stack's arrays. Negative ``i`` counts from the end; an entry
-    outside the buffer or a missing axis is a :class:`TieError` when the view
-    is resolved, arguments that are not integers a
-    :class:`~sharetree.TieTypeError` when built. Partition names lose the
-    indexed axis's name.
-
     Example:
         >>> import numpy as np, sharetree as st
-        >>> stack = np.arange(24.0).reshape(4, 3, 2)
+        >>> stack = np.zeros((4, 3, 2))
         >>> st.index(-1)(stack).shape, st.index(1, axis=2)(stack).shape
         ((3, 2), (4, 3))
     """
@@ -1136,30 +987,8 @@ def index(i: int, axis: int = 0) -> Transform:
 def chain(*parts: Transform) -> Transform:
     """Compose transforms left to right (``chain(a, b)`` is ``a >> b``) into a normal form.
 
-    Neighbours that are one transform are folded: two transposes are one
-    (nothing when they cancel; ``T >> T`` is ``identity``), two reshapes are
-    the second, two scales are their product, the same cast twice is one.
-    Identities vanish, nested chains are flattened and a chain of one part is
-    that part. Nothing folds across a different cast (``astype(f16) >>
-    astype(f32)`` loses precision on purpose) or an ``fn``. The result never
-    has more parts than the input, and computes the same view as applying the
-    parts one by one wherever that succeeds (scales up to the rounding of
-    their product).
-
-    Building left to right in any way (``a >> b >> c``, ``chain(a, b, c)``,
-    one part at a time) gives one normal form, and so do other groupings
-    (``a >> (b >> c)``) with one exception: a fold drops the rank check of the
-    transposes it cancels (``transpose(1, 0, 2) >> transpose(1, 0, 2)`` is
-    ``identity`` for buffers of any rank), so where ``T`` meets explicit axes
-    or an explicit identity permutation, two groupings can keep different
-    rank checks (``T`` or ``transpose(1, 0)``) for the same view. Appending to
-    a normal form only looks at its end, so building a chain one part at a
-    time takes linear time.
-
     Example:
         >>> import sharetree as st
-        >>> st.chain(st.identity, st.T, st.identity) == st.T
-        True
         >>> st.T >> st.T >> st.scale(2.0) >> st.identity >> st.scale(3.0)
         scale(6.0)
         >>> st.transpose(1, 0, 2) >> st.T
@@ -1179,14 +1008,7 @@ def chain(*parts: Transform) -> Transform:
 
 
 def parts_of(t: Transform) -> tuple[Transform, ...]:
-    """The transforms a chain applies, in order; ``(t,)`` for a transform that is not a chain.
-
-    Example:
-        >>> import sharetree as st
-        >>> from sharetree._transforms import parts_of
-        >>> parts_of(st.T >> st.reshape(6)), parts_of(st.T)
-        ((T, reshape(6)), (T,))
-    """
+    """The transforms a chain applies, in order; ``(t,)`` for a transform that is not a chain."""
     return t.parts if isinstance(t, _Chain) else (t,)
 
 
@@ -1284,11 +1106,14 @@ def _is_function_name(name: Any) -> bool:
     return bool(sep) and all(p.isidentifier() for p in (*module.split("."), *qualname.split(".")))
 
 
-def _bad_field(spec: Mapping[str, Any], field: str, found: Any) -> TieError:
-    cls = _REGISTRY[spec["name"]]
+def _bad_field(
+    cls: type[Transform], spec: Mapping[str, Any], field: str, found: Any, why: str = ""
+) -> TieError:
+    """The TieError for a spec whose ``field`` holds ``found``; ``why`` is what the class said."""
     return TieError(
         f"transform spec {_show.repr(spec)}: field {field!r} of {cls.spec_name!r} should be "
-        f"{_doc(cls, field)}, found {type(found).__name__} {_show.repr(found)}. Fix: {_SPEC_FIX}"
+        f"{_doc(cls, field)}, found {type(found).__name__} {_show.repr(found)}{why}. "
+        f"Fix: {_SPEC_FIX}"
     )
 
 
@@ -1306,7 +1131,7 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
         )
     name = spec["name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
-    if cls is None and isinstance(name, str) and resolve is _describing:
+    if cls is None and isinstance(name, str) and resolve is _Unresolved:
         return _Unregistered(_spec_text(spec))
     if cls is None:
         own = (
@@ -1348,25 +1173,17 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
 def transform_from_spec(
     spec: object, *, functions: Mapping[str, ArrayFn] | None = None
 ) -> Transform:
-    """Rebuild a transform from :meth:`Transform.spec` output, without running any code.
+    """Rebuild a transform from :meth:`Transform.spec` output; a bad spec is a :class:`TieError`.
 
-    Nothing named in ``spec`` is imported or called: an ``fn`` spec names its
-    function as ``"module:qualname"`` and is restored only from ``functions``,
-    a mapping from those names to the functions themselves. Every bad spec is
-    a :class:`TieError`: an unknown name lists the known ones, a bad field of a
-    known transform names the field, and a function missing from
-    ``functions`` names the function and how to pass it.
+    Nothing named in ``spec`` is imported or called.
 
     Args:
         spec: a dict as written by :meth:`Transform.spec` (e.g. read from a file).
-        functions: ``{"module:qualname": function}`` for the ``fn`` transforms in
-            ``spec``; other names in it are ignored.
+        functions: ``{"module:qualname": function}``, the only source of the
+            functions of ``fn`` transforms in ``spec``; other names are ignored.
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st
-        >>> t = st.T >> st.reshape(6)
-        >>> st.transform_from_spec(t.spec()) == t
-        True
         >>> spec = st.fn(jnp.flipud).spec()
         >>> st.transform_from_spec(spec, functions={spec["function"]: jnp.flipud})
         fn(flipud)
@@ -1399,18 +1216,11 @@ def transform_from_spec(
 
 
 def describe_spec(spec: object) -> str:
-    """Render a transform spec as text without resolving, importing or calling anything.
-
-    The text is the transform's ``repr`` (in normal form), with an ``fn``
-    shown by the name its spec stores: ``fn(mylib.ops:softcap)``. A malformed
-    spec is a :class:`TieError`, as in :func:`transform_from_spec`.
+    """The ``repr`` of the transform ``spec`` describes, an ``fn`` by its stored name; runs nothing.
 
     Example:
-        >>> import sharetree as st
         >>> from sharetree._transforms import describe_spec
         >>> describe_spec({"name": "fn", "function": "mylib.ops:softcap"})
         'fn(mylib.ops:softcap)'
-        >>> describe_spec((st.T >> st.scale(2.0)).spec())
-        'T >> scale(2.0)'
     """
     return repr(describe_transform(spec))
