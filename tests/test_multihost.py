@@ -220,6 +220,40 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_in_bounded_time(tmp_pa
     assert f"could not reach the JAX coordinator at {address} within 3 s" in proc.stderr
 
 
+def _worker_module():
+    import importlib
+
+    if str(launcher.ROOT) not in sys.path:
+        sys.path.insert(0, str(launcher.ROOT))  # the worker imports benchmarks.memory
+    return importlib.import_module("_multihost_worker")
+
+
+def test_the_held_save_fails_loudly_when_orbax_internals_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the kill-during-save case never falls back to killing at an unknown moment
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.checkpointers import async_checkpointer as ac
+
+    worker = _worker_module()
+    name = "_background_wait_for_commit_futures"
+    monkeypatch.setattr(ocp.CheckpointManager, "save", ocp.CheckpointManager.save)
+    monkeypatch.setattr(ac, name, getattr(ac, name))  # restored after the test
+    monkeypatch.delattr(ac, name)
+    with pytest.raises(worker.OrbaxInternalsMoved, match="internals moved"):
+        worker.hold_save_in_flight(str(tmp_path), 1, timeout=1.0)
+    monkeypatch.undo()
+    # the hook is installed but never reached (one process: Orbax calls no barrier)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", ocp.CheckpointManager.save)
+    monkeypatch.setattr(ac, name, getattr(ac, name))
+    worker.hold_save_in_flight(str(tmp_path), 1, timeout=1.0)
+    ckpt = ocp.CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(worker.OrbaxInternalsMoved, match="never called"):
+        ckpt.save(1, args=ocp.args.StandardSave({"x": np.zeros(3, np.float32)}))
+    ckpt.wait_until_finished()
+    ckpt.close()
+
+
 def test_the_docs_recipe_is_the_worker_that_runs_here() -> None:
     import re
 
