@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 
@@ -48,6 +49,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--init-timeout", type=int, default=30, help="seconds to reach the coordinator")
     p.add_argument("--kill-during-save", action="store_true")
+    p.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for the held save to reach its hold point (--kill-during-save)",
+    )
     return p.parse_args(argv)
 
 
@@ -458,8 +465,83 @@ def read_after_save(args: argparse.Namespace) -> None:
         json.dump(facts, fh)
 
 
+class OrbaxInternalsMoved(RuntimeError):
+    """The Orbax function the kill-during-save case holds is gone or changed."""
+
+
+def hold_save_in_flight(outdir: str, step: int, timeout: float) -> None:
+    """Make the kill during the save of ``step`` deterministic (process 1, ``--kill-during-save``).
+
+    Orbax's background save thread (``async_checkpointer._background_wait_for_commit_futures``,
+    the same in orbax-checkpoint 0.11.17 and 0.12) waits for this process's writes,
+    then calls ``sync_fn`` for the ``async_write_complete`` barrier that every
+    process must reach before the primary host commits the save (renames the
+    temporary directory). Here that first ``sync_fn`` call never returns: the save
+    is held mid-flight, its temporary directory written and not committed, and it
+    cannot commit without this process. ``CheckpointManager.save(step)`` then
+    returns only once the thread is held there and the temporary directory is seen
+    (recorded in ``OUTDIR/save_in_flight_1.json``), so the ``os.kill`` right after
+    ``save`` in :func:`resume` always lands during the write. Anything else (the
+    function gone, no ``sync_fn``, another barrier first, the hold not reached
+    within ``timeout`` s, no temporary directory) raises: never the racy path.
+    """
+    from orbax.checkpoint._src.checkpointers import async_checkpointer as ac
+
+    name = "_background_wait_for_commit_futures"
+    background = getattr(ac, name, None)
+    if background is None or "sync_fn" not in inspect.signature(background).parameters:
+        raise OrbaxInternalsMoved(
+            f"orbax-checkpoint {ocp.__version__}: {ac.__name__}.{name}(..., sync_fn=...) is "
+            "gone, so the kill-during-save case cannot hold the save in flight. Orbax's "
+            "internals moved: find the function its background save thread runs and the "
+            "barrier before the commit, and hold that in hold_save_in_flight."
+        )
+    reached = threading.Event()
+    seen: dict[str, str] = {}
+
+    def held_background(*args, **kwargs):
+        def hold(key, *rest, **kw):
+            seen["key"] = str(key)
+            reached.set()
+            if "async_write_complete" in str(key):
+                threading.Event().wait()  # held here until the process is killed
+            raise OrbaxInternalsMoved(f"the first barrier after the writes is {key!r}")
+
+        return background(*args, **{**kwargs, "sync_fn": hold})
+
+    ac._background_wait_for_commit_futures = held_background
+    save = ocp.CheckpointManager.save
+    ckpt = os.path.join(outdir, "ckpt")
+
+    def save_then_wait_for_the_hold(self, save_step, *args, **kwargs):
+        result = save(self, save_step, *args, **kwargs)
+        if save_step != step:
+            return result
+        if not reached.wait(timeout):
+            raise OrbaxInternalsMoved(
+                f"orbax-checkpoint {ocp.__version__}: the background save never called "
+                f"{name}'s sync_fn within {timeout:g} s. Orbax's internals moved: the "
+                "kill-during-save case cannot hold the save in flight."
+            )
+        if "async_write_complete" not in seen["key"]:
+            raise OrbaxInternalsMoved(
+                f"orbax-checkpoint {ocp.__version__}: the first barrier after the writes "
+                f"is {seen['key']!r}, not async_write_complete. Orbax's internals moved."
+            )
+        entries = sorted(os.listdir(ckpt))
+        if str(step) in entries or not any(e.startswith(f"{step}.") for e in entries):
+            raise RuntimeError(f"the save of step {step} is not in flight: {ckpt} has {entries}")
+        with open(os.path.join(outdir, "save_in_flight_1.json"), "w") as fh:
+            json.dump({"held_at": seen["key"], "ckpt_entries": entries}, fh)
+        return result
+
+    ocp.CheckpointManager.save = save_then_wait_for_the_hold
+
+
 if __name__ == "__main__":
     initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id, ARGS.init_timeout)
+    if ARGS.mode == "resume" and ARGS.kill_during_save and ARGS.process_id == 1:
+        hold_save_in_flight(ARGS.outdir, STEPS, ARGS.hold_timeout)
     if ARGS.mode == "train" and os.path.isdir(os.path.join(ARGS.outdir, "load_hf")):
         facts = load_by_shard(ARGS.outdir)  # first, in a fresh process: st.load by shard
         with open(os.path.join(ARGS.outdir, f"load_{jax.process_index()}.json"), "w") as fh:

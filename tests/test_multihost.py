@@ -9,7 +9,9 @@ started when one fails. The module runs three jobs, once:
    :func:`write_load_checkpoints` wrote (``load_<i>.json``); then the tied LM
    trained on the global (2, 4) mesh, an Orbax save after 3 steps;
 2. ``resume``: a fresh pair restores that checkpoint and trains on; then it
-   starts another save and process 1 is killed during the write;
+   starts another save and process 1 is killed during the write (held first at
+   a known point of Orbax's background save: its share written, the temporary
+   directory there, before the barrier the commit needs; no timing involved);
 3. ``single``: one process with 8 devices: the same model, the same model
    tied by hand (``W`` and ``W.T``; a block called twice), and a restore of
    the latest checkpoint left by the interrupted save.
@@ -47,8 +49,10 @@ class Run:
         self.train = launcher.launch(["train", str(work)], timeout=launcher.deadline(120))
         assert self.train.ok, self.train.report()
         self.seconds["train"] = self.train.seconds
+        hold = f"{launcher.deadline(60):.0f}"  # the held save reaches its hold point by then
         self.resume = launcher.launch(
-            ["resume", str(work), "--kill-during-save"], timeout=launcher.deadline(120)
+            ["resume", str(work), "--kill-during-save", "--hold-timeout", hold],
+            timeout=launcher.deadline(120),
         )
         self.seconds["resume"] = self.resume.seconds
         start = time.monotonic()
@@ -186,8 +190,15 @@ def test_a_save_interrupted_by_a_killed_process_leaves_the_previous_checkpoint(r
     codes = [w.returncode for w in run.resume.workers]
     assert codes[1] == -9, run.resume.report()  # killed during the write
     assert codes[0] != 0  # the job lost a process: the launcher ended it
+    # checked when process 1 was killed: held before the barrier the commit needs, the
+    # temporary directory of step 6 there and no committed step 6
+    at_kill = json.loads((run.work / "save_in_flight_1.json").read_text())
+    assert "async_write_complete" in at_kill["held_at"]
+    assert "6" not in at_kill["ckpt_entries"]
+    assert [e for e in at_kill["ckpt_entries"] if e.startswith("6.orbax-checkpoint-tmp")], at_kill
     ckpt = run.work / "ckpt"
     assert [p.name for p in ckpt.iterdir() if p.name.startswith("6.")], "the save never started"
+    assert not (ckpt / "6").exists()
     single = run.json("single_0")
     assert single["ckpt_steps"] == [3]  # the interrupted step 6 is not a checkpoint
     assert single["ckpt_ties"] == run.json("train_0")["ties"]
@@ -207,6 +218,40 @@ def test_a_worker_that_cannot_reach_the_coordinator_fails_in_bounded_time(tmp_pa
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"could not reach the JAX coordinator at {address} within 3 s" in proc.stderr
+
+
+def _worker_module():
+    import importlib
+
+    if str(launcher.ROOT) not in sys.path:
+        sys.path.insert(0, str(launcher.ROOT))  # the worker imports benchmarks.memory
+    return importlib.import_module("_multihost_worker")
+
+
+def test_the_held_save_fails_loudly_when_orbax_internals_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the kill-during-save case never falls back to killing at an unknown moment
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.checkpointers import async_checkpointer as ac
+
+    worker = _worker_module()
+    name = "_background_wait_for_commit_futures"
+    monkeypatch.setattr(ocp.CheckpointManager, "save", ocp.CheckpointManager.save)
+    monkeypatch.setattr(ac, name, getattr(ac, name))  # restored after the test
+    monkeypatch.delattr(ac, name)
+    with pytest.raises(worker.OrbaxInternalsMoved, match="internals moved"):
+        worker.hold_save_in_flight(str(tmp_path), 1, timeout=1.0)
+    monkeypatch.undo()
+    # the hook is installed but never reached (one process: Orbax calls no barrier)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", ocp.CheckpointManager.save)
+    monkeypatch.setattr(ac, name, getattr(ac, name))
+    worker.hold_save_in_flight(str(tmp_path), 1, timeout=1.0)
+    ckpt = ocp.CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(worker.OrbaxInternalsMoved, match="never called"):
+        ckpt.save(1, args=ocp.args.StandardSave({"x": np.zeros(3, np.float32)}))
+    ckpt.wait_until_finished()
+    ckpt.close()
 
 
 def test_the_docs_recipe_is_the_worker_that_runs_here() -> None:
