@@ -223,8 +223,6 @@ class _Resolver:
             "from the innermost subtree that contains the tie and has them, out to the root)."
         )
 
-    # -- resolving, depth first with an explicit stack ---------------------
-
     def deps(self, at: Path) -> list[Path]:
         """The ``Tied`` positions whose resolution the ``Tied`` at ``at`` needs first."""
         path = self.target(at)[0]
