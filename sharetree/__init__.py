@@ -1,8 +1,4 @@
-"""sharetree: explicit parameter sharing (tied weights) in JAX pytrees.
-
-A tie is data: ``Tied(ref, transform)`` is a leafless pytree node placed where
-the shared value goes. See the README for a tour.
-"""
+"""sharetree: explicit parameter sharing (tied weights) in JAX pytrees (a tour: README.md)."""
 
 from sharetree._detect import find_ties, tie_identical
 from sharetree._display import MaterializedDisplay, summary, treescope_materialized

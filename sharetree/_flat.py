@@ -26,11 +26,6 @@ __all__ = ["destructure", "Restructure"]
 
 
 @functools.cache
-def _inexact(dtype: np.dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
-
-
-@functools.cache
 def _complex(dtype: np.dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
@@ -48,28 +43,19 @@ def _kind(x: Any, cpu: bool) -> int:
 
 
 class _Static:
-    """A non-parameter leaf kept by ``restructure``: arrays by identity, other values by value.
-
-    Nothing here reads an array's contents: an array leaf (NumPy, ``jax.Array``,
-    a PRNG key, a tracer) is the same static leaf only as the same object, so
-    comparing and hashing cost the same for 32 bytes as for 80 MB (and never
-    copy from a device). Hashable Python values (ints, strings, NumPy scalars)
-    compare by value.
-    """
+    """A non-parameter leaf kept by ``restructure``: arrays by identity, other values by value."""
 
     __slots__ = ("_key", "value")
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self._key: Any
-        if isinstance(value, (jax.Array, np.ndarray)):
-            self._key = ("id", id(value))  # ``value`` is held, so the id stays its own
-        else:
-            try:
+        self._key: Any = ("id", id(value))  # ``value`` is held, so the id stays its own
+        if not isinstance(value, (jax.Array, np.ndarray)):
+            try:  # faster than contextlib.suppress, and this runs per static leaf and call
                 hash(value)
                 self._key = ("value", type(value), value)
             except TypeError:
-                self._key = ("id", id(value))
+                pass
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Static) and self._key == other._key
@@ -81,30 +67,10 @@ class _Static:
 class Restructure:
     """Rebuild a tree from a flat vector of its unique parameters.
 
-    Returned by :func:`destructure`. Calling it gives the **materialized** tree
-    (every view computed); :meth:`canonical` gives the canonical tree (``Tied``
-    nodes kept). It is hashable and equal to any restructure of the same
-    structure, layout and static leaves (static arrays compared by identity,
-    see :func:`destructure`), so passing it to ``jit`` as a static argument does
-    not retrace. Each buffer comes back in its own dtype (``dtypes``),
-    whatever floating dtype the vector has (unlike ``ravel_pytree``'s unravel,
-    which keeps a one-dtype vector's dtype): a float64 vector from SciPy gives
-    the float32 tree it came from. A complex vector for a real tree is an error.
-
-    Splitting the vector is linear and its transpose is assembled by
-    concatenates, so the gradient is written in one pass over the unique
-    elements, and forward mode (``jvp``, ``jacfwd``, ``hessian``) and ``vmap``
-    work as for any JAX function. It is a pytree node with no leaves (like
-    ``Tied``): ``jax.tree.map`` over ``(flat, restructure)``, an optimizer
-    state of it or ``vmap`` over it leave it untouched, and passed to ``jit``
-    it is static.
-
-    Under ``jit`` with many buffers, a program lowered for CPU cuts the vector
-    at offsets XLA cannot fold into constants, so slices of equal size share one
-    kernel (benchmarks/README.md); values and gradients are those of a plain
-    split, which is what other platforms get (chosen per platform at lowering,
-    ``jax.lax.platform_dependent``, so an export for ``cuda`` from a CPU host
-    has no trace of it).
+    Returned by :func:`destructure`. Calling it gives the **materialized** tree,
+    :meth:`canonical` the canonical one (``Tied`` kept). Hashable (equal for the
+    same structure, layout and static leaves) and a pytree node with no leaves;
+    see the docs page "The flat path".
 
     Attributes:
         structure: the resolved sharing structure of the canonical tree.
@@ -176,7 +142,6 @@ class Restructure:
                 "use jax.vmap(restructure) for a batch."
             )
         if shape[0] != self.size:
-            # a Python float/complex leaf is static here but a traced array inside jit
             numbers = sum(type(s.value) in (float, complex) for _, s in self.statics)
             hint = (
                 f" (this tree has {numbers} Python float/complex leaf/leaves, kept static "
@@ -213,19 +178,15 @@ class Restructure:
             pieces = self._split(jnp.asarray(flat))
             for i, piece, shape, dtype in zip(self.slots, pieces, self.shapes, self.dtypes):
                 if _complex(piece.dtype) and not _complex(dtype):
-                    piece = jnp.real(piece)  # a real buffer in a complex vector
+                    piece = jnp.real(piece)
                 leaves[i] = piece.reshape(shape).astype(dtype)
         return leaves
 
     def _split(self, flat: jax.Array) -> list[jax.Array]:
         sizes = self.sizes
-        if (
-            isinstance(flat, jax.core.Tracer)
-            and len(sizes) >= _OPAQUE_MIN
-            and 0 < self.size < 2**31
-        ):
-            # XLA:CPU's trick, chosen when the program is lowered for a platform (an export
-            # for cuda or tpu from a CPU host gets the plain split)
+        opaque = len(sizes) >= _OPAQUE_MIN and 0 < self.size < 2**31
+        if opaque and isinstance(flat, jax.core.Tracer):
+            # chosen at lowering: an export for cuda or tpu from a CPU host gets the plain split
             return list(
                 jax.lax.platform_dependent(
                     flat,
@@ -237,10 +198,8 @@ class Restructure:
 
     def __call__(self, flat: Any) -> Any:
         """The materialized tree whose unique parameters are ``flat``."""
-        leaves = self._leaves(flat)
-        return jtu.tree_unflatten(
-            self.structure.expanded_treedef, expand_leaves(self.structure, leaves)
-        )
+        leaves = expand_leaves(self.structure, self._leaves(flat))
+        return jtu.tree_unflatten(self.structure.expanded_treedef, leaves)
 
     def canonical(self, flat: Any) -> Any:
         """The canonical tree (``Tied`` nodes kept) whose unique parameters are ``flat``."""
@@ -251,25 +210,16 @@ def _static_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
     return list(jax.lax.split(flat, sizes)) if len(sizes) > 1 else [flat]
 
 
-_OPAQUE_MIN = 8
-"""From this many buffers on, a traced vector is cut at opaque offsets (on CPU)."""
+_OPAQUE_MIN = 8  # from this many buffers on, a traced vector is cut at opaque offsets (on CPU)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _split_at(flat: jax.Array, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[jax.Array]:
-    """``lax.split`` at offsets XLA cannot fold back into constants.
-
-    The offsets come out of a ``cond`` whose two branches return them both, on
-    a predicate behind an optimization barrier: XLA cannot evaluate it at
-    compile time, so each slice takes its start from a buffer and slices of
-    equal size become one kernel. Only the slices read ``flat``, so the split
-    is linear in it (``jax.linear_transpose``) and ``vmap`` needs no rule of
-    its own.
-    """
+    """``lax.split`` at offsets XLA cannot fold (from a ``cond``): equal slices share a kernel."""
     pred = jax.lax.optimization_barrier(np.bool_(True))
     consts = tuple(np.int32(o) for o in offsets)
     starts = jax.lax.cond(pred, lambda: consts, lambda: consts)
-    # Offsets are never negative: no index wrapping (four fewer ops per buffer to trace).
+    # offsets are never negative: no index wrapping (four fewer ops per buffer)
     return [
         jax.lax.dynamic_slice(flat, (o,), (n,), allow_negative_indices=False)
         for o, n in zip(starts, sizes)
@@ -280,32 +230,18 @@ def _split_at(flat: jax.Array, offsets: tuple[int, ...], sizes: tuple[int, ...])
 def _split_at_jvp(
     offsets: tuple[int, ...], sizes: tuple[int, ...], primals: Any, tangents: Any
 ) -> Any:
-    # The tangent is a static split: linear, so reverse mode transposes it into
-    # concatenates (a dynamic_slice would transpose into a full-size pad per buffer).
+    # a static split transposes into concatenates (a dynamic_slice into a full-size pad)
     (flat,), (dflat,) = primals, tangents
     return _split_at(flat, offsets, sizes), _grouped_split(dflat, sizes)
 
 
-_GROUPED_MIN = 64
-"""From this many buffers on, the opaque-offset tangent splits in two levels."""
-
-_FUSED_GROUPS_MIN = 256
-"""From this many buffers on, the first level groups 8 buffers (see ``_grouped_split``)."""
-
-_FUSED_GROUP = 8
-"""XLA:CPU fuses a concatenate of up to 8 operands with their producers (9 are not)."""
+_GROUPED_MIN = 64  # from this many buffers on, the opaque-offset tangent splits in two levels
+_FUSED_GROUPS_MIN = 256  # from this many buffers on, the first level groups _FUSED_GROUP buffers
+_FUSED_GROUP = 8  # XLA:CPU fuses a concatenate of up to 8 operands with their producers
 
 
 def _grouped_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
-    """``lax.split`` in two levels behind an optimization barrier.
-
-    Its transpose assembles the gradient with one concatenate per group of
-    cotangents, then one of their results, instead of one n-operand concatenate
-    (the barrier keeps XLA from flattening them back into one). Groups hold
-    about sqrt(n) buffers up to 255 buffers, then ``_FUSED_GROUP``, which
-    shrinks the graph XLA:CPU schedules (benchmarks/README.md). The values are
-    those of one ``lax.split``.
-    """
+    """``lax.split`` in two levels behind a barrier: its transpose concatenates by groups."""
     n = len(sizes)
     if n < _GROUPED_MIN:
         return _static_split(flat, sizes)
@@ -318,49 +254,15 @@ def _grouped_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
 jtu.register_pytree_node(Restructure, lambda r: ((), r), lambda r, _: r)
 
 
-_ALIGN = 64
-"""Byte alignment of the host vector: XLA:CPU then adopts it without a copy."""
-
-
-def _aligned_empty(size: int, dtype: np.dtype) -> np.ndarray:
-    raw = np.empty(size * dtype.itemsize + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start : start + size * dtype.itemsize].view(dtype)
-
-
-def _concat(leaves: list[Any], dtype: np.dtype, on_host: bool, size: int) -> Any:
-    if not leaves:
-        return jnp.zeros((0,), dtype)
-    if not on_host:
-        return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
-    # Host arrays: one NumPy concatenate and one transfer beat thousands of dispatches.
-    # NumPy views of the leaves first (a CPU jax.Array gives one without a copy), then
-    # one copy into a 64-byte-aligned vector that device_put on CPU adopts without a
-    # second copy (it is private: nothing else holds or writes it).
-    out = _aligned_empty(size, dtype)
-    np.concatenate([np.asarray(x) for x in leaves], axis=None, out=out)
-    return jax.device_put(out)
-
-
-LAYOUT_CACHE_SIZE = 32
-"""How many structures keep their last layout (and its compiled concatenate); oldest out."""
-
+_ALIGN = 64  # byte alignment of the host vector: XLA:CPU then adopts it without a copy
+LAYOUT_CACHE_SIZE = 32  # how many structures keep their last layout (oldest out)
 _LAYOUTS: collections.OrderedDict[Structure, _Layout] = collections.OrderedDict()
-
-_JIT_CONCAT_MAX = 2048
-"""Above this many buffers, repeated calls keep the host concatenate (no compile)."""
+_JIT_CONCAT_MAX = 2048  # above this many buffers, repeated calls keep the host concatenate
 
 
 @dataclasses.dataclass
 class _Layout:
-    """How ``destructure`` flattened one tree; reused for the next tree that matches it.
-
-    The first call for a layout concatenates on the host (no compile); from the
-    second call on, buffers that are all ``jax.Array`` go through one jitted
-    concatenate compiled for this layout (one dispatch instead of a NumPy
-    conversion per buffer), up to ``_JIT_CONCAT_MAX`` buffers: XLA compiles a
-    concatenate in superlinear time in its operands.
-    """
+    """How ``destructure`` flattened a tree; reused (jitted from the 2nd call) if one matches."""
 
     types: tuple[type, ...]  # of every leaf
     config: tuple[str, bool]  # default backend, x64
@@ -379,7 +281,17 @@ class _Layout:
             self.jitted = jax.jit(functools.partial(_concat_traced, layout=self))
         if self.jitted is not None:
             return self.jitted(*buffers)
-        return _concat(buffers, re.flat_dtype, self.on_host, re.size)
+        if not buffers:
+            return jnp.zeros((0,), re.flat_dtype)
+        if not self.on_host:
+            return jnp.concatenate([jnp.ravel(x).astype(re.flat_dtype) for x in buffers])
+        # one NumPy concatenate into an aligned vector that device_put on CPU adopts without a copy
+        nbytes = re.size * re.flat_dtype.itemsize
+        raw = np.empty(nbytes + _ALIGN, np.uint8)
+        start = -raw.ctypes.data % _ALIGN
+        out = raw[start : start + nbytes].view(re.flat_dtype)
+        np.concatenate([np.asarray(x) for x in buffers], axis=None, out=out)
+        return jax.device_put(out)
 
 
 class _Mismatch(Exception):
@@ -387,7 +299,7 @@ class _Mismatch(Exception):
 
 
 def _concat_traced(*buffers: Any, layout: _Layout) -> Any:
-    # Runs only when jit traces, i.e. for a new signature: check it is this layout's.
+    # runs only when jit traces (a new signature): check it is this layout's
     if not _matches(layout, list(buffers)):
         raise _Mismatch
     dtype = layout.restructure.flat_dtype
@@ -428,7 +340,8 @@ def _new_layout(
         dtype = None
         if kind != _OTHER:
             if x.dtype not in canonical:
-                canonical[x.dtype] = canonical_dtype(x.dtype) if _inexact(x.dtype) else None
+                inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+                canonical[x.dtype] = canonical_dtype(x.dtype) if inexact else None
             dtype = canonical[x.dtype]
         if dtype is None:
             statics.append((i, _Static(x)))
@@ -446,12 +359,7 @@ _WARNED: set[Any] = set()
 
 
 def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) -> None:
-    """Warn once per leaf when only static leaves changed since the previous destructure.
-
-    ``Restructure`` compares static arrays by identity and other static leaves by
-    value, so a ``jit`` that takes it as an argument retraces whenever one changes
-    (a step counter: every step).
-    """
+    """Warn once per leaf when only static leaves changed since the previous destructure."""
     key = restructure._key[:4] + restructure._key[5:]  # all but the static values
     if previous._key[:4] + previous._key[5:] != key:
         return
@@ -479,74 +387,48 @@ def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) ->
 def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     """Flatten the unique inexact buffers of ``tree`` into one 1-D vector.
 
-    Every floating or complex array buffer, in flatten order, goes into ``flat``
-    in their promoted dtype (each view is computed from its buffer, never stored).
-    Dtypes are those JAX computes with: while x64 is off, float64 buffers come
-    back from ``restructure`` as float32, as from any JAX function.
-    Other leaves (integer arrays, Python numbers, strings, functions) stay static
-    inside ``restructure``. Inside ``jit`` a Python float argument is a traced
-    float array, so there it is a parameter: keep the destructure and the
-    vector on the same side of ``jit``.
-
-    Static leaves cost nothing per call: ``restructure`` holds each one as it is
-    (the same object, never a copy) and compares them without reading their
-    contents: arrays by identity, other values (ints, strings) by value. So a
-    ``restructure`` is equal to another only if their static arrays are the
-    same objects; a changed static leaf (a new step counter, an int array
-    rebuilt with the same values) gives an unequal ``restructure``, and a
-    ``jit`` that takes it as a static argument retraces; eager calls warn once
-    per leaf when only a static leaf changed. A NumPy static leaf mutated in
-    place is seen as it is now (nothing was copied). Under a transformation
-    (``jit``, ``vmap``...) a traced integer leaf stays in the ``restructure``
-    of that trace only: nothing traced is kept between calls.
-
-    Args:
-        tree: a canonical tree.
+    Every floating or complex buffer, in flatten order, goes into ``flat`` in
+    their promoted dtype (views are never stored). Other leaves (integer arrays,
+    Python numbers, strings) stay static inside ``restructure``, held as they
+    are; see the docs page "The flat path" for how they compare.
 
     Returns:
         ``(flat, restructure)``: ``restructure(flat)`` is the materialized tree
         with the original dtypes; ``restructure.canonical(flat)`` the canonical one.
 
     Example:
-        >>> import jax, jax.numpy as jnp, sharetree as st
+        >>> import jax.numpy as jnp, sharetree as st
         >>> tree = {"x": jnp.array([7.0, 7.0]), "y": jnp.array([3.0, 4.0]), "z": st.Tied("x")}
         >>> flat, re = st.destructure(tree)
         >>> flat
         Array([7., 7., 3., 4.], dtype=float32)
         >>> re(jnp.array([1.0, 10.0, 100.0, 1000.0]))["z"]
         Array([ 1., 10.], dtype=float32)
-        >>> loss = lambda v: 3 * re(v)["x"].sum() + 13 * re(v)["z"].sum()
-        >>> jax.grad(loss)(jnp.zeros(4))
-        Array([16., 16.,  0.,  0.], dtype=float32)
     """
     leaves, structure = leaves_and_structure(tree)
     types = tuple(map(type, leaves))
     config = (jax.default_backend(), bool(jax.config.read("jax_enable_x64")))
-    if any(issubclass(t, jax.core.Tracer) for t in types):
-        # Traced (under jit, grad, vmap...): nothing of it may outlive the trace, so no
-        # layout is kept or reused (a traced integer leaf would be a leaked tracer).
-        traced = _new_layout(leaves, structure, types, config)
-        return traced.concat([leaves[i] for i in traced.restructure.slots]), traced.restructure
-    # The layout depends only on the leaves' types, shapes, dtypes and static leaves
-    # (arrays by identity): the last one is kept per structure and checked against the next tree.
-    layout = _LAYOUTS.get(structure)
-    if layout is not None and layout.types == types and layout.config == config:
-        re = layout.restructure
+    # nothing traced may outlive the trace (a traced integer leaf would leak): no layout kept
+    traced = any(issubclass(t, jax.core.Tracer) for t in types)
+    # the last layout of this structure, if the leaves' types, shapes, dtypes and statics match
+    previous = None if traced else _LAYOUTS.get(structure)
+    if previous is not None and previous.types == types and previous.config == config:
+        re = previous.restructure
         buffers = [leaves[i] for i in re.slots]
         if all(_Static(leaves[i]) == static for i, static in re.statics):
-            if layout.jitted is not None:
+            if previous.jitted is not None:
                 try:  # a new signature traces again, which checks every shape and dtype
-                    return layout.concat(buffers), re
+                    return previous.concat(buffers), re
                 except _Mismatch:
                     pass
-            elif _matches(layout, buffers):
-                return layout.concat(buffers), re
-    previous = layout
+            elif _matches(previous, buffers):
+                return previous.concat(buffers), re
     layout = _new_layout(leaves, structure, types, config)
-    _LAYOUTS[structure] = layout
-    _LAYOUTS.move_to_end(structure)
-    if len(_LAYOUTS) > LAYOUT_CACHE_SIZE:
-        _LAYOUTS.popitem(last=False)
+    if not traced:
+        _LAYOUTS[structure] = layout
+        _LAYOUTS.move_to_end(structure)
+        if len(_LAYOUTS) > LAYOUT_CACHE_SIZE:
+            _LAYOUTS.popitem(last=False)
     if previous is not None and layout.restructure.statics:
         _warn_on_changed_statics(previous.restructure, layout.restructure)
     buffers = [leaves[i] for i in layout.restructure.slots]

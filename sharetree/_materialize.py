@@ -24,36 +24,22 @@ __all__ = [
     "leaves_and_structure",
     "leaf_aval",
     "transform_error",
-    "abstract_error",
     "check_view_value",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
 
 PyTree = Any
 
-_JIT_VIEWS_MIN = 16
-"""From this many views on, eager ``materialize`` computes them in one compiled call."""
-
-EAGER_PROGRAM_CACHE_SIZE = 32
-"""How many structures keep a compiled program for eager ``materialize`` (least recent out)."""
+_JIT_VIEWS_MIN = 16  # from this many views on, eager materialize computes them in one call
+EAGER_PROGRAM_CACHE_SIZE = 32  # how many structures keep that compiled call (least recent out)
 
 
 def materialize(tree: PyTree) -> PyTree:
     """Replace every ``Tied`` by its value: ``transform(value at ref)``.
 
-    Pure JAX: works under ``jit``, ``grad``, ``vmap`` and ``jvp``, and under
-    ``jax.grad(lambda t: loss(materialize(t)))`` the gradient of each buffer
-    accumulates over all of its uses. An identity view of an array is the very
-    same object as its buffer. A tree without ties is returned as it is.
-    Transforms apply to array and number leaves; other leaves (strings, None,
-    functions) of a tied subtree are shared as they are. The values (types and
-    dtypes included) never depend on how many views a tree has.
-
-    Args:
-        tree: a canonical tree.
-
-    Returns:
-        The materialized tree: same containers, every ``Tied`` replaced.
+    Pure JAX (``jit``, ``grad``, ``vmap``, ``jvp``): the gradient of a buffer
+    accumulates over all of its uses. An identity view of an array is its
+    buffer object itself; a tree without ties is returned as it is.
 
     Raises:
         TieError: for a bad graph (see :func:`canonicalize`) or a transform
@@ -87,7 +73,7 @@ def transform_error(
     tie, shown = structure.ties.get(where), format_aval(aval)
     if isinstance(err, TieError):
         why = str(err)
-    elif _is_sharding_error(err):
+    elif any(c.__name__ == "ShardingTypeError" for c in type(err).__mro__):  # private in JAX
         why = (
             f"{type(err).__name__}: {err}. The view needs a resharding JAX does not do on its "
             "own (an Explicit mesh axis): the transform is fine, the buffer's sharding is not. "
@@ -105,12 +91,7 @@ def transform_error(
 
 
 def check_view_value(out: Any, transform: Transform) -> Any:
-    """``out`` if it is one view value (an array, number or shape/dtype), else a :class:`TieError`.
-
-    A view is one leaf of the materialized tree: a transform returning ``None``
-    would drop it, a tuple or dict would add leaves. Raised inside the caller's
-    ``try``, so :func:`transform_error` names the view, tie and buffer.
-    """
+    """``out`` if it is one view value (an array, number, shape/dtype), else a :class:`TieError`."""
     if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
         return out
     raise TieError(
@@ -123,22 +104,6 @@ def check_view_value(out: Any, transform: Transform) -> Any:
 def _show_value(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_sharding_error(err: BaseException) -> bool:
-    """Whether JAX refused an op for its sharding (``ShardingTypeError``; private in JAX)."""
-    return any(c.__name__ == "ShardingTypeError" for c in type(err).__mro__)
-
-
-def abstract_error(structure: Structure, leaf: Leaf | ViewLeaf) -> TieError:
-    """The :class:`TieError` for a view of a ``jax.ShapeDtypeStruct`` buffer (no values)."""
-    buffer = path_str(structure.buffer_paths[leaf.buffer])
-    return TieError(
-        f"view {path_str(leaf.path)!r}: its buffer {buffer!r} is a jax.ShapeDtypeStruct, "
-        "shapes without values, so the view cannot be computed. Fix: for shapes use "
-        "jax.eval_shape(st.materialize, tree) or st.canonicalize(tree).views; for values "
-        "pass arrays."
-    )
 
 
 def _transformable(x: Any) -> bool:
@@ -188,12 +153,7 @@ def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]
     def compute(buffers: tuple[Any, ...]) -> list[Any]:
         out = []
         for k, t in plan.batched:
-            leaf = structure.expanded[k]
-            x = buffers[slot[leaf.buffer]]
-            try:
-                out.append(check_view_value(t(x), t))
-            except Exception as e:
-                raise transform_error(structure, leaf, aval_of(x), e) from e
+            out.append(_view(structure, k, t, buffers[slot[structure.expanded[k].buffer]]))
         return out
 
     return jax.jit(compute)
@@ -207,10 +167,8 @@ def expand_leaves(
     """The materialized leaves: each buffer, and each view computed from its buffer.
 
     ``apply(transform, x)`` replaces calling the transform (e.g. abstract
-    evaluation). Eager calls with many views on concrete arrays compute the
-    built-in transforms in one compiled call (kept for the
-    ``EAGER_PROGRAM_CACHE_SIZE`` most recent structures); ``st.fn`` views are
-    always called one by one, so results never depend on the number of views.
+    evaluation). Eagerly, from ``_JIT_VIEWS_MIN`` views on concrete arrays, the
+    built-in transforms run in one compiled call; ``st.fn`` views one by one.
     """
     plan = _plan(structure)
     out = list(plan.sources(leaves))
@@ -226,16 +184,32 @@ def expand_leaves(
             out[k] = value
         todo = plan.rest
     for k, t in todo:
-        x = out[k]
-        if not _transformable(x):
-            continue
-        try:
-            out[k] = check_view_value(t(x) if apply is None else apply(t, x), t)
-        except Exception as e:
-            if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
-                raise abstract_error(structure, structure.expanded[k]) from e
-            raise transform_error(structure, structure.expanded[k], aval_of(x), e) from e
+        if _transformable(out[k]):
+            out[k] = _view(structure, k, t, out[k], apply)
     return out
+
+
+def _view(
+    structure: Structure,
+    k: int,
+    t: Transform,
+    x: Any,
+    apply: Callable[[Transform, Any], Any] | None = None,
+) -> Any:
+    """The materialized leaf ``k``: ``t(x)`` (or ``apply(t, x)``), or the error naming it."""
+    try:
+        return check_view_value(t(x) if apply is None else apply(t, x), t)
+    except Exception as e:
+        leaf = structure.expanded[k]
+        if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
+            raise TieError(
+                f"view {path_str(leaf.path)!r}: its buffer "
+                f"{path_str(structure.buffer_paths[leaf.buffer])!r} is a jax.ShapeDtypeStruct, "
+                "shapes without values, so the view cannot be computed. Fix: for shapes use "
+                "jax.eval_shape(st.materialize, tree) or st.canonicalize(tree).views; for values "
+                "pass arrays."
+            ) from e
+        raise transform_error(structure, leaf, aval_of(x), e) from e
 
 
 def _by_path(structure: Structure, values: list[Any]) -> dict[Path, Any]:

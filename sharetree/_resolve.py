@@ -1,10 +1,4 @@
-"""Resolving ties: a canonical treedef becomes a :class:`Structure` of buffers and views.
-
-The resolution depends only on the tree's structure (the treedef carries each
-``Tied``'s ref and transform), so it is computed once per treedef and cached.
-It is pure Python: no array is touched. Resolution is iterative, so a chain
-of 10,000 ties (or a cycle of them) never hits Python's recursion limit.
-"""
+"""Resolving ties: a canonical treedef becomes a :class:`Structure` (pure Python, iterative)."""
 
 from __future__ import annotations
 
@@ -31,24 +25,16 @@ from sharetree._transforms import Transform, chain, identity
 
 __all__ = ["Leaf", "ViewLeaf", "Structure", "structure_of", "ref_to", "STRUCTURE_CACHE_SIZE"]
 
-STRUCTURE_CACHE_SIZE = 512
-"""How many resolved treedefs :func:`structure_of` keeps (least recently used first out)."""
+STRUCTURE_CACHE_SIZE = 512  # how many resolved treedefs structure_of keeps (least recent out)
 
 
 class Leaf(NamedTuple):
-    """One leaf of the materialized tree, as the resolver sees it.
+    """One leaf of the materialized tree, as the resolver sees it."""
 
-    Attributes:
-        buffer: index of the canonical leaf (the buffer) it is computed from.
-        transform: ``None`` at the buffer's own position, else the composed transform.
-        path: its path in the materialized tree.
-        tie: the path of the ``Tied`` that produced it (``None`` for a buffer).
-    """
-
-    buffer: int
-    transform: Transform | None
-    path: Path
-    tie: Path | None
+    buffer: int  # index of the canonical leaf (the buffer) it is computed from
+    transform: Transform | None  # None at the buffer's own position, else the composed one
+    path: Path  # its path in the materialized tree
+    tie: Path | None  # the path of the Tied that produced it (None for a buffer)
 
 
 class ViewLeaf(NamedTuple):
@@ -62,21 +48,13 @@ class ViewLeaf(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per treedef: identity is equality
 class Structure:
-    """What a canonical treedef resolves to (cached per treedef by :func:`structure_of`).
+    """What a canonical treedef resolves to (cached per treedef by :func:`structure_of`)."""
 
-    Attributes:
-        treedef: the canonical tree's structure.
-        buffer_paths: path of each canonical leaf (each buffer), in flatten order.
-        ties: each ``Tied`` position and the ``Tied`` written there, in flatten order.
-        expanded_treedef: the materialized tree's structure.
-        expanded: one :class:`Leaf` per materialized leaf, in flatten order.
-    """
-
-    treedef: Any
-    buffer_paths: tuple[Path, ...]
-    ties: dict[Path, Tied]
-    expanded_treedef: Any
-    expanded: tuple[Leaf, ...]
+    treedef: Any  # the canonical tree's structure
+    buffer_paths: tuple[Path, ...]  # the path of each canonical leaf (buffer), in flatten order
+    ties: dict[Path, Tied]  # each Tied position and the Tied written there, in flatten order
+    expanded_treedef: Any  # the materialized tree's structure
+    expanded: tuple[Leaf, ...]  # one Leaf per materialized leaf, in flatten order
 
     @functools.cached_property
     def views(self) -> tuple[ViewLeaf, ...]:
@@ -84,16 +62,13 @@ class Structure:
         return tuple(ViewLeaf._make(leaf) for leaf in self.expanded if leaf.transform is not None)
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class _Ref:
-    """``transform(canonical leaf i)``, in a view made by the ``Tied`` at ``via`` (a pytree leaf).
+    """A pytree leaf: ``transform(canonical leaf i)``, in a view of the ``Tied`` at ``via``."""
 
-    The placeholder tree holds one ``_Ref(i, identity)`` per canonical leaf (``via`` is ``None``).
-    """
-
-    __slots__ = ("i", "transform", "via")
-
-    def __init__(self, i: int, transform: Transform, via: Path | None = None) -> None:
-        self.i, self.transform, self.via = i, transform, via
+    i: int
+    transform: Transform = identity
+    via: Path | None = None
 
 
 def _compose(template: Any, t: Transform) -> Any:
@@ -151,103 +126,72 @@ class _Resolver:
                     f"two positions share the path {path_str(path)!r} (keys that differ only in "
                     "type, such as 0 and '0'). Fix: rename one key so that paths are unambiguous."
                 )
-            if isinstance(x, Tied):
-                self.tied_at[path] = x
-            else:
-                self.memo[path] = x
+            (self.tied_at if isinstance(x, Tied) else self.memo)[path] = x
         self.buffer_paths = tuple(self.memo)
         self.nodes = node_paths([*self.memo, *self.tied_at])
         self.targets: dict[Path, tuple[Path, Transform]] = {}
         self.hops: dict[Path, _Hop] = {}  # how each target was reached (for cycle errors)
-        self.scoped: dict[Path, Path | None] = {}  # each Tied's ref, from the scope it is found in
+        self.scoped: dict[Path, Path] = {}  # each Tied's ref, from the scope it is found in
 
     def target(self, at: Path) -> tuple[Path, Transform]:
-        """Follow the ref of the ``Tied`` at ``at`` through any views it passes (iteratively).
-
-        Returns the node it lands on (a leaf, a ``Tied`` or a subtree) and the
-        transform to apply to the value found there.
-        """
+        """The node the ``Tied`` at ``at`` lands on through any views, and its transform."""
         if at in self.targets:
             return self.targets[at]
         t = self.tied_at[at]
-        ref = first = self._scoped(at)
-        if ref[: len(at)] == at or at[: len(ref)] == ref:
-            if ref == at:
+        first = self._scope(at)
+        if _overlap(first, at):
+            if first == at:
                 rel = "itself"
-            elif len(ref) > len(at):
+            elif len(first) > len(at):
                 rel = "a path inside itself"
             else:
                 rel = "a subtree that contains it"
             raise TieError(
-                f"Tied at {path_str(at)!r} refers to {path_str(ref)!r}, {rel}: a view cannot "
+                f"Tied at {path_str(at)!r} refers to {path_str(first)!r}, {rel}: a view cannot "
                 "be its own buffer. Fix: refer to a path outside it that holds the array."
             )
-        post, via = [t.transform], [(at, t)]
-        while ref not in self.nodes:
-            prefix = self._node_prefix(ref)
-            if prefix is None or prefix not in self.tied_at:
-                raise self._missing(at, t, ref, prefix)
-            # a path through a view: look it up in that view's buffer
-            seen = [p for p, _ in via]
-            if prefix in seen:  # views that refer below each other in a loop
-                loop = [*seen[seen.index(prefix) :], prefix]
-                hops = {p: self._own_hop(p) for p in loop}
-                raise _cycle_error(loop, hops)
-            inner = self.tied_at[prefix]
-            via.append((prefix, inner))
-            post.append(inner.transform)
-            ref = self._scoped(prefix) + ref[len(prefix) :]
-        self.hops[at] = _Hop(first, t.ref, tuple(via[1:]), ref)
-        # ``post`` lists transforms outermost first: the value is post[0](post[1](...(x)))
-        self.targets[at] = (ref, chain(*reversed(post)))
+        via = [at]
+        ref, prefix = self._follow(first, via)
+        if ref not in self.nodes:
+            if prefix in via:  # views that refer below each other in a loop
+                loop = [*via[via.index(prefix) :], prefix]
+                raise _cycle_error(loop, {p: self._own_hop(p) for p in loop})
+            raise self._missing(at, t, ref, prefix)
+        self.hops[at] = _Hop(first, t.ref, tuple((p, self.tied_at[p]) for p in via[1:]), ref)
+        # ``via`` lists the views outermost first: the value is via[0](via[1](...(x)))
+        transform = chain(*(self.tied_at[p].transform for p in reversed(via)))
+        self.targets[at] = (ref, transform)
         return self.targets[at]
+
+    def _follow(self, ref: Path, via: list[Path]) -> tuple[Path, Path | None]:
+        """Follow ``ref`` through views (added to ``via``): where it stops, and its node prefix."""
+        prefix = None
+        while ref not in self.nodes:
+            above = (ref[:k] for k in range(len(ref) - 1, 0, -1))
+            prefix = next((p for p in above if p in self.nodes), None)
+            if prefix is None or prefix not in self.tied_at or prefix in via:
+                break
+            inner = self._scope(prefix)
+            if not inner:  # a view whose own ref is being looked up: not through it
+                break
+            via.append(prefix)
+            ref = inner + ref[len(prefix) :]
+        return ref, prefix
 
     def _own_hop(self, at: Path) -> _Hop:
         """The ref of the ``Tied`` at ``at`` as written, before any view is followed."""
-        ref = self._scoped(at)
+        ref = self._scope(at)
         return _Hop(ref, self.tied_at[at].ref, (), ref)
 
-    def _node_prefix(self, ref: Path) -> Path | None:
-        """The longest proper prefix of ``ref`` that is a node of the tree."""
-        return next((ref[:k] for k in range(len(ref) - 1, 0, -1) if ref[:k] in self.nodes), None)
-
-    def _reaches(self, ref: Path) -> bool:
-        """Whether ``ref`` names a node of the tree, directly or through views."""
-        seen = set()
-        while ref not in self.nodes:
-            prefix = self._node_prefix(ref)
-            if prefix is None or prefix not in self.tied_at or prefix in seen:
-                return False
-            seen.add(prefix)
-            inner = self._scope(prefix)
-            if inner is None:  # a view whose own ref is being looked up: not through it
-                return False
-            ref = inner + ref[len(prefix) :]
-        return True
-
-    def _scoped(self, at: Path) -> Path:
-        """The ref of the ``Tied`` at ``at``, from the innermost subtree holding it that has it.
-
-        Refs are lexically scoped: the subtrees holding the tie are tried from
-        the innermost out to the root, and the first that has the path (a node,
-        or a path through a view that reaches one) wins. So a tied tree means
-        the same standing alone or nested in a bigger one (Flax variables, a
-        train state and its optimizer moments, an Equinox module inside
-        another), whatever paths the bigger tree has. A scope where the ref would
-        overlap the tie itself never counts.
-        """
-        scoped = self._scope(at)
-        assert scoped is not None  # only _reaches can meet one in progress
-        return scoped
-
-    def _scope(self, at: Path) -> Path | None:
+    def _scope(self, at: Path) -> Path:
+        """The ref of the ``Tied`` at ``at`` from the innermost scope with it (``()`` meanwhile)."""
         if at in self.scoped:
-            return self.scoped[at]  # None while it is being looked up
+            return self.scoped[at]
         ref = self.tied_at[at].ref
-        self.scoped[at] = None
+        self.scoped[at] = ()
         for k in range(len(at) - 1, 0, -1):
             scoped = at[:k] + ref
-            if not _overlap(scoped, at) and self._reaches(scoped):
+            if not _overlap(scoped, at) and self._follow(scoped, [])[0] in self.nodes:
                 self.scoped[at] = scoped
                 return scoped
         self.scoped[at] = ref
@@ -279,8 +223,6 @@ class _Resolver:
             "from the innermost subtree that contains the tie and has them, out to the root)."
         )
 
-    # -- resolving, depth first with an explicit stack ---------------------
-
     def deps(self, at: Path) -> list[Path]:
         """The ``Tied`` positions whose resolution the ``Tied`` at ``at`` needs first."""
         path = self.target(at)[0]
@@ -289,10 +231,7 @@ class _Resolver:
         return [p for p in self.tied_at if p[: len(path)] == path]
 
     def resolve(self, start: Path) -> None:
-        """Put the template of the ``Tied`` at ``start`` (a ``_Ref`` or a subtree of them) in memo.
-
-        Every ``Tied`` it needs is resolved first.
-        """
+        """Put the template of the ``Tied`` at ``start`` in memo, after every ``Tied`` it needs."""
         if start in self.memo:
             return
         stack: list[tuple[Path, Any]] = [(start, iter(self.deps(start)))]
@@ -331,16 +270,12 @@ class _Resolver:
 def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Path:
     """The ref to write at ``target`` that names ``buffer`` (a path from the root).
 
-    For code that ties by position (``tie_identical``, ``find_ties``, NNX's
-    shared variables): refs are looked up from the innermost subtree holding
-    the tie first, so the path from the root names ``buffer`` unless a subtree
-    holding ``target`` has the same path; then the ref from a subtree that
-    holds both does. ``nodes`` are the paths of the tree's nodes
-    (``node_paths`` of its leaf and ``Tied`` positions).
+    The path from the root, unless a subtree holding ``target`` has the same
+    path; then the ref from a subtree holding both. ``nodes``: ``node_paths``
+    of the tree's leaf and ``Tied`` positions.
 
     Raises:
-        TieError: no ref at ``target`` can name ``buffer`` (every spelling is
-            found first in a subtree holding ``target``).
+        TieError: every spelling of the ref is found first in a subtree holding ``target``.
 
     Example:
         >>> from sharetree._paths import node_paths
@@ -391,17 +326,8 @@ def structure_of(treedef: Any) -> Structure:
 
     Raises:
         TieError: for a dangling ref, a cycle, a self-reference or a ``Tied`` root.
-
-    Example:
-        >>> import jax, numpy as np, sharetree as st
-        >>> from sharetree._resolve import structure_of
-        >>> s = structure_of(jax.tree.structure({"a": np.ones(2), "b": st.Tied("a", st.T)}))
-        >>> s.buffer_paths, s.views
-        ((('a',),), (ViewLeaf(buffer=0, transform=T, path=('b',), tie=('b',)),))
     """
-    placeholder = jtu.tree_unflatten(
-        treedef, [_Ref(i, identity) for i in range(treedef.num_leaves)]
-    )
+    placeholder = jtu.tree_unflatten(treedef, [_Ref(i) for i in range(treedef.num_leaves)])
     if isinstance(placeholder, Tied):
         raise TieError(
             f"the root of the tree is {placeholder!r}: a tie must sit inside a tree, "
