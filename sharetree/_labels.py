@@ -1,8 +1,4 @@
-"""Label and mask trees built from path patterns, for optax on canonical trees.
-
-Built leaf by leaf, they have the canonical tree's structure: each buffer gets
-one label (or mask bit) and each ``Tied``, a leafless node, needs none.
-"""
+"""Label and mask trees from path patterns, for optax: one per buffer, none per ``Tied``."""
 
 from __future__ import annotations
 
@@ -83,11 +79,8 @@ def _apply_rules(
 ) -> Any:
     """Replace each leaf by ``leaf(path, value, first matching rule or None)``.
 
-    With ``strict`` every rule must have matched a leaf: the first matching one
-    (or, with ``credit_all``, every matching one) counts as used. A rule that
-    decides a view's ``what`` (label, mask bit, sharding) without matching its
-    buffer, and gives another one than the buffer's, is warned about
-    (:func:`_warn_on_views`).
+    With ``strict`` every rule must be used: by the first leaf it matches first
+    (with ``credit_all``, by any leaf it matches). Then :func:`_warn_on_views`.
     """
     used = [False] * len(pairs)
     given: dict[Path, Any] = {}  # each leaf's result
@@ -121,9 +114,8 @@ def _warn_on_views(
 ) -> None:
     """Warn for each rule that matches views but not their buffers, and gives them another value.
 
-    A view (a ``Tied``, or a leaf under one) has no label, mask bit or sharding of
-    its own: it shares its buffer's. A rule written for the view's path (nanoGPT's
-    ``"*kernel"`` meaning the tied output layer too) silently misses the buffer.
+    A view shares its buffer's label, mask bit or sharding, so such a rule (nanoGPT's
+    ``"*kernel"`` meant for the tied output layer too) silently has no effect there.
     """
     try:
         structure = structure_of(jtu.tree_structure(tree))
@@ -142,7 +134,7 @@ def _warn_on_views(
         ours = given[buffer]
         if what == "sharding":
             ours = ours.spec  # the buffer's NamedSharding against the rule's PartitionSpec
-        theirs = True if what == "mask bit" else hit[1]
+        theirs = hit[1]
         if _same(ours, theirs):
             continue
         tie = structure.ties[view.tie]
@@ -171,32 +163,22 @@ def label_by_path(
     default: Any = _MISSING,
     strict: bool = True,
 ) -> Any:
-    """A tree of labels, one per leaf, chosen by the first pattern that matches its path.
+    """A tree of labels (for ``optax.multi_transform``): each leaf gets its first matching rule's.
 
-    For ``optax.multi_transform(transforms, labels)`` and ``optax.partition``
-    on canonical trees: the result has the tree's structure (``Tied`` nodes
-    included), so every buffer gets exactly one label and ties need none.
-
-    Patterns are ``fnmatch``-style (``*``, ``?``, ``[seq]``; ``*`` also matches
-    ``/``) on ``/``-joined paths, and a pattern that matches a node covers
-    every leaf below it: ``"enc"`` labels all of ``enc``, and on an NNX state
-    ``"dec/kernel"`` labels the ``value`` leaf of that Variable.
+    Patterns are ``fnmatch``-style on ``/``-joined paths (``*`` also matches
+    ``/``); one that matches a node covers every leaf below it. ``Tied`` nodes
+    have no leaves and stay as they are.
 
     Args:
         tree: a canonical tree (or any pytree).
-        rules: ``{pattern: label}`` (or ``(pattern, label)`` pairs); the first
-            matching pattern wins.
-        default: the label of a leaf that no pattern matches. Without it such a
-            leaf is an error.
-        strict: also require every pattern to match at least one leaf (catches
-            typos, and patterns that name only tied positions).
-
-    Returns:
-        The tree with each leaf replaced by its label.
+        rules: ``{pattern: label}`` or ``(pattern, label)`` pairs.
+        default: the label of a leaf no pattern matches (without it, an error).
+        strict: require every pattern to match a leaf (catches typos, and
+            patterns that name only tied positions).
 
     Raises:
-        TieError: a leaf that no pattern matches (and no ``default``), a pattern
-            that matches nothing (with ``strict``), or malformed rules.
+        TieError: an unmatched leaf (no ``default``), an unused pattern (with
+            ``strict``), or malformed rules.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -219,23 +201,10 @@ def label_by_path(
 
 
 def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = True) -> Any:
-    """A tree of booleans: ``True`` for each leaf whose path matches one of ``patterns``.
+    """A tree of booleans (for ``optax.masked``): ``True`` where a leaf's path matches a pattern.
 
-    For ``optax.adamw(..., mask=...)``, ``optax.masked`` and friends on
-    canonical trees: each shared buffer has one mask bit, so weight decay (or
-    any masked transform) is applied to it exactly once. Pattern rules are
-    those of :func:`label_by_path`.
-
-    Args:
-        tree: a canonical tree (or any pytree).
-        patterns: one pattern or several.
-        strict: require every pattern to match at least one leaf.
-
-    Returns:
-        The tree with each leaf replaced by ``True`` or ``False``.
-
-    Raises:
-        TieError: a pattern that matches nothing (with ``strict``).
+    Patterns (one or several) are those of :func:`label_by_path`; with ``strict``
+    each must match a leaf, else a TieError.
 
     Example:
         >>> import numpy as np, sharetree as st

@@ -21,7 +21,6 @@ from sharetree._paths import (
     Path,
     TieMap,
     aval_of,
-    check_flattens,
     closest,
     format_aval,
     keypath_to_path,
@@ -64,11 +63,8 @@ def tie(
 ) -> Any:
     """Replace the leaf or subtree at each target path with a ``Tied``.
 
-    The value at the ref wins: the replaced values are dropped, by default
-    without being compared (a fresh model's copies differ by construction).
-    When importing a checkpoint that stores a tied weight twice, pass ``atol``
-    so that nothing is lost; to keep the other copy instead, tie the other way
-    round.
+    The value at the ref wins; the replaced values are dropped, compared only
+    with ``atol`` (to keep the other copy, tie the other way round).
 
     Args:
         tree: a pytree (it may already contain ``Tied`` nodes).
@@ -76,26 +72,18 @@ def tie(
             ``"a/b/0"`` strings or tuples of keys.
         check: also require every view to have exactly the shape and dtype
             (and, for a subtree, the structure) of the value it replaces.
-        atol: ``None`` (default): do not compare values. A number: require
-            ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact
-            up to NaNs in the same places); bit-identical copies pass at once,
-            others are compared in float64; the arrays must be concrete (not
-            traced).
-
-    Returns:
-        The canonical tree; the replaced values are dropped (they are now views).
+        atol: ``None``: do not compare values. A number: require
+            ``|replaced value - view| <= atol`` elementwise, in float64, on
+            concrete arrays (``0.0``: bit-exact up to NaNs in the same places).
 
     Raises:
-        TieError: a target that does not exist (naming the closest path),
-            overlapping targets, a bad graph, with ``check`` a shape, dtype
-            or structure mismatch (showing both), and with ``atol`` two
-            copies that differ (naming both paths, the largest absolute
-            difference and how to choose which copy wins).
+        TieError: a missing target, overlapping targets, a bad graph, a shape,
+            dtype or structure mismatch (with ``check``), or copies that
+            differ beyond ``atol``.
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> w = np.ones((2, 3), np.float32)
-        >>> tree = {"enc": {"w": w}, "dec": {"w": np.zeros((3, 2), np.float32)}}
+        >>> tree = {"enc": {"w": np.ones((2, 3))}, "dec": {"w": np.zeros((3, 2))}}
         >>> st.tie(tree, {"dec/w": st.Tied("enc/w", st.T)})["dec"]
         {'w': Tied('enc/w', T)}
         >>> sd = {"embed": np.arange(6.0).reshape(3, 2), "head": np.arange(6.0).reshape(3, 2)}
@@ -119,8 +107,7 @@ def tie(
         seen.add(path := keypath_to_path(kp))
         return path in new
 
-    check_flattens(tree)  # too deep, or unsortable dict keys: before a flatten with a callback
-    new = _from_the_root(tree, new)
+    new = _from_the_root(tree, new)  # checks first that the tree flattens
     out = jtu.tree_map_with_path(
         lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
     )
@@ -143,17 +130,16 @@ def tie(
 
 
 def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
-    """Each ref that names a node of ``tree`` from its root, written so that it names it.
+    """Each ref that names a node from the root (not one holding the target) written by ``ref_to``.
 
-    Targets are paths from the root, and so are the refs beside them: a ref is written
-    with :func:`~sharetree._resolve.ref_to`, which keeps it as it is unless a subtree
-    holding the target has the same path (refs are looked up from there first). A ref
-    the root lacks is kept as written (a scoped ref, e.g. inside a train state).
+    A ref the root lacks, or one naming a node that holds the target, is kept as written:
+    scoped, looked up from the innermost subtree holding the target first.
     """
     nodes = node_paths(p for p, _ in leaves_with_paths(tree, is_leaf=is_tied))
     out = {}
     for target, t in new.items():
-        ref = ref_to(t.ref, target, nodes) if t.ref in nodes else t.ref
+        from_root = t.ref in nodes and target[: len(t.ref)] != t.ref
+        ref = ref_to(t.ref, target, nodes) if from_root else t.ref
         out[target] = t if ref == t.ref else Tied(ref, t.transform)
     return out
 
@@ -225,10 +211,7 @@ def _concrete(x: Any, where: str) -> np.ndarray:
 
 
 def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The elementwise ``|a - b|`` (NaN equals NaN here).
-
-    Arrays that are not numbers (strings, objects) are equal or infinitely far apart.
-    """
+    """The elementwise ``|a - b|``, NaN equal to NaN; non-numbers are 0 or inf apart."""
     if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
         return np.where(a == b, 0.0, np.inf)
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
@@ -241,10 +224,6 @@ def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def bit_equal(a: Any, b: Any) -> bool:
     """Whether two arrays have the same shape, dtype and bytes (one pass, no copies).
-
-    Bit-identical arrays are equal under any tolerance, so this is the fast
-    path of every comparison; arrays it rejects may still be equal as numbers
-    (``0.0`` and ``-0.0``, NaNs with different payloads).
 
     Example:
         >>> import numpy as np
