@@ -34,12 +34,7 @@ def _matches(pattern: str, path: Path) -> bool:
     return any(fnmatch.fnmatchcase("/".join(p), pattern) for p in prefixes(path))
 
 
-def _rules(
-    rules: Any,
-    where: str = "label_by_path",
-    value: str = "label",
-    example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
-) -> list[tuple[str, Any]]:
+def _rules(rules: Any, where: str, value: str, example: str) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
     want = f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) pairs"
     if not isinstance(rules, (Mapping, Iterable)) or isinstance(rules, (str, bytes)):
@@ -121,35 +116,27 @@ def _warn_on_views(
         structure = structure_of(jtu.tree_structure(tree))
     except TieError:
         return  # a bad graph is reported by materialize; labels do not need it
-    found: dict[str, list[str]] = {}
-    buffers: dict[str, Path] = {}  # the first buffer each pattern misses
+    found: dict[str, tuple[Path, list[str]]] = {}  # by pattern: the first buffer it misses, views
     for view in structure.views:
-        hit = next(((p, v) for p, v in pairs if _matches(p, view.path)), None)
-        if hit is None:
-            continue
-        pattern, _ = hit
+        pattern, theirs = next(((p, v) for p, v in pairs if _matches(p, view.path)), (None, 0))
         buffer = structure.buffer_paths[view.buffer]
-        if _matches(pattern, buffer) or buffer not in given:
+        if pattern is None or _matches(pattern, buffer) or buffer not in given:
             continue
-        ours = given[buffer]
-        if what == "sharding":
-            ours = ours.spec  # the buffer's NamedSharding against the rule's PartitionSpec
-        theirs = hit[1]
+        ours = given[buffer].spec if what == "sharding" else given[buffer]  # a NamedSharding's
         if _same(ours, theirs):
             continue
         tie = structure.ties[view.tie]
-        buffers.setdefault(pattern, buffer)
-        found.setdefault(pattern, []).append(
+        found.setdefault(pattern, (buffer, []))[1].append(
             f"{path_str(view.path)!r} ({tie!r} at {path_str(view.tie)!r}) would get "
             f"{theirs!r}, but its buffer {path_str(buffer)!r} gets {ours!r}"
         )
-    for pattern, views in found.items():
+    for pattern, (buffer, views) in found.items():
         shown = "; ".join(views[:3]) + (f"; and {len(views) - 3} more" if len(views) > 3 else "")
         warnings.warn(
             f"{where}: pattern {pattern!r} matches {plural(len(views), 'view')} whose buffer it "
             f"does not match: {shown}. A view has no {what} of its own: it shares its buffer's, "
             f"so this rule has no effect there. Fix: write the rule for the buffer's path "
-            f"({path_str(buffers[pattern])!r}), or narrow the pattern so that it does not match "
+            f"({path_str(buffer)!r}), or narrow the pattern so that it does not match "
             "the view.",
             UserWarning,
             stacklevel=4,  # the caller of label_by_path, mask_by_path or shardings_by_path
@@ -165,20 +152,11 @@ def label_by_path(
 ) -> Any:
     """A tree of labels (for ``optax.multi_transform``): each leaf gets its first matching rule's.
 
-    Patterns are ``fnmatch``-style on ``/``-joined paths (``*`` also matches
-    ``/``); one that matches a node covers every leaf below it. ``Tied`` nodes
-    have no leaves and stay as they are.
-
-    Args:
-        tree: a canonical tree (or any pytree).
-        rules: ``{pattern: label}`` or ``(pattern, label)`` pairs.
-        default: the label of a leaf no pattern matches (without it, an error).
-        strict: require every pattern to match a leaf (catches typos, and
-            patterns that name only tied positions).
-
-    Raises:
-        TieError: an unmatched leaf (no ``default``), an unused pattern (with
-            ``strict``), or malformed rules.
+    ``rules`` are ``{pattern: label}`` or ``(pattern, label)`` pairs; patterns are
+    ``fnmatch``-style on ``/``-joined paths (``*`` also matches ``/``), and one that
+    matches a node covers every leaf below it. ``Tied`` nodes have no leaves and
+    stay. A TieError for a leaf no pattern matches (without ``default``), a
+    pattern that matches no leaf (with ``strict``), or malformed rules.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -186,7 +164,7 @@ def label_by_path(
         >>> st.label_by_path(params, {"embed": "adam", "b": "sgd"})
         {'b': 'sgd', 'embed': 'adam', 'head': Tied('embed', T)}
     """
-    pairs = _rules(rules)
+    pairs = _rules(rules, "label_by_path", "label", "{'embed/*': 'embed', '*bias': 'no_decay'}")
 
     def label(path: Path, _x: Any, rule: tuple[str, Any] | None) -> Any:
         if rule is None and default is _MISSING:

@@ -86,13 +86,7 @@ def to_path(ref: Any, what: str = "path") -> Path:
 
 
 def path_str(path: Path) -> str:
-    """The display form of a path: ``a/b/0``, or a tuple when a key contains ``/``.
-
-    Example:
-        >>> from sharetree._paths import path_str
-        >>> path_str(("a", "b", "0")), path_str(("a/b", "c")), path_str(())
-        ('a/b/0', "('a/b', 'c')", '<root>')
-    """
+    """The display form of a path: ``a/b/0``, a tuple when a key contains ``/``, or ``<root>``."""
     return key_str(path_key(path)) if path else "<root>"
 
 
@@ -102,13 +96,7 @@ def path_key(path: Path) -> str | Path:
 
 
 def key_str(key: str | Path) -> str:
-    """The display form of a result's key (:func:`path_key`): the string, or the tuple's repr.
-
-    Example:
-        >>> from sharetree._paths import key_str
-        >>> key_str("a/b"), key_str(("a/b", "c"))
-        ('a/b', "('a/b', 'c')")
-    """
+    """The display form of a result's key (:func:`path_key`): the string, or the tuple's repr."""
     if isinstance(key, str):
         return key
     return repr(tuple(key)) if key else "<root>"
@@ -143,8 +131,7 @@ def leaves_with_paths(
 def check_flattens(tree: Any) -> None:
     """Raise :func:`flatten_error`'s TieError if JAX cannot flatten ``tree``.
 
-    Call it before a flatten with a Python ``is_leaf``: too deep a tree fails
-    cleanly without a callback, but with one it can exhaust the recursion count.
+    Call it before a flatten with a Python ``is_leaf``, which can exhaust the recursion count.
     """
     with flattening(tree):
         jtu.tree_structure(tree)
@@ -165,10 +152,7 @@ FLATTEN_DEPTH = 500  # from here a failed flatten is blamed on the depth (JAX fa
 
 
 def flatten_error(tree: Any, err: BaseException) -> TieError | None:
-    """The TieError naming where ``err`` came from (unsortable dict keys, too deep), or ``None``.
-
-    Walks the tree iteratively, only after JAX failed to flatten it.
-    """
+    """The TieError saying where JAX's ``err`` came from (unsortable keys, depth), or ``None``."""
     stack: list[tuple[Path, Any]] = [((), tree)]
     while stack:
         path, x = stack.pop()

@@ -83,17 +83,10 @@ def shardings_by_path(
 ) -> Any:
     """A tree of ``NamedSharding`` (for ``jax.jit``, ``device_put``, Orbax): one per buffer.
 
-    Each buffer gets ``NamedSharding(mesh, spec)`` of its first matching rule
-    (patterns as for :func:`sharetree.label_by_path`); each ``Tied`` stays a
-    ``Tied``. Every spec is checked against its array.
-
-    Args:
-        tree: a canonical tree of arrays or ``jax.ShapeDtypeStruct``
-            (``jax.eval_shape(init, key)``).
-        mesh: the ``jax.sharding.Mesh``.
-        rules: ``{pattern: PartitionSpec}`` or ``(pattern, spec)`` pairs.
-        default: the spec of a leaf no pattern matches (without it, an error).
-        strict: require every pattern to match a leaf.
+    Each buffer of ``tree`` (arrays or ``jax.eval_shape(init, key)``) gets
+    ``NamedSharding(mesh, spec)`` of its first matching ``{pattern: spec}`` rule
+    (or ``default``), patterns and ``strict`` as for :func:`sharetree.label_by_path`;
+    each ``Tied`` stays. Every spec is checked against its array.
 
     Raises:
         TieError: naming the path: no mesh, an unmatched leaf, an unused

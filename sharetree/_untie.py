@@ -38,10 +38,9 @@ _BOX_RENAMERS: list[BoxRenamer] = []
 
 
 def register_box_renamer(rename: BoxRenamer) -> None:
-    """Register ``rename(canonical, expanded, where)``, which gives copied boxes the view's names.
+    """Register ``rename(canonical, expanded, where)``, which gives untied boxes the view's names.
 
-    ``sharetree.flax`` registers one for partition boxes when imported; ``untie``
-    and ``untie_state`` pass their untied copies through every one.
+    ``sharetree.flax`` registers one for partition boxes when imported.
     """
     if rename not in _BOX_RENAMERS:
         _BOX_RENAMERS.append(rename)
@@ -112,13 +111,10 @@ def _untie_positions(tree: PyTree, at: set[Path], where: str, values: PyTree = N
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
     """Replace ``Tied`` nodes by independent copies of their materialized values.
 
-    The other ``Tied`` nodes keep their refs; ``st.tie`` with the same ``Tied``
-    nodes is the inverse, and :func:`untie_state` carries an optimizer state over.
-
-    Args:
-        tree: a canonical tree.
-        paths: ``None`` (every tie), one path (a str or a tuple of keys) or a
-            list of paths, each a ``Tied`` position or a subtree holding some.
+    ``paths``: ``None`` (every tie), one path (a str or a tuple of keys) or a list
+    of paths, each a ``Tied`` position or a subtree holding some. ``st.tie`` with
+    the same ``Tied`` nodes is the inverse; :func:`untie_state` carries an
+    optimizer state over.
 
     Raises:
         TieError: a path that is neither a ``Tied`` nor above one, a path
@@ -178,14 +174,9 @@ def untie_state(
 
     Each part of the state shaped like ``tree`` (Adam's ``mu`` and ``nu``) is
     untied like it: a new buffer starts from its buffer's moments moved by the
-    transform's :meth:`~sharetree.Transform.state_view` (transposed for ``T``).
-    Other parts (``count``) are kept. Pass the tree *before* untying.
-
-    Raises:
-        TieError: a chosen view whose transform has no ``state_view`` (such
-            as ``scale``, ``astype``, ``fn``), a part of the state shaped like
-            ``tree`` at the top but not below, or whose leaves differ in shape
-            from the buffers; bad paths (as for :func:`untie`).
+    transform's :meth:`~sharetree.Transform.state_view` (transposed for ``T``;
+    a TieError where there is none, as for ``scale``). Other parts (``count``)
+    are kept. Pass the tree *before* untying.
 
     Example:
         >>> import jax.numpy as jnp, optax, sharetree as st
