@@ -24,15 +24,11 @@ def grad_by_use(
 ) -> Callable[..., Any]:
     """Like ``jax.grad``, but each buffer's gradient comes back split by the use it comes from.
 
-    ``fun`` gets the *materialized* tree. The uses of a buffer are its own
-    position and each view of it, each contribution pulled back through the
-    view's transform by its VJP; they sum to the buffer's ``jax.grad``. One
-    gradient of the materialized tree and one VJP per view; works under ``jit``.
-
-    Returns:
-        A function of ``fun``'s arguments (the tree at ``argnums``) giving
-        ``{buffer: {use: contribution}}`` (and ``aux`` with ``has_aux``), for
-        :func:`sharetree.grad_report`.
+    The returned function takes ``fun``'s arguments (the tied tree at ``argnums``),
+    calls ``fun`` with the *materialized* tree and gives ``{buffer: {use:
+    contribution}}`` (and ``aux`` with ``has_aux``) for :func:`sharetree.grad_report`.
+    The uses of a buffer are its own position and each view, pulled back through
+    the view's transform by its VJP; they sum to the buffer's ``jax.grad``.
 
     Raises:
         TieError: bad ``argnums``, too few positional arguments, a leaf with

@@ -74,8 +74,7 @@ def _apply_rules(
 ) -> Any:
     """Replace each leaf by ``leaf(path, value, first matching rule or None)``.
 
-    With ``strict`` every rule must be used: by the first leaf it matches first
-    (with ``credit_all``, by any leaf it matches). Then :func:`_warn_on_views`.
+    With ``strict`` every rule must be some leaf's first match (``credit_all``: any match).
     """
     used = [False] * len(pairs)
     given: dict[Path, Any] = {}  # each leaf's result
@@ -107,10 +106,9 @@ def _same(a: Any, b: Any) -> bool:
 def _warn_on_views(
     tree: Any, pairs: list[tuple[str, Any]], given: dict[Path, Any], where: str, what: str
 ) -> None:
-    """Warn for each rule that matches views but not their buffers, and gives them another value.
+    """Warn for each rule that gives views another value than their buffers' (it has no effect).
 
-    A view shares its buffer's label, mask bit or sharding, so such a rule (nanoGPT's
-    ``"*kernel"`` meant for the tied output layer too) silently has no effect there.
+    A view shares its buffer's label, mask bit or sharding (nanoGPT's ``"*kernel"``).
     """
     try:
         structure = structure_of(jtu.tree_structure(tree))

@@ -64,7 +64,7 @@ def tie(
     """Replace the leaf or subtree at each target path with a ``Tied``; the ref's value wins.
 
     Args:
-        tree: a pytree (it may already contain ``Tied`` nodes).
+        tree: a pytree (``Tied`` nodes allowed).
         ties: ``{target: ref}`` or ``{target: Tied(ref, transform)}``; paths are
             ``"a/b/0"`` strings or tuples of keys.
         check: require each view to have the shape and dtype (and, for a
@@ -122,10 +122,9 @@ def tie(
 
 
 def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
-    """Each ref naming a node from the root written by ``ref_to``; others are scoped: kept.
+    """Each ref naming a node from the root, written by ``ref_to`` so that it names it.
 
-    A ref the root lacks, or one naming a node that holds the target, is looked up
-    from the innermost subtree holding the target first.
+    A ref the root lacks, or one naming a node that holds the target, is kept (scoped).
     """
     nodes = node_paths(p for p, _ in leaves_with_paths(tree, is_leaf=is_tied))
     out = {}

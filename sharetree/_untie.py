@@ -38,10 +38,7 @@ _BOX_RENAMERS: list[BoxRenamer] = []
 
 
 def register_box_renamer(rename: BoxRenamer) -> None:
-    """Register ``rename(canonical, expanded, where)``, which gives untied boxes the view's names.
-
-    ``sharetree.flax`` registers one for partition boxes when imported.
-    """
+    """Register ``rename(canonical, expanded, where)``, giving untied boxes the view's names."""
     if rename not in _BOX_RENAMERS:
         _BOX_RENAMERS.append(rename)
 
