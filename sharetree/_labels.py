@@ -198,12 +198,5 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
                 "Fix: write paths like 'encoder/*/kernel'."
             )
     pairs = [(p, True) for p in given]
-    return _apply_rules(
-        tree,
-        pairs,
-        lambda _p, _x, rule: rule is not None,
-        "mask_by_path",
-        strict,
-        credit_all=True,
-        what="mask bit",
-    )
+    hit = lambda _p, _x, rule: rule is not None  # noqa: E731
+    return _apply_rules(tree, pairs, hit, "mask_by_path", strict, credit_all=True, what="mask bit")

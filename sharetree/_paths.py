@@ -45,12 +45,10 @@ Path = tuple[str, ...]
 PathLike = Union[str, Sequence[Any]]  # noqa: UP007 - a runtime alias
 """A ``/``-joined string (``"encoder/kernel"``) or a tuple of keys (``("encoder", "kernel")``)."""
 
-
 TieMap = Union[  # noqa: UP007 - a runtime alias
     Mapping[str, Any], Mapping[tuple[str, ...], Any], Mapping[PathLike, Any]
 ]
-"""``{target: ref or Tied}`` keyed by path strings or key tuples (``Mapping`` is invariant in
-its keys, so each spelling is listed)."""
+"""``{target: ref or Tied}`` keyed by path strings or key tuples (Mapping keys are invariant)."""
 
 
 def to_path(ref: Any, what: str = "path") -> Path:

@@ -89,10 +89,8 @@ def shardings_by_path(
     each ``Tied`` stays. Every spec is checked against its array.
 
     Raises:
-        TieError: naming the path: no mesh, an unmatched leaf, an unused
-            pattern (with ``strict``), a leaf that is no array, a mesh axis
-            that does not exist or is used twice, more spec entries than
-            dimensions, or a dimension its mesh axes do not divide.
+        TieError: naming the path: no mesh, an unmatched leaf or unused pattern,
+            a leaf that is no array, or a spec that does not fit the mesh or array.
 
     Example:
         >>> import jax, numpy as np, sharetree as st
