@@ -48,14 +48,11 @@ def find_ties(
 ) -> dict[str | Path, Tied]:
     """Find leaves whose content equals ``transform(an earlier leaf)``, for :func:`sharetree.tie`.
 
-    For checkpoints that store a tied weight twice (PyTorch's ``lm_head.weight``).
-    The earlier leaf in flatten order is the buffer; ``transforms`` are tried in
-    order; ``atol=0.0`` is bit-exact. Only concrete numeric and boolean arrays
-    are compared; constant arrays (fresh zero biases) never match.
-
-    Returns:
-        ``{target path: Tied(buffer path, transform)}``; a path is ``/``-joined, or a
-        tuple of keys where a key contains ``/``.
+    For checkpoints that store a tied weight twice (PyTorch's ``lm_head.weight``):
+    gives ``{target path: Tied(buffer path, transform)}``, the buffer being the
+    earlier leaf in flatten order. ``transforms`` are tried in order; ``atol=0.0``
+    is bit-exact. Only concrete numeric and boolean arrays are compared; constant
+    arrays (fresh zero biases) never match.
 
     Example:
         >>> import numpy as np, sharetree as st
