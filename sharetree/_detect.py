@@ -22,21 +22,16 @@ __all__ = ["tie_identical", "find_ties"]
 def tie_identical(tree: Any) -> Any:
     """Tie array objects that appear more than once in ``tree`` (by ``is``).
 
-    The first position in flatten order becomes the buffer; every later
-    position holding the same ``jax.Array`` or ``np.ndarray`` object becomes
-    ``Tied(first)``. Python scalars, ``None`` and strings are never tied: their
-    identity means nothing (equal immutables may or may not be one object).
-    A 0-d ``np.ndarray`` used twice is an array object and is tied.
-    Nor do gradients that happen to be the same object: call this on
-    parameters you built with sharing, not on computed values.
+    Each later position holding the same ``jax.Array`` or ``np.ndarray`` as an
+    earlier one becomes ``Tied(first position)``. Scalars, ``None`` and strings
+    are never tied (their identity means nothing); call it on parameters built
+    with sharing, not on computed values.
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> w = np.ones((2, 2))
-        >>> st.tie_identical({"a": w, "b": w, "c": np.ones((2, 2)), "n": 1.0, "m": 1.0})
-        {'a': array([[1., 1.],
-               [1., 1.]]), 'b': Tied('a'), 'c': array([[1., 1.],
-               [1., 1.]]), 'm': 1.0, 'n': 1.0}
+        >>> w = np.ones(2)
+        >>> st.tie_identical({"a": w, "b": w, "c": np.ones(2), "n": 1.0, "m": 1.0})
+        {'a': array([1., 1.]), 'b': Tied('a'), 'c': array([1., 1.]), 'm': 1.0, 'n': 1.0}
     """
     first: dict[int, Path] = {}  # each array object's first position
     ties: dict[Path, Tied] = {}
@@ -51,31 +46,13 @@ def tie_identical(tree: Any) -> Any:
 def find_ties(
     tree: Any, transforms: Sequence[Transform] = (identity, T), *, atol: float = 0.0
 ) -> dict[str | Path, Tied]:
-    """Find leaves whose content equals ``transform(an earlier leaf)``.
+    """Find leaves whose content equals ``transform(an earlier leaf)``, for :func:`sharetree.tie`.
 
-    For checkpoints imported from frameworks that store a tied weight twice
-    (a PyTorch ``lm_head.weight`` equal to ``embed_tokens.weight``). The result
-    feeds :func:`sharetree.tie` directly. The earlier leaf in flatten order is
-    the buffer; a leaf equal to several earlier ones is tied to the first.
-
-    Only numeric and boolean arrays are compared (PRNG keys, strings and
-    other leaves are no parameters), and they must be concrete (not traced).
-    Constant arrays (all elements equal, e.g. freshly initialised zero biases)
-    are never reported: equal content means nothing there, so tie them
-    explicitly if they really are shared.
-
-    Each leaf's view through each transform is computed once (no copy for
-    transposes and reshapes); a leaf is compared in full only with views whose
-    sampled elements match its own.
-
-    Args:
-        tree: a pytree of arrays (may already contain ``Tied`` nodes, kept as is).
-        transforms: the candidate transforms, tried in order.
-        atol: absolute tolerance; ``0.0`` means bit-exact equality.
-
-    Returns:
-        ``{target path: Tied(buffer path, transform)}``; a target is a ``/``-joined
-        string, or a tuple of keys when a key itself contains ``/``.
+    For checkpoints that store a tied weight twice (PyTorch's ``lm_head.weight``):
+    gives ``{target path: Tied(buffer path, transform)}``, the buffer being the
+    earlier leaf in flatten order. ``transforms`` are tried in order; ``atol=0.0``
+    is bit-exact. Only concrete numeric and boolean arrays are compared; constant
+    arrays (fresh zero biases) never match.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -110,14 +87,6 @@ class _View(NamedTuple):
     transform: Transform
     value: np.ndarray
     sample: np.ndarray
-
-
-def _np_view(t: Transform, a: np.ndarray) -> np.ndarray | None:
-    """``t(a)`` with NumPy (no copy where ``t`` has a NumPy view); ``None`` if it fails on ``a``."""
-    try:
-        return t.numpy(a)
-    except Exception:
-        return None
 
 
 def _sample(a: np.ndarray) -> np.ndarray:
@@ -169,9 +138,10 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
             found[path] = Tied(ref_to(match.path, path, nodes), match.transform)
             continue
         for t in transforms:
-            value = _np_view(t, a)
-            if value is None:
-                continue
+            try:
+                value = t.numpy(a)  # no copy where t has a NumPy view
+            except Exception:
+                continue  # t does not apply to a
             view = _View(path, t, value, _sample(value))
             seen.setdefault(_key(value, view.sample, atol), []).append(view)
     return {path_key(p): t for p, t in found.items()}

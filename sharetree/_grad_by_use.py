@@ -1,11 +1,4 @@
-"""``grad_by_use``: the gradient of a shared buffer, split by the position that uses it.
-
-``jax.grad(lambda t: f(st.materialize(t)))`` gives each buffer the gradient
-accumulated over all of its uses. :func:`grad_by_use` gives the parts of that
-sum: for each buffer, one contribution per use (its own position and each
-view), each pulled back into the buffer's shape and dtype. It costs one
-gradient of the materialized tree, never one gradient per use.
-"""
+"""``grad_by_use``: the gradient of a shared buffer, split by the position that uses it."""
 
 from __future__ import annotations
 
@@ -23,11 +16,7 @@ from sharetree._transforms import identity
 __all__ = ["grad_by_use", "ByUse"]
 
 ByUse = dict[str | Path, dict[str | Path, Any]]
-"""``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns.
-
-Paths are keys as every sharetree result writes them (:func:`~sharetree._paths.path_key`):
-``/``-joined, or a tuple of keys where a key contains ``/``, so ``st.tie`` and
-``st.untie`` take them back as they are."""
+"""``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns."""
 
 
 def grad_by_use(
@@ -35,35 +24,15 @@ def grad_by_use(
 ) -> Callable[..., Any]:
     """Like ``jax.grad``, but each buffer's gradient comes back split by the use it comes from.
 
-    ``st.grad_by_use(fun)(tree, *args)`` calls ``fun`` with the *materialized*
-    tree (a ``fun`` that calls ``st.materialize`` itself works too). The uses
-    of a buffer are its own position (keyed by the buffer's path) and every
-    view of it, in flatten order, as ``/``-joined paths (a tuple of keys where
-    a key contains ``/``: ``st.tie`` and ``st.untie`` take them back); each contribution is
-    pulled back through the view's transform by its VJP (``T`` for ``T``, a
-    cast back for ``astype``). A buffer's contributions sum to its entry in
-    ``jax.grad(lambda t: fun(st.materialize(t), *args))(tree)``, up to float
-    rounding. It costs one gradient of the materialized tree and one VJP per
-    view; it works under ``jit``.
-
-    Args:
-        fun: a function whose argument ``argnums`` is the tree; it must return
-            a real scalar (``jax.grad`` raises its own ``TypeError`` otherwise).
-        argnums: the position of the tied tree among the positional
-            arguments; one non-negative ``int`` (the other arguments are not
-            differentiated).
-        has_aux: ``fun`` returns ``(loss, aux)``; the wrapped function then
-            returns ``(by_use, aux)``.
-
-    Returns:
-        A function with ``fun``'s arguments returning the ``{buffer: {use:
-        contribution}}`` dict (and ``aux`` with ``has_aux``). Pass it to
-        :func:`sharetree.grad_report` for norms, shares and cosines.
+    The returned function takes ``fun``'s arguments (the tied tree at ``argnums``),
+    calls ``fun`` with the *materialized* tree and gives ``{buffer: {use:
+    contribution}}`` (and ``aux`` with ``has_aux``) for :func:`sharetree.grad_report`.
+    The uses of a buffer are its own position and each view, pulled back through
+    the view's transform by its VJP; they sum to the buffer's ``jax.grad``.
 
     Raises:
-        TieError: ``argnums`` that is not one non-negative int, or fewer
-            positional arguments than ``argnums + 1``; a bad graph (as for
-            :func:`materialize`).
+        TieError: bad ``argnums``, too few positional arguments, a leaf with
+            no gradient (not floating or complex), or a bad graph.
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st

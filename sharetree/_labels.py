@@ -1,8 +1,4 @@
-"""Label and mask trees built from path patterns, for optax on canonical trees.
-
-Built leaf by leaf, they have the canonical tree's structure: each buffer gets
-one label (or mask bit) and each ``Tied``, a leafless node, needs none.
-"""
+"""Label and mask trees from path patterns, for optax: one per buffer, none per ``Tied``."""
 
 from __future__ import annotations
 
@@ -38,12 +34,7 @@ def _matches(pattern: str, path: Path) -> bool:
     return any(fnmatch.fnmatchcase("/".join(p), pattern) for p in prefixes(path))
 
 
-def _rules(
-    rules: Any,
-    where: str = "label_by_path",
-    value: str = "label",
-    example: str = "{'embed/*': 'embed', '*bias': 'no_decay'}",
-) -> list[tuple[str, Any]]:
+def _rules(rules: Any, where: str, value: str, example: str) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
     want = f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) pairs"
     if not isinstance(rules, (Mapping, Iterable)) or isinstance(rules, (str, bytes)):
@@ -83,11 +74,7 @@ def _apply_rules(
 ) -> Any:
     """Replace each leaf by ``leaf(path, value, first matching rule or None)``.
 
-    With ``strict`` every rule must have matched a leaf: the first matching one
-    (or, with ``credit_all``, every matching one) counts as used. A rule that
-    decides a view's ``what`` (label, mask bit, sharding) without matching its
-    buffer, and gives another one than the buffer's, is warned about
-    (:func:`_warn_on_views`).
+    With ``strict`` every rule must be some leaf's first match (``credit_all``: any match).
     """
     used = [False] * len(pairs)
     given: dict[Path, Any] = {}  # each leaf's result
@@ -119,45 +106,35 @@ def _same(a: Any, b: Any) -> bool:
 def _warn_on_views(
     tree: Any, pairs: list[tuple[str, Any]], given: dict[Path, Any], where: str, what: str
 ) -> None:
-    """Warn for each rule that matches views but not their buffers, and gives them another value.
+    """Warn for each rule that gives views another value than their buffers' (it has no effect).
 
-    A view (a ``Tied``, or a leaf under one) has no label, mask bit or sharding of
-    its own: it shares its buffer's. A rule written for the view's path (nanoGPT's
-    ``"*kernel"`` meaning the tied output layer too) silently misses the buffer.
+    A view shares its buffer's label, mask bit or sharding (nanoGPT's ``"*kernel"``).
     """
     try:
         structure = structure_of(jtu.tree_structure(tree))
     except TieError:
         return  # a bad graph is reported by materialize; labels do not need it
-    found: dict[str, list[str]] = {}
-    buffers: dict[str, Path] = {}  # the first buffer each pattern misses
+    found: dict[str, tuple[Path, list[str]]] = {}  # by pattern: the first buffer it misses, views
     for view in structure.views:
-        hit = next(((p, v) for p, v in pairs if _matches(p, view.path)), None)
-        if hit is None:
-            continue
-        pattern, _ = hit
+        pattern, theirs = next(((p, v) for p, v in pairs if _matches(p, view.path)), (None, 0))
         buffer = structure.buffer_paths[view.buffer]
-        if _matches(pattern, buffer) or buffer not in given:
+        if pattern is None or _matches(pattern, buffer) or buffer not in given:
             continue
-        ours = given[buffer]
-        if what == "sharding":
-            ours = ours.spec  # the buffer's NamedSharding against the rule's PartitionSpec
-        theirs = True if what == "mask bit" else hit[1]
+        ours = given[buffer].spec if what == "sharding" else given[buffer]  # a NamedSharding's
         if _same(ours, theirs):
             continue
         tie = structure.ties[view.tie]
-        buffers.setdefault(pattern, buffer)
-        found.setdefault(pattern, []).append(
+        found.setdefault(pattern, (buffer, []))[1].append(
             f"{path_str(view.path)!r} ({tie!r} at {path_str(view.tie)!r}) would get "
             f"{theirs!r}, but its buffer {path_str(buffer)!r} gets {ours!r}"
         )
-    for pattern, views in found.items():
+    for pattern, (buffer, views) in found.items():
         shown = "; ".join(views[:3]) + (f"; and {len(views) - 3} more" if len(views) > 3 else "")
         warnings.warn(
             f"{where}: pattern {pattern!r} matches {plural(len(views), 'view')} whose buffer it "
             f"does not match: {shown}. A view has no {what} of its own: it shares its buffer's, "
             f"so this rule has no effect there. Fix: write the rule for the buffer's path "
-            f"({path_str(buffers[pattern])!r}), or narrow the pattern so that it does not match "
+            f"({path_str(buffer)!r}), or narrow the pattern so that it does not match "
             "the view.",
             UserWarning,
             stacklevel=4,  # the caller of label_by_path, mask_by_path or shardings_by_path
@@ -171,32 +148,13 @@ def label_by_path(
     default: Any = _MISSING,
     strict: bool = True,
 ) -> Any:
-    """A tree of labels, one per leaf, chosen by the first pattern that matches its path.
+    """A tree of labels (for ``optax.multi_transform``): each leaf gets its first matching rule's.
 
-    For ``optax.multi_transform(transforms, labels)`` and ``optax.partition``
-    on canonical trees: the result has the tree's structure (``Tied`` nodes
-    included), so every buffer gets exactly one label and ties need none.
-
-    Patterns are ``fnmatch``-style (``*``, ``?``, ``[seq]``; ``*`` also matches
-    ``/``) on ``/``-joined paths, and a pattern that matches a node covers
-    every leaf below it: ``"enc"`` labels all of ``enc``, and on an NNX state
-    ``"dec/kernel"`` labels the ``value`` leaf of that Variable.
-
-    Args:
-        tree: a canonical tree (or any pytree).
-        rules: ``{pattern: label}`` (or ``(pattern, label)`` pairs); the first
-            matching pattern wins.
-        default: the label of a leaf that no pattern matches. Without it such a
-            leaf is an error.
-        strict: also require every pattern to match at least one leaf (catches
-            typos, and patterns that name only tied positions).
-
-    Returns:
-        The tree with each leaf replaced by its label.
-
-    Raises:
-        TieError: a leaf that no pattern matches (and no ``default``), a pattern
-            that matches nothing (with ``strict``), or malformed rules.
+    ``rules`` are ``{pattern: label}`` or ``(pattern, label)`` pairs; patterns are
+    ``fnmatch``-style on ``/``-joined paths (``*`` also matches ``/``), and one that
+    matches a node covers every leaf below it. ``Tied`` nodes have no leaves and
+    stay. A TieError for a leaf no pattern matches (without ``default``), a
+    pattern that matches no leaf (with ``strict``), or malformed rules.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -204,7 +162,7 @@ def label_by_path(
         >>> st.label_by_path(params, {"embed": "adam", "b": "sgd"})
         {'b': 'sgd', 'embed': 'adam', 'head': Tied('embed', T)}
     """
-    pairs = _rules(rules)
+    pairs = _rules(rules, "label_by_path", "label", "{'embed/*': 'embed', '*bias': 'no_decay'}")
 
     def label(path: Path, _x: Any, rule: tuple[str, Any] | None) -> Any:
         if rule is None and default is _MISSING:
@@ -219,23 +177,10 @@ def label_by_path(
 
 
 def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = True) -> Any:
-    """A tree of booleans: ``True`` for each leaf whose path matches one of ``patterns``.
+    """A tree of booleans (for ``optax.masked``): ``True`` where a leaf's path matches a pattern.
 
-    For ``optax.adamw(..., mask=...)``, ``optax.masked`` and friends on
-    canonical trees: each shared buffer has one mask bit, so weight decay (or
-    any masked transform) is applied to it exactly once. Pattern rules are
-    those of :func:`label_by_path`.
-
-    Args:
-        tree: a canonical tree (or any pytree).
-        patterns: one pattern or several.
-        strict: require every pattern to match at least one leaf.
-
-    Returns:
-        The tree with each leaf replaced by ``True`` or ``False``.
-
-    Raises:
-        TieError: a pattern that matches nothing (with ``strict``).
+    Patterns (one or several) are those of :func:`label_by_path`; with ``strict``
+    each must match a leaf, else a TieError.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -253,12 +198,5 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
                 "Fix: write paths like 'encoder/*/kernel'."
             )
     pairs = [(p, True) for p in given]
-    return _apply_rules(
-        tree,
-        pairs,
-        lambda _p, _x, rule: rule is not None,
-        "mask_by_path",
-        strict,
-        credit_all=True,
-        what="mask bit",
-    )
+    hit = lambda _p, _x, rule: rule is not None  # noqa: E731
+    return _apply_rules(tree, pairs, hit, "mask_by_path", strict, credit_all=True, what="mask bit")

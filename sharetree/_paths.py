@@ -1,9 +1,4 @@
-"""Paths and leaves: the one home of the helpers every module shares.
-
-A sharetree *path* is a tuple of key names (``("encoder", "kernel")``), shown
-``/``-joined (``encoder/kernel``). Key names come from ``jax.tree_util`` key
-paths: dict keys, sequence indices and attribute names, all as ``str``.
-"""
+"""Paths (tuples of ``jax.tree_util`` key names, as str) and leaves: shared helpers."""
 
 from __future__ import annotations
 
@@ -50,19 +45,14 @@ Path = tuple[str, ...]
 PathLike = Union[str, Sequence[Any]]  # noqa: UP007 - a runtime alias
 """A ``/``-joined string (``"encoder/kernel"``) or a tuple of keys (``("encoder", "kernel")``)."""
 
-
 TieMap = Union[  # noqa: UP007 - a runtime alias
     Mapping[str, Any], Mapping[tuple[str, ...], Any], Mapping[PathLike, Any]
 ]
-"""``{target: ref or Tied}`` keyed by path strings or key tuples (``Mapping`` is invariant in
-its keys, so each spelling is listed)."""
+"""``{target: ref or Tied}`` keyed by path strings or key tuples (Mapping keys are invariant)."""
 
 
 def to_path(ref: Any, what: str = "path") -> Path:
-    """Normalise ``"a/b/0"`` or ``("a", "b", 0)`` to ``("a", "b", "0")``.
-
-    Raises:
-        TieError: for anything that is not a non-empty path (``what`` names it).
+    """Normalise ``"a/b/0"`` or ``("a", "b", 0)`` to ``("a", "b", "0")``; else a TieError.
 
     Example:
         >>> from sharetree._paths import to_path
@@ -94,53 +84,24 @@ def to_path(ref: Any, what: str = "path") -> Path:
 
 
 def path_str(path: Path) -> str:
-    """The display form of a path: ``a/b/0``, or a tuple when a key contains ``/``.
-
-    Example:
-        >>> from sharetree._paths import path_str
-        >>> path_str(("a", "b", "0")), path_str(("a/b", "c")), path_str(())
-        ('a/b/0', "('a/b', 'c')", '<root>')
-    """
-    if not path:
-        return "<root>"
-    key = path_key(path)
-    return key if isinstance(key, str) else repr(key)
+    """The display form of a path: ``a/b/0``, a tuple when a key contains ``/``, or ``<root>``."""
+    return key_str(path_key(path)) if path else "<root>"
 
 
 def path_key(path: Path) -> str | Path:
-    """A path as a result's key: ``/``-joined, or the tuple when a key has ``/`` or is ``""``.
-
-    Example:
-        >>> from sharetree._paths import path_key
-        >>> path_key(("a", "b", "0")), path_key(("a/b", "c"))
-        ('a/b/0', ('a/b', 'c'))
-    """
+    """A path as a result's key: ``/``-joined, or the tuple when a key has ``/`` or is ``""``."""
     return path if any("/" in k or not k for k in path) else "/".join(path)
 
 
 def key_str(key: str | Path) -> str:
-    """The display form of a result's key (:func:`path_key`): the string, or the tuple's repr.
-
-    Example:
-        >>> from sharetree._paths import key_str
-        >>> key_str("a/b"), key_str(("a/b", "c"))
-        ('a/b', "('a/b', 'c')")
-    """
-    return key if isinstance(key, str) else path_str(tuple(key))
+    """The display form of a result's key (:func:`path_key`): the string, or the tuple's repr."""
+    if isinstance(key, str):
+        return key
+    return repr(tuple(key)) if key else "<root>"
 
 
 def key_name(key: Any) -> str:
-    """The name of one ``jax.tree_util`` key entry, as ``jtu.keystr((key,), simple=True)``.
-
-    The three common key classes are read directly (this runs once per leaf
-    when a structure is first resolved); any other key goes through ``keystr``.
-
-    Example:
-        >>> import jax.tree_util as jtu
-        >>> from sharetree._paths import key_name
-        >>> key_name(jtu.DictKey("w")), key_name(jtu.SequenceKey(3)), key_name(jtu.GetAttrKey("b"))
-        ('w', '3', 'b')
-    """
+    """The name of one key entry, as ``jtu.keystr((key,), simple=True)`` (common keys read fast)."""
     kind = type(key)
     if kind is jtu.DictKey:
         return str(key.key)
@@ -159,26 +120,16 @@ def keypath_to_path(keypath: Sequence[Any]) -> Path:
 def leaves_with_paths(
     tree: Any, is_leaf: Callable[[Any], bool] | None = None
 ) -> list[tuple[Path, Any]]:
-    """Every leaf of ``tree`` with its path, in flatten order (``is_leaf`` as in ``jax.tree_util``).
-
-    Example:
-        >>> from sharetree._paths import leaves_with_paths
-        >>> leaves_with_paths({"a": [1.0, 2.0], "b": None, "c": (3.0,)})
-        [(('a', '0'), 1.0), (('a', '1'), 2.0), (('c', '0'), 3.0)]
-        >>> leaves_with_paths({"a": (1.0, 2.0)}, is_leaf=lambda x: isinstance(x, tuple))
-        [(('a',), (1.0, 2.0))]
-    """
+    """Every leaf of ``tree`` with its path, in flatten order (``is_leaf`` as in JAX)."""
     if is_leaf is not None:
         check_flattens(tree)  # first without a callback (see check_flattens)
     return [(keypath_to_path(kp), x) for kp, x in jtu.tree_leaves_with_path(tree, is_leaf)]
 
 
 def check_flattens(tree: Any) -> None:
-    """Raise the :class:`TieError` of :func:`flatten_error` if ``jax.tree_util`` cannot flatten it.
+    """Raise :func:`flatten_error`'s TieError if JAX cannot flatten ``tree``.
 
-    Call it before a flatten with a Python ``is_leaf`` on a user's tree: JAX's
-    flatten of a tree too deep for it raises cleanly without a callback, but
-    with one it can leave the interpreter's recursion count exhausted.
+    Call it before a flatten with a Python ``is_leaf``, which can exhaust the recursion count.
     """
     with flattening(tree):
         jtu.tree_structure(tree)
@@ -186,11 +137,7 @@ def check_flattens(tree: Any) -> None:
 
 @contextlib.contextmanager
 def flattening(tree: Any) -> Iterator[None]:
-    """A block in which a failed flatten of ``tree`` becomes :func:`flatten_error`'s TieError.
-
-    The TieError is chained to JAX's error; other errors, a ``TieError`` among
-    them, pass as they are.
-    """
+    """A block in which a failed flatten of ``tree`` becomes :func:`flatten_error`'s TieError."""
     try:
         yield
     except (RecursionError, SystemError, ValueError) as e:  # too deep, or unsortable dict keys
@@ -199,28 +146,11 @@ def flattening(tree: Any) -> Iterator[None]:
         raise err from e
 
 
-FLATTEN_DEPTH = 500
-"""Nesting depth from which :func:`flatten_error` blames a failed flatten on the depth.
-
-``jax.tree_util`` flattens recursively and fails at about 1,000 levels (Python's
-recursion limit)."""
+FLATTEN_DEPTH = 500  # from here a failed flatten is blamed on the depth (JAX fails near 1,000)
 
 
 def flatten_error(tree: Any, err: BaseException) -> TieError | None:
-    """The :class:`TieError` for a tree that ``jax.tree_util`` failed to flatten with ``err``.
-
-    Walks the tree iteratively (only after a failure) for the two causes JAX
-    reports without a path: a dict whose keys cannot be sorted (``0`` and
-    ``"0"``, ``None`` and a string) and nesting deeper than JAX can recurse.
-    ``None`` when neither is found (the caller re-raises ``err``).
-
-    Example:
-        >>> import jax
-        >>> from sharetree._paths import flatten_error
-        >>> tree = {"a": {0: 1.0, "0": 2.0}}
-        >>> print(flatten_error(tree, ValueError("sorting failed")))  # doctest: +ELLIPSIS
-        the dict at 'a' has keys that cannot be sorted (0 and '0': int and str)...
-    """
+    """The TieError saying where JAX's ``err`` came from (unsortable keys, depth), or ``None``."""
     stack: list[tuple[Path, Any]] = [((), tree)]
     while stack:
         path, x = stack.pop()
@@ -266,14 +196,7 @@ def node_paths(positions: Iterable[Path]) -> set[Path]:
 
 
 def is_array_leaf(x: Any) -> bool:
-    """Whether a transform applies to ``x``: arrays, tracers and numbers; not bools or strings.
-
-    Example:
-        >>> import numpy as np
-        >>> from sharetree._paths import is_array_leaf
-        >>> [is_array_leaf(x) for x in (np.ones(2), np.float32(1), 2.0, True, "s", None)]
-        [True, True, True, False, False, False]
-    """
+    """Whether a transform applies to ``x``: arrays, tracers and numbers; not bools or strings."""
     if isinstance(x, (bool, np.bool_)):
         return False
     return isinstance(x, (jax.Array, np.ndarray, np.generic, float, int, complex))
@@ -291,14 +214,7 @@ def aval_of(x: Any) -> jax.ShapeDtypeStruct | None:
 
 
 def format_aval(aval: Any) -> str:
-    """``float32[2, 3]`` for a shape/dtype (or an array), ``static`` for anything else.
-
-    Example:
-        >>> import numpy as np
-        >>> from sharetree._paths import format_aval
-        >>> format_aval(np.zeros((2, 3), np.float32)), format_aval(None)
-        ('float32[2, 3]', 'static')
-    """
+    """``float32[2, 3]`` for a shape/dtype (or an array), ``static`` for anything else."""
     aval = aval_of(aval)
     if aval is None:
         return "static"
@@ -311,13 +227,7 @@ def aval_nbytes(aval: jax.ShapeDtypeStruct | None) -> int:
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> str:
-    """A ``closest existing path(s): ...`` hint listing the candidates closest to ``name``.
-
-    Example:
-        >>> from sharetree._paths import closest
-        >>> closest("encoder/kernal", ["encoder/kernel", "decoder/bias"], n=1)
-        "closest existing path(s): 'encoder/kernel'"
-    """
+    """A ``closest existing path(s): ...`` hint listing the candidates closest to ``name``."""
     matches = difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.0)
     if not matches:
         return "the tree has no paths at all"

@@ -1,4 +1,4 @@
-"""Sharding trees from path patterns (the rules of ``_labels``): a ``NamedSharding`` per buffer."""
+"""Sharding trees from path patterns (the rules of ``_labels``)."""
 
 from __future__ import annotations
 
@@ -81,39 +81,16 @@ def shardings_by_path(
     default: PartitionSpec | None = None,
     strict: bool = True,
 ) -> Any:
-    """A tree of ``NamedSharding``, one per buffer, chosen by the first pattern that matches.
+    """A tree of ``NamedSharding`` (for ``jax.jit``, ``device_put``, Orbax): one per buffer.
 
-    The result has the canonical tree's structure: each buffer gets one
-    ``NamedSharding(mesh, spec)`` and each ``Tied`` stays a ``Tied`` (a view
-    is no array and gets no sharding of its own). Use it for ``jax.jit``'s
-    ``in_shardings`` / ``out_shardings``, ``jax.device_put`` and Orbax restore
-    targets (for optax state, ``optax.tree_map_params``: see
-    docs/saving_and_scaling.md). Patterns are those of
-    :func:`sharetree.label_by_path`; every spec is checked against its array
-    (see Raises).
-
-    Args:
-        tree: a canonical tree of arrays or ``jax.ShapeDtypeStruct`` (e.g.
-            ``jax.eval_shape(init, key)``).
-        mesh: the ``jax.sharding.Mesh`` the shardings live on.
-        rules: ``{pattern: PartitionSpec}`` (or ``(pattern, spec)`` pairs);
-            the first matching pattern wins.
-        default: the spec of a leaf that no pattern matches. Without it such a
-            leaf is an error.
-        strict: also require every pattern to match at least one leaf (catches
-            typos, and patterns that name only tied positions); a catch-all
-            ``"*"`` after more specific patterns is fine.
-
-    Returns:
-        The tree with each buffer replaced by its ``NamedSharding``.
+    Each buffer of ``tree`` (arrays or ``jax.eval_shape(init, key)``) gets
+    ``NamedSharding(mesh, spec)`` of its first matching ``{pattern: spec}`` rule
+    (or ``default``), patterns and ``strict`` as for :func:`sharetree.label_by_path`;
+    each ``Tied`` stays. Every spec is checked against its array.
 
     Raises:
-        TieError: a ``mesh`` that is no mesh, a leaf that no pattern matches
-            (and no ``default``), a pattern that matches nothing (with
-            ``strict``), a leaf that is no array, a spec naming a
-            mesh axis that does not exist, a spec with more entries than its
-            array has dimensions, or a dimension its mesh axes do not divide;
-            each names the path.
+        TieError: naming the path: no mesh, an unmatched leaf or unused pattern,
+            a leaf that is no array, or a spec that does not fit the mesh or array.
 
     Example:
         >>> import jax, numpy as np, sharetree as st

@@ -21,7 +21,6 @@ from sharetree._paths import (
     Path,
     TieMap,
     aval_of,
-    check_flattens,
     closest,
     format_aval,
     keypath_to_path,
@@ -62,45 +61,26 @@ def tie(
     check: bool = True,
     atol: float | None = None,
 ) -> Any:
-    """Replace the leaf or subtree at each target path with a ``Tied``.
-
-    The value at the ref wins: the replaced values are dropped, by default
-    without being compared (a fresh model's copies differ by construction).
-    When importing a checkpoint that stores a tied weight twice, pass ``atol``
-    so that nothing is lost; to keep the other copy instead, tie the other way
-    round.
+    """Replace the leaf or subtree at each target path with a ``Tied``; the ref's value wins.
 
     Args:
-        tree: a pytree (it may already contain ``Tied`` nodes).
+        tree: a pytree (``Tied`` nodes allowed).
         ties: ``{target: ref}`` or ``{target: Tied(ref, transform)}``; paths are
             ``"a/b/0"`` strings or tuples of keys.
-        check: also require every view to have exactly the shape and dtype
-            (and, for a subtree, the structure) of the value it replaces.
-        atol: ``None`` (default): do not compare values. A number: require
-            ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact
-            up to NaNs in the same places); bit-identical copies pass at once,
-            others are compared in float64; the arrays must be concrete (not
-            traced).
-
-    Returns:
-        The canonical tree; the replaced values are dropped (they are now views).
+        check: require each view to have the shape and dtype (and, for a
+            subtree, the structure) of the value it replaces.
+        atol: ``None``: drop the replaced values unseen. A number: require
+            ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact).
 
     Raises:
-        TieError: a target that does not exist (naming the closest path),
-            overlapping targets, a bad graph, with ``check`` a shape, dtype
-            or structure mismatch (showing both), and with ``atol`` two
-            copies that differ (naming both paths, the largest absolute
-            difference and how to choose which copy wins).
+        TieError: a missing target, overlapping targets, a bad graph, a
+            mismatch (with ``check``), or copies that differ beyond ``atol``.
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> w = np.ones((2, 3), np.float32)
-        >>> tree = {"enc": {"w": w}, "dec": {"w": np.zeros((3, 2), np.float32)}}
+        >>> tree = {"enc": {"w": np.ones((2, 3))}, "dec": {"w": np.zeros((3, 2))}}
         >>> st.tie(tree, {"dec/w": st.Tied("enc/w", st.T)})["dec"]
         {'w': Tied('enc/w', T)}
-        >>> sd = {"embed": np.arange(6.0).reshape(3, 2), "head": np.arange(6.0).reshape(3, 2)}
-        >>> st.tie(sd, {"head": "embed"}, atol=0.0)["head"]
-        Tied('embed')
     """
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
@@ -119,8 +99,7 @@ def tie(
         seen.add(path := keypath_to_path(kp))
         return path in new
 
-    check_flattens(tree)  # too deep, or unsortable dict keys: before a flatten with a callback
-    new = _from_the_root(tree, new)
+    new = _from_the_root(tree, new)  # checks first that the tree flattens
     out = jtu.tree_map_with_path(
         lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
     )
@@ -143,32 +122,21 @@ def tie(
 
 
 def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
-    """Each ref that names a node of ``tree`` from its root, written so that it names it.
+    """Each ref naming a node from the root, written by ``ref_to`` so that it names it.
 
-    Targets are paths from the root, and so are the refs beside them: a ref is written
-    with :func:`~sharetree._resolve.ref_to`, which keeps it as it is unless a subtree
-    holding the target has the same path (refs are looked up from there first). A ref
-    the root lacks is kept as written (a scoped ref, e.g. inside a train state).
+    A ref the root lacks, or one naming a node that holds the target, is kept (scoped).
     """
     nodes = node_paths(p for p, _ in leaves_with_paths(tree, is_leaf=is_tied))
     out = {}
     for target, t in new.items():
-        ref = ref_to(t.ref, target, nodes) if t.ref in nodes else t.ref
+        from_root = t.ref in nodes and target[: len(t.ref)] != t.ref
+        ref = ref_to(t.ref, target, nodes) if from_root else t.ref
         out[target] = t if ref == t.ref else Tied(ref, t.transform)
     return out
 
 
 def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
-    """``{target: ref or Tied}`` as ``{target path: Tied}``, each target once.
-
-    Raises:
-        TieError: a target or ref that is not a path, or two spellings of one target.
-
-    Example:
-        >>> from sharetree._tie import tie_entries
-        >>> tie_entries({"dec/w": "enc/w"})
-        {('dec', 'w'): Tied('enc/w')}
-    """
+    """``{target: ref or Tied}`` as ``{target path: Tied}``; a TieError for two spellings of one."""
     new: dict[Path, Tied] = {}
     for target, ref in ties.items():
         path = to_path(target, "tie target")
@@ -225,10 +193,7 @@ def _concrete(x: Any, where: str) -> np.ndarray:
 
 
 def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The elementwise ``|a - b|`` (NaN equals NaN here).
-
-    Arrays that are not numbers (strings, objects) are equal or infinitely far apart.
-    """
+    """The elementwise ``|a - b|``, NaN equal to NaN; non-numbers are 0 or inf apart."""
     if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
         return np.where(a == b, 0.0, np.inf)
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
@@ -241,10 +206,6 @@ def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def bit_equal(a: Any, b: Any) -> bool:
     """Whether two arrays have the same shape, dtype and bytes (one pass, no copies).
-
-    Bit-identical arrays are equal under any tolerance, so this is the fast
-    path of every comparison; arrays it rejects may still be equal as numbers
-    (``0.0`` and ``-0.0``, NaNs with different payloads).
 
     Example:
         >>> import numpy as np

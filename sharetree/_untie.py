@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import sys
 from collections.abc import Callable, Iterable
@@ -39,23 +38,23 @@ _BOX_RENAMERS: list[BoxRenamer] = []
 
 
 def register_box_renamer(rename: BoxRenamer) -> None:
-    """Register ``rename(canonical, expanded, where)``, which gives copied boxes the view's names.
-
-    An integration whose containers carry per-axis metadata (``sharetree.flax``:
-    partition boxes) registers one when imported; ``untie`` and ``untie_state``
-    pass their untied copies through it, so an untied box is named as
-    ``materialize`` of that integration names it.
-    """
+    """Register ``rename(canonical, expanded, where)``, giving untied boxes the view's names."""
     if rename not in _BOX_RENAMERS:
         _BOX_RENAMERS.append(rename)
 
 
-def _renamed(canonical: PyTree, expanded: PyTree, where: str) -> PyTree:
-    """``expanded`` through every registered box renamer."""
-    if "flax" in sys.modules and "sharetree.flax" not in sys.modules:
-        # a tree may hold Flax partition boxes without sharetree.flax imported:
-        # import it (by name, it is a higher layer) so that its renamer is registered
-        importlib.import_module("sharetree.flax")
+def _renamed(canonical: PyTree, expanded: PyTree, at: set[Path], where: str) -> PyTree:
+    """``expanded`` through every registered box renamer; an untied Flax box needs one."""
+    meta = sys.modules.get("flax.core.meta")  # a tree holds no Flax boxes unless Flax is loaded
+    if meta is not None and not _BOX_RENAMERS:
+        is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+        for path, x in leaves_with_paths(expanded, is_box):
+            if is_box(x) and any(p in at for p in prefixes(path)):
+                raise TieError(
+                    f"{where}: the untied view {path_str(path)!r} is a copy of a Flax partition "
+                    "box, whose axis names only sharetree.flax can move to the view. "
+                    f"Fix: import sharetree.flax before calling {where}."
+                )
     for rename in _BOX_RENAMERS:
         expanded = rename(canonical, expanded, where)
     return expanded
@@ -102,34 +101,21 @@ def _untie_positions(tree: PyTree, at: set[Path], where: str, values: PyTree = N
 
     # the tree, with its ties as leaves, is a prefix of the materialized tree
     values = materialize(tree) if values is None else values
-    values = _renamed(tree, values, where)
+    values = _renamed(tree, values, at, where)
     return jtu.tree_map_with_path(replace, tree, values, is_leaf=is_tied)
 
 
 def untie(tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None) -> PyTree:
-    """Replace ``Tied`` nodes by independent copies of their values.
+    """Replace ``Tied`` nodes by independent copies of their materialized values.
 
-    Each chosen ``Tied`` becomes its materialized value (a leaf or a
-    subtree): new buffers, which training moves on their own. Nothing else
-    changes: the other ``Tied`` nodes keep their refs (one whose ref passes
-    through an untied position now follows the new buffer there, with the
-    same value). ``st.tie`` with the same ``Tied`` nodes is the inverse (see
-    the example); carry an optimizer state over with :func:`untie_state`.
-
-    Args:
-        tree: a canonical tree.
-        paths: ``None`` (every tie), one path, or a list of paths; a path
-            is ``"dec/kernel"`` or a tuple of keys (so a tuple is one path,
-            a list is several), the position of a ``Tied`` or of a subtree
-            holding some.
-
-    Returns:
-        The canonical tree with the chosen ties replaced by arrays.
+    ``paths``: ``None`` (every tie), one path (a str or a tuple of keys) or a list
+    of paths, each a ``Tied`` position or a subtree holding some. ``st.tie`` with
+    the same ``Tied`` nodes is the inverse; :func:`untie_state` carries an
+    optimizer state over.
 
     Raises:
-        TieError: a path that is neither a ``Tied`` nor above one (naming
-            the closest tie positions), a path inside a subtree view, or a
-            bad graph (as for :func:`materialize`).
+        TieError: a path that is neither a ``Tied`` nor above one, a path
+            inside a subtree view, or a bad graph.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -151,11 +137,7 @@ def _move_state(t: Transform, state: Any) -> Any:
 
 
 def _top(x: Any) -> Any:
-    """The structure of ``x`` one level deep when its children are named, else ``None``.
-
-    Only containers with named children (dicts, named tuples, dataclasses) count:
-    a plain tuple of two states looks like any tuple of two parameters.
-    """
+    """``x``'s structure one level deep if its children are named (a plain tuple: ``None``)."""
     children, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
     named = any(kp and not isinstance(kp[0], jtu.SequenceKey) for kp, _ in children)
     return treedef if named else None
@@ -185,43 +167,13 @@ def _first_difference(part: Any, tree: PyTree) -> str:
 def untie_state(
     opt_state: PyTree, tree: PyTree, paths: PathLike | Iterable[PathLike] | None = None
 ) -> PyTree:
-    """Untie an optimizer state the way :func:`untie` unties ``tree``.
+    """The optimizer state for ``st.untie(tree, paths)``, made from ``opt_state`` for ``tree``.
 
-    Every part of ``opt_state`` with the structure of ``tree`` (same
-    containers, same ``Tied`` nodes in the same places: Adam's ``mu`` and
-    ``nu``, a momentum trace) is untied like the tree, so each new buffer
-    starts with a copy of its shared buffer's moments, moved through the
-    view, as its transform's ``state_view()`` says: copied as they are for an
-    identity view, transposed for a ``T`` view, reshaped for a ``reshape``
-    view, the part for a ``slice`` or ``index`` view. The other parts
-    (``count``, empty states) are kept as they are, and a state with no
-    parameter-shaped part (plain SGD) comes back unchanged. Call it with the
-    tree *before* untying::
-
-        new_params = st.untie(params, paths)
-        new_state = st.untie_state(opt_state, params, paths)
-
-    Only views whose transform declares a :meth:`~sharetree.Transform.state_view`
-    are accepted (the built-ins that move or select elements, and chains of
-    them): through ``scale``, ``astype`` or ``fn`` a first and a second moment
-    would change differently (the error says why); for those, initialize a
-    fresh state for the untied tree.
-
-    Args:
-        opt_state: an optimizer state made by ``optimizer.init(tree)`` (any
-            pytree: optax's tuples and named tuples of states).
-        tree: the canonical tree the state belongs to.
-        paths: as for :func:`untie`.
-
-    Returns:
-        The optimizer state for ``st.untie(tree, paths)``.
-
-    Raises:
-        TieError: a chosen view whose transform declares no ``state_view``
-            (naming it); a part of the state shaped like ``tree`` at the top
-            but different below (naming the state's path and the first
-            position that differs), or whose leaves differ in shape from the
-            tree's buffers; bad paths (as for :func:`untie`).
+    Each part of the state shaped like ``tree`` (Adam's ``mu`` and ``nu``) is
+    untied like it: a new buffer starts from its buffer's moments moved by the
+    transform's :meth:`~sharetree.Transform.state_view` (transposed for ``T``;
+    a TieError where there is none, as for ``scale``). Other parts (``count``)
+    are kept. Pass the tree *before* untying.
 
     Example:
         >>> import jax.numpy as jnp, optax, sharetree as st
