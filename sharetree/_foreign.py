@@ -336,12 +336,7 @@ def _differ(a: jax.Array, b: jax.Array, atol: float) -> tuple[jax.Array, jax.Arr
 
 
 def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
-    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them.
-
-    Example:
-        >>> metadata_ties({"format": "pt", "head": "emb"}, {"emb"})
-        {'head': 'emb'}
-    """
+    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them."""
     return {k: v for k, v in metadata.items() if k not in names and v in names}
 
 
@@ -362,22 +357,13 @@ def load_foreign(
     shardings: Any = None,
     reader: Reader | None = None,
 ) -> dict[str, Any]:
-    """Load a safetensors file or directory that sharetree did not write, with a warning.
+    """Load a safetensors file or ``save_pretrained`` directory that sharetree did not write.
 
-    See "Importing Hugging Face checkpoints" in ``docs/saving_and_scaling.md``.
-
-    Args:
-        path: the file, or a ``save_pretrained`` directory.
-        like: must be ``None``: a flat state dict has no tree to check against.
-        ties: ``{target: ref}`` of tensor names, a ref given as a name or as
-            ``st.Tied(name, transform)``; or ``None``.
-        atol: how far a present target may differ from its ref (``None``:
-            bit for bit); only with ``ties``.
-        shardings: as for :func:`sharetree.load` (``None``: on the host).
-        reader: the file's :class:`Reader`, if it is already open.
-
-    Returns:
-        The canonical flat dict ``{tensor name: array or Tied}``, sorted by name.
+    Returns the canonical flat dict ``{tensor name: array or Tied}`` sorted by
+    name, with a warning. ``ties`` (refs may be ``st.Tied(name, transform)``),
+    ``atol`` and ``shardings`` are as for :func:`sharetree.load`; ``like``
+    must be ``None``; ``reader``: the file's, if open. See "Importing Hugging
+    Face checkpoints" in ``docs/saving_and_scaling.md``.
 
     Example:
         >>> import os, tempfile, warnings, numpy as np

@@ -331,12 +331,9 @@ def save(
         >>> import os, tempfile, numpy as np, sharetree as st
         >>> tree = {"emb": np.arange(6.0).reshape(3, 2), "head": st.Tied("emb", st.T)}
         >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-        >>> st.save(path, tree, metadata={"format": "np"})
+        >>> st.save(path, tree)
         >>> st.load(path)["head"]
         Tied('emb', T)
-        >>> from sharetree._io import read_metadata
-        >>> read_metadata(path)
-        {'format': 'np'}
     """
     path = file_path(path, "save")
     if os.path.isdir(path) or path.endswith(("/", os.sep)):

@@ -61,12 +61,7 @@ def one_line(e: BaseException) -> str:
 
 
 def file_path(path: Any, verb: str) -> str:
-    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``; a :class:`TieError` if none.
-
-    Example:
-        >>> file_path(b"m.safetensors", "load")
-        'm.safetensors'
-    """
+    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``, else a :class:`TieError`."""
     try:
         text = os.fsdecode(path)
     except TypeError:
@@ -112,8 +107,7 @@ class TensorInfo(NamedTuple):
     def nbytes(self) -> int:
         """Bytes of its data (0 for a dtype code sharetree does not know)."""
         name = _CODES.get(self.code)
-        size = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-        return 0 if name is None else size * jnp.dtype(name).itemsize
+        return 0 if name is None else math.prod(self.shape) * jnp.dtype(name).itemsize
 
 
 Index = tuple[slice, ...]
@@ -127,11 +121,8 @@ class Reader:
         >>> import os, tempfile, numpy as np
         >>> from safetensors.numpy import save_file
         >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path, metadata={"format": "np"})
-        >>> r = Reader(path)
-        >>> r.metadata, r.infos["w"]
-        ({'format': 'np'}, TensorInfo(name='w', code='F64', shape=(2, 3)))
-        >>> r.read("w", (slice(0, 2), slice(1, 2)))
+        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path)
+        >>> Reader(path).read("w", (slice(0, 2), slice(1, 2)))
         array([[1.],
                [4.]])
     """
@@ -210,9 +201,7 @@ class Reader:
         except Exception as e:  # a dtype numpy lacks (float8), or damaged data
             cause = e
         try:  # from its bytes: the offsets come from the header (the library validated them)
-            start, end = (int(v) for v in self._header[name]["data_offsets"])
-            if end - start != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{end - start} bytes do not hold {dtype.name}{list(shape)}")
+            start = int(self._header[name]["data_offsets"][0])
             whole = np.memmap(self.path, dtype, "r", self._data_start + start, shape or (1,))
             return np.array(whole.reshape(shape)[index])
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -256,16 +245,6 @@ class Tensor(Pending):
 
     ``axes``: the stored tensor transposed by these axes, each part as it is
     read. ``view``: the stored ``uint8`` tensor holds this array's raw bytes.
-
-    Example:
-        >>> import os, tempfile, numpy as np
-        >>> from safetensors.numpy import save_file
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path)
-        >>> t = Tensor(Reader(path), "w", (3, 2), np.dtype("float64"), axes=(1, 0))
-        >>> t.read((slice(1, 3), slice(0, 2)))
-        array([[1., 4.],
-               [2., 5.]])
     """
 
     reader: Reader
@@ -386,18 +365,7 @@ def _only(paths: Any, other: Any) -> Any:
 
 
 def check_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
-    """A :class:`TieError` unless ``sharding`` splits ``shape`` into equal shards.
-
-    Example:
-        >>> import jax
-        >>> from jax.sharding import NamedSharding, PartitionSpec as P
-        >>> mesh = jax.make_mesh((1,), ("model",))
-        >>> check_fits("emb", (3, 2), NamedSharding(mesh, P("model")))
-        >>> check_fits("emb", (3,), NamedSharding(mesh, P(None, "model")))
-        Traceback (most recent call last):
-        ...
-        sharetree._errors.TieError: load: the sharding at 'emb' does not fit its buffer ...
-    """
+    """A :class:`TieError` unless ``sharding`` splits ``shape`` into equal shards."""
     try:
         if (rank := getattr(sharding, "check_compatible_aval", None)) is not None:
             rank(shape)  # more spec entries than the array has axes
@@ -440,17 +408,7 @@ def _create_temp(directory: str, base: str) -> str:
 def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write a safetensors file to a temporary file beside ``path``, then rename it over ``path``.
 
-    A new file gets the umask's mode (applied by the kernel; the umask is never
-    changed), a replaced file keeps its mode.
-
-    Example:
-        >>> import os, stat, tempfile, numpy as np
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> atomic_write(path, {"w": np.ones(2)}, {})
-        >>> os.chmod(path, 0o600)
-        >>> atomic_write(path, {"w": np.zeros(2)}, {})
-        >>> oct(stat.S_IMODE(os.stat(path).st_mode))
-        '0o600'
+    A new file gets the umask's mode, a replaced file keeps its mode.
     """
     target = os.path.realpath(path)  # through a symlink: the link stays, its target is replaced
     directory = os.path.dirname(target)
