@@ -392,16 +392,7 @@ def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str
 
 
 def read_metadata(path: PathOrStr) -> dict[str, str]:
-    """The metadata entries of a safetensors file other than sharetree's own (``sharetree.*``).
-
-    Example:
-        >>> import os, tempfile, numpy as np, sharetree as st
-        >>> from sharetree._io import read_metadata
-        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
-        >>> st.save(path, {"w": np.ones(2)}, metadata={"format": "pt"})
-        >>> read_metadata(path)
-        {'format': 'pt'}
-    """
+    """The metadata entries of a safetensors file other than sharetree's own (``sharetree.*``)."""
     meta = Reader(file_path(path, "read_metadata"), "read_metadata").metadata
     return {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
 
@@ -511,10 +502,8 @@ def load(
 class _Builder:
     """Rebuilds a canonical tree from a file's JSON structure, trusting none of it.
 
-    Buffers become :class:`_Buffer` leaves (``lazy``, for load) or
-    ``jax.ShapeDtypeStruct`` leaves (describe). A node's fields are read by
-    indexing (a missing one is named by :meth:`build`); ``Tied`` checks a ref,
-    ``transform_from_spec`` a spec, and every error names the file, path and field.
+    Buffers become :class:`_Buffer` leaves (``lazy``) or ``jax.ShapeDtypeStruct``
+    leaves; every error names the file, the node's path and the field.
     """
 
     def __init__(
