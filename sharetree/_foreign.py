@@ -1,8 +1,4 @@
-"""Loading safetensors files that sharetree did not write (PyTorch / Hugging Face checkpoints).
-
-Such a file is a flat state dict whose ties come from its own metadata and the
-caller's ``ties=`` (see :func:`load_foreign`).
-"""
+"""Loading safetensors files that sharetree did not write (PyTorch / Hugging Face checkpoints)."""
 
 from __future__ import annotations
 
@@ -90,9 +86,7 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
 def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
     """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory), headers read.
 
-    A sharded checkpoint's index is checked against its shards: every tensor in
-    its shard, once; no tensor the index does not list. ``reader``: the file's,
-    already open.
+    A sharded checkpoint's index is checked against its shards. ``reader``: the file's, if open.
     """
     if not os.path.isdir(path):
         return [Reader(path) if reader is None else reader]
@@ -207,11 +201,7 @@ def _apply_ties(
     file_ties: dict[str, str],
     asked: dict[str, Tied],
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The canonical flat dict (its buffers not read yet), and the targets to compare by value.
-
-    Only shapes and dtypes are checked here; the targets the file holds as
-    well as their refs are returned, to be compared once buffers are read.
-    """
+    """The canonical flat dict (its buffers not read yet), and the targets to compare by value."""
     tree: dict[str, Any] = dict(tensors)
     for dropped, kept in file_ties.items():
         tree[dropped] = tensors[kept]  # the file says: the same values
@@ -259,11 +249,7 @@ def _apply_ties(
 
 
 def _moved(x: Pending, back: Transform) -> Pending:
-    """``back`` of the tensor ``x``: the buffer of a ref that the file stores as its tie's target.
-
-    An axis permutation (``T``, ``transpose``) is read part by part, each part
-    transposed as it is read; any other inverse is computed on the host.
-    """
+    """``back`` of ``x``: the buffer of a ref stored as its target (a permutation read lazily)."""
     if back is identity:
         return x
     n = len(x.shape)
@@ -297,13 +283,9 @@ class _Computed(Pending):
 def _compare(
     label: str, tree: dict[str, Any], copies: dict[str, Tensor], asked: dict[str, Tied], atol: float
 ) -> None:
-    """Each copy the file holds against the view that replaces it (its ref's buffer, placed).
+    """Each copy the file holds against the view that replaces it (on the buffer's devices).
 
-    On the host (the buffer is a NumPy array) this is :func:`sharetree.tie`'s
-    check. Placed buffers are compared on their devices: the view is computed
-    there, the copy is read onto the view's sharding (each process its share)
-    and the largest difference is reduced over every device, so every process
-    raises the same error or none.
+    Placed, each process reads its share and all raise the same error or none.
     """
     leaves, structure = leaves_and_structure(tree)
     for leaf in structure.expanded:
@@ -354,12 +336,7 @@ def _differ(a: jax.Array, b: jax.Array, atol: float) -> tuple[jax.Array, jax.Arr
 
 
 def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
-    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them.
-
-    Example:
-        >>> metadata_ties({"format": "pt", "head": "emb"}, {"emb"})
-        {'head': 'emb'}
-    """
+    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them."""
     return {k: v for k, v in metadata.items() if k not in names and v in names}
 
 
@@ -371,10 +348,6 @@ def _tensor(reader: Reader, name: str) -> Tensor:
     return Tensor(reader, name, info.shape, np.dtype(jnp.dtype(_CODES[info.code])))
 
 
-def _describe(ties: Mapping[str, str]) -> str:
-    return ", ".join(f"{k!r} <- {v!r}" for k, v in ties.items())
-
-
 def load_foreign(
     path: str,
     *,
@@ -384,42 +357,13 @@ def load_foreign(
     shardings: Any = None,
     reader: Reader | None = None,
 ) -> dict[str, Any]:
-    """Load a safetensors file or directory that sharetree did not write.
+    """Load a safetensors file or ``save_pretrained`` directory that sharetree did not write.
 
-    The result is the flat state dict ``{tensor name: array}`` (a path is one
-    tensor name, dots and ``/`` included) with ties as ``Tied`` nodes (a
-    canonical tree), always with a ``UserWarning`` saying the file was foreign
-    and which ties were restored. ``path`` may be a ``save_pretrained``
-    directory (one file or a sharded index); every tensor is read once, and
-    with ``shardings`` each process reads only its shards. The
-    ties the file's metadata records (``safetensors.torch.save_model`` writes
-    ``{dropped: kept}``) are restored unasked; each ``ties`` target absent
-    from the file becomes ``Tied(ref)``, a present one must equal its ref
-    (copies that differ are an error naming both), and a file holding only the
-    target has its buffer moved to the ref. See "Importing Hugging Face
-    checkpoints" in ``docs/saving_and_scaling.md``.
-
-    Args:
-        path: the file or directory.
-        like: must be ``None``: a flat state dict has no tree to check against.
-        ties: ``{target: ref}`` of tensor names, a ref given as a name or as
-            ``st.Tied(name, transform)`` (e.g. q, k and v as ``st.slice`` views
-            of a fused ``c_attn``); or ``None``.
-        atol: ``None`` or ``0.0``: tied copies must be bit-identical (up to
-            NaNs in the same places); a number: their largest absolute
-            difference. Only with ``ties``.
-        shardings: as for :func:`sharetree.load` (``None``: on the host).
-        reader: the file's :class:`Reader`, if it is already open.
-
-    Returns:
-        The canonical flat dict, sorted by tensor name.
-
-    Raises:
-        TieError: an unreadable file, a directory without a checkpoint, a bad
-            shard index (a missing shard, a tensor listed twice or in no
-            shard, a shard outside the directory), ``like`` given, ``atol``
-            without ``ties``, ties that are not tensor names, copies that
-            differ, a tie whose ref and target are both absent.
+    Returns the canonical flat dict ``{tensor name: array or Tied}`` sorted by
+    name, with a warning. ``ties`` (refs may be ``st.Tied(name, transform)``),
+    ``atol`` and ``shardings`` are as for :func:`sharetree.load`; ``like``
+    must be ``None``; ``reader``: the file's, if open. See "Importing Hugging
+    Face checkpoints" in ``docs/saving_and_scaling.md``.
 
     Example:
         >>> import os, tempfile, warnings, numpy as np
@@ -455,7 +399,8 @@ def load_foreign(
     n = f"{len(readers)} files" if len(readers) > 1 else "one file"
     said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
     if file_ties:
-        said += f"; restored the ties its safetensors metadata records: {_describe(file_ties)}"
+        shown = ", ".join(f"{k!r} <- {v!r}" for k, v in file_ties.items())
+        said += f"; restored the ties its safetensors metadata records: {shown}"
     if asked:
         shown = ", ".join(
             f"{k!r} <- {t.ref[0]!r}" + ("" if t.transform == identity else f" ({t.transform!r})")

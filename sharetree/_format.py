@@ -1,9 +1,4 @@
-"""The names and numbers of the sharetree file format: its versions and metadata keys.
-
-``_io`` writes and reads the format (specified in ``docs/saving_and_scaling.md``,
-"The file format"); ``_foreign`` tells its files from other tools' by
-``KEY_VERSION``. ``sharetree.__version__`` is defined here, as every file records it.
-"""
+"""The names and numbers of the sharetree file format (``docs/saving_and_scaling.md``)."""
 
 from __future__ import annotations
 
@@ -11,11 +6,7 @@ __all__ = ["FORMAT_VERSION", "KEY_LIBRARY", "KEY_TREE", "KEY_VERSION", "LIBRARY_
 
 LIBRARY_VERSION = "0.1.0.dev0"  # sharetree.__version__, written into every file
 FORMAT_VERSION = 2
-"""The newest file format version: ``load`` reads versions up to it.
-
-``save`` writes version 1 unless the tree holds a typed PRNG key array, so that
-files without keys stay readable by every version-1 reader (see the file format).
-"""
+"""The newest file format version: ``load`` reads versions up to it."""
 
 PREFIX = "sharetree."  # of sharetree's own metadata keys (refused in save(metadata=))
 KEY_VERSION = PREFIX + "format_version"  # marks a file st.save wrote: its format version

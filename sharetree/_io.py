@@ -1,10 +1,6 @@
 """``save`` / ``load``: one safetensors file per canonical tree, each buffer once.
 
-The file format (tensor names, the ``sharetree.*`` metadata keys, the JSON of
-the tree, the limits a reader enforces) is specified in one place:
-``docs/saving_and_scaling.md``, section "The file format". Reading a file
-never imports or calls anything it names: ``st.fn`` transforms are restored
-only from the ``functions`` the caller passes in.
+The format is specified in ``docs/saving_and_scaling.md`` ("The file format").
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import jax
@@ -43,6 +39,7 @@ from sharetree._safetensors import (
     Reader,
     Tensor,
     TensorInfo,
+    _only,
     atomic_write,
     file_path,
     one_line,
@@ -188,7 +185,7 @@ class _Writer:
             _check_int(x, path, "the leaf")
             value = [x.real, x.imag] if kind is complex else x
             return {"t": "value", "type": kind.__name__, "value": value}
-        elif _is_array(x):
+        elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
             return self.array(x, path)
         elif hasattr(x, "shape") and hasattr(x, "dtype"):  # a static would drop its values
             raise TieError(
@@ -312,39 +309,31 @@ def save(
 ) -> None:
     """Write a canonical tree to one safetensors file, each buffer stored once.
 
-    The file holds one tensor per buffer and, in its metadata, the tree's
-    structure, its ties and Python leaves; leaves no file can hold (an Equinox
-    module's functions) are recorded by type and taken from :func:`load`'s
-    ``like``. The format is specified in ``docs/saving_and_scaling.md``. Every
-    check runs before anything is written, and the write is atomic
-    (:func:`sharetree._safetensors.atomic_write`).
+    Every check runs before anything is written, and the write is atomic.
+    Details: ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
         tree: a canonical tree (any pytree; NumPy or JAX arrays).
-        metadata: extra ``str -> str`` entries (such as ``{"format": "pt"}``;
-            ``sharetree.*`` keys are reserved), read back by :func:`read_metadata`.
+        metadata: extra ``str -> str`` entries (``sharetree.*`` keys are
+            reserved), read back by :func:`read_metadata`.
         gather: ``True`` gathers buffers sharded over several processes and
-            process 0 writes, so **every process must call** ``save``; on
-            several processes it ends with a barrier, so that every process
-            returns once the file exists (any of them may read it next).
-            ``False`` (default) makes such a buffer an error.
+            process 0 writes, so **every process must call** ``save``; every
+            process returns once the file exists. ``False``: such a buffer
+            is an error.
 
     Raises:
-        TieError: any tree, argument or path that cannot be saved (the list is
-            in ``docs/saving_and_scaling.md``, "Errors"); nothing is written.
+        TieError: any tree, argument or path that cannot be saved; nothing is
+            written.
         OSError: the file cannot be written (a previous file is kept).
 
     Example:
         >>> import os, tempfile, numpy as np, sharetree as st
         >>> tree = {"emb": np.arange(6.0).reshape(3, 2), "head": st.Tied("emb", st.T)}
         >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-        >>> st.save(path, tree, metadata={"format": "np"})
+        >>> st.save(path, tree)
         >>> st.load(path)["head"]
         Tied('emb', T)
-        >>> from sharetree._io import read_metadata
-        >>> read_metadata(path)
-        {'format': 'np'}
     """
     path = file_path(path, "save")
     if os.path.isdir(path) or path.endswith(("/", os.sep)):
@@ -374,18 +363,14 @@ def save(
         KEY_LIBRARY: LIBRARY_VERSION,
         KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    if writer.gather and jax.process_count() > 1:
-        # process 0 writes; every process returns only once the file is there (a barrier),
-        # so any process may read it next. The barrier is reached even if the write fails.
-        from jax.experimental import multihost_utils
+    try:
+        if jax.process_index() == 0:
+            _write(path, writer, meta, user)
+    finally:  # with gather, every process returns once the file is there (even if it failed)
+        if writer.gather and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
 
-        try:
-            if jax.process_index() == 0:
-                _write(path, writer, meta, user)
-        finally:
             multihost_utils.sync_global_devices(f"sharetree.save {path}")
-    elif jax.process_index() == 0:
-        _write(path, writer, meta, user)
 
 
 def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str]) -> None:
@@ -407,19 +392,7 @@ def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str
 
 
 def read_metadata(path: PathOrStr) -> dict[str, str]:
-    """The metadata entries of a safetensors file other than sharetree's own (``sharetree.*``).
-
-    These are the ``metadata`` passed to :func:`save` (or those of a file
-    another tool wrote). A file that cannot be read is a :class:`TieError`.
-
-    Example:
-        >>> import os, tempfile, numpy as np, sharetree as st
-        >>> from sharetree._io import read_metadata
-        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
-        >>> st.save(path, {"w": np.ones(2)}, metadata={"format": "pt"})
-        >>> read_metadata(path)
-        {'format': 'pt'}
-    """
+    """The metadata entries of a safetensors file other than sharetree's own (``sharetree.*``)."""
     meta = Reader(file_path(path, "read_metadata"), "read_metadata").metadata
     return {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
 
@@ -435,51 +408,39 @@ def load(
 ) -> Any:
     r"""Read a file written by :func:`save`: the canonical tree, every ``Tied`` back.
 
-    Buffers come back as NumPy arrays (typed PRNG keys as key arrays), or on
-    devices with ``shardings``. Loading never imports or calls anything the
-    file names: ``st.fn`` transforms are rebuilt only from ``functions``. A
-    file or directory that sharetree did not write (a PyTorch or Hugging Face
-    checkpoint) loads as a flat dict ``{tensor name: array}`` with a warning
-    (see :func:`sharetree._foreign.load_foreign`). No partial tree is ever
-    returned. Details: ``docs/saving_and_scaling.md``.
+    Buffers come back as NumPy arrays, or on devices with ``shardings``. A file
+    or directory that sharetree did not write (a PyTorch or Hugging Face
+    checkpoint) loads as a flat dict ``{tensor name: array}`` with a warning.
+    Nothing the file names is imported or called. Details:
+    ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file.
-        like: a template for pytree nodes other than dicts, lists, tuples and
-            ``None`` (Flax structs, Equinox modules): it must have the file's
-            paths, buffer shapes and dtypes and ties (its leaves may be
-            ``jax.ShapeDtypeStruct``); static fields and leaves no file holds
-            come from it. Without one, such nodes are rebuilt as dicts keyed by
-            their key names (same paths and ties), with a warning.
+        like: a template with the file's paths, buffer shapes, dtypes and ties
+            (leaves may be ``jax.ShapeDtypeStruct``) for pytree nodes other
+            than dicts, lists, tuples and ``None``, static fields and leaves
+            no file holds; without one, such nodes load as dicts (a warning).
         ties: ``{target: ref}`` for a file not written by sharetree.
-        atol: with ``ties``, a present target may differ from its ref by this
-            much (default: the copies must be equal bit for bit).
-        functions: ``{"module:qualname": function}`` for the file's ``st.fn``
-            transforms.
+        atol: with ``ties``, how far a present target may differ from its ref
+            (default: not at all, bit for bit).
+        functions: ``{"module:qualname": function}`` for ``st.fn`` transforms.
         shardings: a tree of ``jax.sharding.Sharding`` with the canonical
-            structure (``Tied`` positions ignored, ``None`` keeps a buffer on
-            the host); each buffer is placed with ``jax.device_put``.
-
-    Returns:
-        The canonical tree.
+            structure (``Tied`` positions ignored, ``None``: on the host).
 
     Raises:
         FileNotFoundError: the file does not exist (other ``OSError``\ s pass
             through too).
-        TieError: a bad argument, or anything wrong with the file (naming the
-            file and the path), a template or ``shardings`` that does not match.
+        TieError: a bad argument or file (naming the file and the path), a
+            template or ``shardings`` that does not match.
 
     Example:
-        >>> import os, tempfile, numpy as np, jax.numpy as jnp, sharetree as st
+        >>> import os, tempfile, numpy as np, sharetree as st
         >>> tree = {"enc": {"w": np.ones((2, 3))}, "dec": {"w": st.Tied("enc/w", st.T)}}
         >>> path = os.path.join(tempfile.mkdtemp(), "ae.safetensors")
         >>> st.save(path, tree)
         >>> back = st.load(path)
         >>> back["dec"]["w"], back["enc"]["w"].shape
         (Tied('enc/w', T), (2, 3))
-        >>> st.save(path, {"w": np.ones((2, 2)), "f": st.Tied("w", st.fn(jnp.flipud))})
-        >>> st.load(path, functions={"jax.numpy:flipud": jnp.flipud})["f"]
-        Tied('w', fn(flipud))
     """
     path = file_path(path, "load")
     if functions is not None and not isinstance(functions, Mapping):
@@ -541,16 +502,8 @@ def load(
 class _Builder:
     """Rebuilds a canonical tree from a file's JSON structure, trusting none of it.
 
-    ``tensors`` maps names to their :class:`TensorInfo`; buffers are
-    :class:`_Buffer` leaves that :func:`read_tree` reads later (``lazy``, for
-    load) or ``jax.ShapeDtypeStruct`` leaves (describe). A node's fields are read by
-    indexing (a missing one is named by :meth:`build`) and checked by what
-    consumes them: ``Tied`` checks a ref, ``transform_from_spec`` a spec, the
-    tensor's header (read by safetensors) a buffer's dtype and shape; only JSON
-    types are checked here. Every error names the file, the node's path and the
-    field. Recursion is bounded: ``json.loads`` stops at Python's recursion
-    limit (a ``RecursionError``, reported as a ``TieError``) and the tree at
-    ``MAX_DEPTH``.
+    Buffers become :class:`_Buffer` leaves (``lazy``) or ``jax.ShapeDtypeStruct``
+    leaves; every error names the file, the node's path and the field.
     """
 
     def __init__(
@@ -809,15 +762,6 @@ class _Buffer(Pending):
 
     def place(self, sharding: Any) -> jax.Array:
         return self.tensor.place(sharding, None if self.key is None else self._wrap)
-
-
-def _only(paths: Iterable[Path], other: Iterable[Path]) -> Any:
-    """The first five of ``paths`` not in ``other``, sorted and shown (``'none'`` if none)."""
-    return sorted(map(path_str, set(paths) - set(other)))[:5] or "none"
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, jax.Array))
 
 
 @dataclasses.dataclass(frozen=True)

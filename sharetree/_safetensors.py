@@ -1,8 +1,4 @@
-"""Reading and writing safetensors files: clear errors for damaged files, atomic saves.
-
-The file format sharetree writes is described in one place,
-``docs/saving_and_scaling.md`` ("The file format").
-"""
+"""Reading and writing safetensors files: clear errors for damaged files, atomic saves."""
 
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ NATIVE_CODES = {
     "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
-"""safetensors header dtype codes -> the dtype names ``st.save`` stores under their own code
-(every safetensors from the lowest supported on writes these; torch reads the float8 ones)."""
+"""safetensors dtype codes -> the dtype names ``st.save`` stores under their own code."""
 
 # every code the raw fallback reader knows: the native ones and float8 (which numpy lacks)
 _CODES = {
@@ -66,14 +61,7 @@ def one_line(e: BaseException) -> str:
 
 
 def file_path(path: Any, verb: str) -> str:
-    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``; a :class:`TieError` if none.
-
-    Example:
-        >>> import pathlib
-        >>> from sharetree._safetensors import file_path
-        >>> file_path(pathlib.Path("m.safetensors"), "load"), file_path(b"m", "load")
-        ('m.safetensors', 'm')
-    """
+    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``, else a :class:`TieError`."""
     try:
         text = os.fsdecode(path)
     except TypeError:
@@ -99,16 +87,7 @@ class DuplicateKey(ValueError):
 
 
 def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``object_pairs_hook`` of ``json.loads`` that refuses a key given twice (one would be lost).
-
-    Example:
-        >>> import json
-        >>> from sharetree._safetensors import unique_pairs
-        >>> json.loads('{"a": 1, "a": 2}', object_pairs_hook=unique_pairs)
-        Traceback (most recent call last):
-        ...
-        sharetree._safetensors.DuplicateKey: the key 'a' is given twice
-    """
+    """``object_pairs_hook`` of ``json.loads`` that refuses a key given twice."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
@@ -128,8 +107,7 @@ class TensorInfo(NamedTuple):
     def nbytes(self) -> int:
         """Bytes of its data (0 for a dtype code sharetree does not know)."""
         name = _CODES.get(self.code)
-        size = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-        return 0 if name is None else size * jnp.dtype(name).itemsize
+        return 0 if name is None else math.prod(self.shape) * jnp.dtype(name).itemsize
 
 
 Index = tuple[slice, ...]
@@ -137,23 +115,14 @@ Index = tuple[slice, ...]
 
 
 class Reader:
-    """The header of one safetensors file (metadata and tensor infos) and any part of its tensors.
-
-    Header and metadata are read by the safetensors library; a file it cannot
-    read (empty, truncated, another format) is a :class:`TieError`. The file
-    is opened once: :meth:`read` takes every tensor, or any part of one,
-    through that one handle.
+    """One safetensors file, opened once: its metadata, tensor infos and any part of a tensor.
 
     Example:
         >>> import os, tempfile, numpy as np
         >>> from safetensors.numpy import save_file
-        >>> from sharetree._safetensors import Reader
         >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path, metadata={"format": "np"})
-        >>> r = Reader(path)
-        >>> r.metadata, r.infos["w"]
-        ({'format': 'np'}, TensorInfo(name='w', code='F64', shape=(2, 3)))
-        >>> r.read("w", (slice(0, 2), slice(1, 2)))
+        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path)
+        >>> Reader(path).read("w", (slice(0, 2), slice(1, 2)))
         array([[1.],
                [4.]])
     """
@@ -175,12 +144,10 @@ class Reader:
                 header = raw.read(n) if n <= _MAX_HEADER else b""
             self._file = safe_open(path, framework="np")  # validates the header and offsets
             self._header = json.loads(header, object_pairs_hook=unique_pairs)
-            self.metadata: dict[str, str] = dict(self._file.metadata() or {})
-            self.infos: dict[str, TensorInfo] = {  # in the library's order
-                name: TensorInfo(
-                    name, str(self._header[name]["dtype"]), tuple(self._header[name]["shape"])
-                )
-                for name in self._file.keys()
+            self.metadata: dict[str, str] = self._header.pop("__metadata__", None) or {}
+            self.infos: dict[str, TensorInfo] = {  # sorted, as the library lists them
+                name: TensorInfo(name, h["dtype"], tuple(h["shape"]))
+                for name, h in sorted(self._header.items())
             }
         except DuplicateKey as e:  # the library keeps the last of two: a silent pick
             raise TieError(
@@ -208,14 +175,8 @@ class Reader:
     ) -> np.ndarray:
         """The tensor ``name``, or its part ``index``, as a NumPy array that owns its memory.
 
-        Only the bytes of that part are read (safetensors' ``get_slice``); a
-        part holding no element reads nothing.
-
-        Args:
-            name: a tensor of the file.
-            index: one ``slice`` (without step) per dimension; ``None``: all of it.
-            view: ``(dtype, shape)`` to read the bytes of a ``uint8`` tensor as
-                (a dtype safetensors has no code for, stored as raw bytes).
+        Only that part's bytes are read. ``view``: ``(dtype, shape)`` that the
+        bytes of a ``uint8`` tensor hold (a dtype without a safetensors code).
         """
         info, stored = self.infos[name], view is None
         if view is None:
@@ -229,46 +190,31 @@ class Reader:
             view = (jnp.dtype(code), info.shape)
         dtype, shape = view
         index = tuple(slice(0, n) for n in shape) if index is None else index
-        part = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+        part = _part_shape(index, shape)
         if 0 in part:
             return np.empty(part, dtype)
         cause: BaseException | None = None
-        if stored:  # under its own code: the library reads it
-            try:
-                if part == shape:
-                    a = self._file.get_tensor(name)
-                else:
-                    a = self._file.get_slice(name)[index]
-                return a if a.flags.writeable else np.array(a)  # read-only: the file's memory
-            except Exception as e:  # a dtype numpy lacks (float8), or damaged data
-                cause = e
-        return self._mapped(info, dtype, shape, index, cause)
-
-    def _mapped(
-        self,
-        info: TensorInfo,
-        dtype: np.dtype,
-        shape: tuple[int, ...],
-        index: Index,
-        cause: BaseException | None,
-    ) -> np.ndarray:
-        """A part of a tensor read from its bytes (a dtype the numpy backend lacks, raw bytes).
-
-        The library does not expose data offsets, so they come from the header
-        (validated by the library when the file was opened).
-        """
         try:
-            start, end = (int(v) for v in self._header[info.name]["data_offsets"])
-            if end - start != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{end - start} bytes do not hold {dtype.name}{list(shape)}")
+            if stored:  # under its own code: the library reads it
+                a = self._file.get_slice(name)[index]
+                return a if a.flags.writeable else np.array(a)  # read-only: the file's memory
+        except Exception as e:  # a dtype numpy lacks (float8), or damaged data
+            cause = e
+        try:  # from its bytes: the offsets come from the header (the library validated them)
+            start = int(self._header[name]["data_offsets"][0])
             whole = np.memmap(self.path, dtype, "r", self._data_start + start, shape or (1,))
             return np.array(whole.reshape(shape)[index])
         except (OSError, ValueError, KeyError, TypeError) as e:
             why = f"{one_line(cause)}; " if cause is not None else ""
             raise TieError(
-                f"{self.verb}: cannot read tensor {info.name!r} of {self.path!r} "
+                f"{self.verb}: cannot read tensor {name!r} of {self.path!r} "
                 f"({why}{one_line(e)}). Fix: check the file is complete."
             ) from e
+
+
+def _part_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the part ``index`` of an array of ``shape``."""
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
 
 
 _MAX_HEADER = 100 << 20
@@ -297,23 +243,8 @@ class Pending(abc.ABC):
 class Tensor(Pending):
     """A tensor of a file, not read yet: its shape and dtype, and how to read any part of it.
 
-    ``axes``: the array is the stored tensor transposed by these axes (a buffer
-    moved from a tie's target to its ref), each part transposed as it is read.
-    ``view``: the stored ``uint8`` tensor holds the raw bytes of this array.
-
-    Example:
-        >>> import os, tempfile, jax, numpy as np
-        >>> from safetensors.numpy import save_file
-        >>> from sharetree._safetensors import Reader, Tensor
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path)
-        >>> t = Tensor(Reader(path), "w", (3, 2), np.dtype("float64"), axes=(1, 0))
-        >>> t.read((slice(1, 3), slice(0, 2)))
-        array([[1., 4.],
-               [2., 5.]])
-        >>> x = t.place(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        >>> x.shape, float(x[2, 1])
-        ((3, 2), 5.0)
+    ``axes``: the stored tensor transposed by these axes, each part as it is
+    read. ``view``: the stored ``uint8`` tensor holds this array's raw bytes.
     """
 
     reader: Reader
@@ -325,25 +256,23 @@ class Tensor(Pending):
 
     def read(self, index: Index | None = None) -> np.ndarray:
         """The array, or its part ``index``, as a NumPy array (only that part's bytes are read)."""
-        index = tuple(slice(0, n) for n in self.shape) if index is None else index
         if self.axes is None or not self.shape:
             view = (self.dtype, self.shape) if self.view else None
             return self.reader.read(self.name, index, view)
+        index = tuple(slice(0, n) for n in self.shape) if index is None else index
         # the stored tensor's part: its axis axes[k] is this array's axis k
         stored, shape = [slice(0)] * len(self.axes), [0] * len(self.axes)
         for k, a in enumerate(self.axes):
             stored[a], shape[a] = index[k], self.shape[k]
         view = (self.dtype, tuple(shape)) if self.view else None
-        first = range(*index[0].indices(self.shape[0]))
-        out = np.empty(
-            tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)), self.dtype
-        )
+        out = np.empty(_part_shape(index, self.shape), self.dtype)
         if out.size == 0:
             return out
+        first = range(*index[0].indices(self.shape[0]))
         step = max(1, _CHUNK // out[0].nbytes)
         for i in range(0, len(first), step):  # a bounded part at a time: never two whole copies
-            rows = slice(first.start + i, min(first.start + i + step, first.stop))
-            stored[self.axes[0]] = rows
+            rows = first[i : i + step]
+            stored[self.axes[0]] = slice(rows.start, rows.stop)
             part = self.reader.read(self.name, tuple(stored), view)
             out[i : i + step] = np.transpose(part, self.axes)
         return out
@@ -351,21 +280,10 @@ class Tensor(Pending):
     def place(
         self, sharding: Sharding, wrap: Callable[[jax.Array], jax.Array] | None = None
     ) -> jax.Array:
-        """One global array with ``sharding``: each addressable shard read from the file, once.
+        """One global array with ``sharding``: each distinct addressable part read once, then freed.
 
-        Devices that hold the same part (replicas) share one read; each part
-        is freed once it is on its devices, so the host holds at most one
-        part beyond the device buffers. No whole-tensor host copy is made
-        for a sharded array, and no host array is put on a sharding this
-        process does not fully address. (``jax.make_array_from_callback`` holds
-        every part on the host until all are put: up to twice the local
-        shards where XLA copies them, 1.03-1.8x a tensor on 8 CPU devices
-        against 1.17-1.3x here.)
-
-        Args:
-            sharding: the array's sharding (checked with :func:`check_fits` first).
-            wrap: for typed PRNG keys: ``sharding`` is of ``shape[:-1]`` and
-                each part (its last axis whole) is wrapped on its device.
+        ``wrap``: for typed PRNG keys: ``sharding`` is of ``shape[:-1]`` and
+        each part (its last axis whole) is wrapped on its device.
         """
         shape = self.shape if wrap is None else self.shape[:-1]
         parts: dict[tuple[tuple[int, int], ...], tuple[Index, list[Any]]] = {}
@@ -387,14 +305,9 @@ class Tensor(Pending):
 
 
 def read_tree(label: str, tree: Any, shardings: Any) -> Any:
-    """``tree`` with every :class:`Pending` leaf read: on the host, or onto its sharding.
+    """``tree`` with every :class:`Pending` leaf read onto its sharding (or host, for ``None``).
 
-    ``shardings`` (``None``: everything on the host) has the canonical
-    structure; at ``Tied`` positions anything is ignored, and a ``None`` leaf
-    keeps its buffer on the host. Every sharding is checked (a structure that
-    does not match, a leaf that is no ``Sharding``, a sharding that does not
-    fit its buffer) before any tensor is read; then each tensor is read once,
-    in one pass.
+    Every sharding is checked before any tensor is read; then each is read once.
     """
     got = dict(leaves_with_paths(tree, is_tied))
     want: dict[Path, Any] = {}
@@ -434,11 +347,7 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
 
 
 def _refill(x: Any, leaves: Iterator[Any]) -> Any:
-    """``x`` with its leaves, in flatten order, from ``leaves``; a dict keeps its key order.
-
-    (``tree_unflatten`` would sort the keys of every dict.) The depth is bounded
-    by the tree's, which a file limits.
-    """
+    """``x`` with its leaves from ``leaves``; unlike ``tree_unflatten``, keeps dict key order."""
     if is_tied(x):
         return next(leaves)  # a leaf of leaves_with_paths(tree, is_tied)
     if type(x) is dict:
@@ -456,19 +365,7 @@ def _only(paths: Any, other: Any) -> Any:
 
 
 def check_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
-    """A :class:`TieError` unless ``sharding`` splits ``shape`` into equal shards.
-
-    Example:
-        >>> import jax
-        >>> from jax.sharding import NamedSharding, PartitionSpec as P
-        >>> from sharetree._safetensors import check_fits
-        >>> mesh = jax.make_mesh((1,), ("model",))
-        >>> check_fits("emb", (3, 2), NamedSharding(mesh, P("model")))
-        >>> check_fits("emb", (3,), NamedSharding(mesh, P(None, "model")))
-        Traceback (most recent call last):
-        ...
-        sharetree._errors.TieError: load: the sharding at 'emb' does not fit its buffer ...
-    """
+    """A :class:`TieError` unless ``sharding`` splits ``shape`` into equal shards."""
     try:
         if (rank := getattr(sharding, "check_compatible_aval", None)) is not None:
             rank(shape)  # more spec entries than the array has axes
@@ -511,23 +408,7 @@ def _create_temp(directory: str, base: str) -> str:
 def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write a safetensors file to a temporary file beside ``path``, then rename it over ``path``.
 
-    A failure (or an interrupt) at any point leaves a previous file at
-    ``path`` as it was and removes the temporary file. A new file gets the
-    permissions of the umask (``0o666 & ~umask``, applied by the kernel: the
-    process umask is never changed); a file that is replaced keeps its mode.
-    A symlink at ``path`` stays: the file it points to is written. A file
-    the process may not write (read-only) is a ``PermissionError``, as for
-    ``open(path, "wb")``, although a rename could replace it.
-
-    Example:
-        >>> import os, stat, tempfile, numpy as np
-        >>> from sharetree._safetensors import atomic_write
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> atomic_write(path, {"w": np.ones(2)}, {})
-        >>> os.chmod(path, 0o600)
-        >>> atomic_write(path, {"w": np.zeros(2)}, {})
-        >>> oct(stat.S_IMODE(os.stat(path).st_mode))
-        '0o600'
+    A new file gets the umask's mode, a replaced file keeps its mode.
     """
     target = os.path.realpath(path)  # through a symlink: the link stays, its target is replaced
     directory = os.path.dirname(target)
