@@ -717,3 +717,17 @@ def test_81_nnx_split_ties_among_the_filters():
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     with pytest.raises(st.TieError, match=r"got a mapping .* among the filters.*ties="):
         sharetree.nnx.split(model, {"bias": "kernel"})
+
+
+def test_82_untie_of_a_flax_box_without_sharetree_flax(monkeypatch):
+    flax_nn = pytest.importorskip("flax.linen")
+    from sharetree import _untie
+
+    box = flax_nn.Partitioned(jnp.ones((2, 3)), names=("vocab", "embed"))
+    params = {"embed": box, "head": st.Tied("embed", st.T)}
+    monkeypatch.setattr(_untie, "_BOX_RENAMERS", [])  # as if sharetree.flax were not imported
+    with pytest.raises(
+        st.TieError, match=r"untie: the untied view 'head' is a copy of a Flax partition box.*"
+        r"Fix: import sharetree.flax before calling untie"
+    ):
+        st.untie(params)

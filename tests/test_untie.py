@@ -281,12 +281,3 @@ def test_untie_of_a_box_view_whose_transform_names_no_axes_is_refused():
     p = {**p, "row": st.Tied("embed", st.fn(lambda x: x[:, -1]))}
     with pytest.raises(st.TieError, match=r"(?s)'row'.*does not map its axes.*Fix: tie"):
         st.untie(p)
-
-
-def test_untie_of_a_whole_box_without_a_renamer_asks_for_sharetree_flax(monkeypatch):
-    from sharetree import _untie
-
-    p = _boxed_params()
-    monkeypatch.setattr(_untie, "_BOX_RENAMERS", [])  # as if sharetree.flax were not imported
-    with pytest.raises(st.TieError, match=r"untie: the untied view 'head'.*import sharetree"):
-        st.untie(p)
