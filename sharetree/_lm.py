@@ -1,18 +1,7 @@
-"""The small transformer language model of the demo, the examples and the LM benchmark.
+"""The small transformer LM of the demo, the examples and the LM benchmark (an untied module).
 
-``TinyLM`` is an ordinary Flax linen decoder: token and position embeddings,
-pre-norm blocks of causal self-attention and an MLP, a final layer norm and a
-``Dense`` output layer named ``head``. The module knows nothing about sharing;
-the ties are data given to :func:`sharetree.flax.tied`:
-
-* ``HEAD_TIE`` ties the output layer to the embedding table, transposed
-  (``head/kernel = Tied("embed/embedding", T)``), as in GPT-2;
-* ``block_ties(layers)`` makes every block after the first a view of the
-  first (``block_1 = Tied("block_0")``), ALBERT-style cross-layer sharing.
-
-``TinyLM(..., tie_by_hand=True)`` is the same model tied the way linen users
-write it, with ``nn.Embed.attend`` (and no ``head`` parameters): the reference
-that ``benchmarks/lm.py`` compares the ``tied`` version against.
+Its ties are data given to :func:`sharetree.flax.tied`; see docs/integrations.md,
+"The demo model".
 """
 
 from __future__ import annotations
@@ -44,19 +33,13 @@ def block_ties(layers: int) -> dict[str, Tied]:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP of width ``4 * d_model``.
-
-    Attributes:
-        d_model: width of the residual stream.
-        heads: attention heads (``d_model`` must be divisible by it).
-    """
+    """Pre-norm transformer block: causal self-attention, then an MLP of width ``4 * d_model``."""
 
     d_model: int
     heads: int
 
     @nn.compact
     def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
-        """``h + attention(h) + mlp(...)`` on ``h`` of shape ``(batch, window, d_model)``."""
         a = nn.LayerNorm(name="ln_attn")(h)
         h = h + nn.MultiHeadDotProductAttention(num_heads=self.heads, name="attn")(a, mask=mask)
         m = nn.LayerNorm(name="ln_mlp")(h)
@@ -67,19 +50,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A decoder-only transformer LM: integer tokens ``(batch, window)`` -> logits ``(..., vocab)``.
 
-    Parameters (the ``"params"`` collection): ``embed/embedding`` ``(vocab, d_model)``,
-    ``pos`` ``(context, d_model)``, ``block_0`` .. ``block_{layers-1}``, ``ln_f`` and,
-    unless ``tie_by_hand``, ``head/kernel`` ``(d_model, vocab)`` (no bias), the
-    position that ``HEAD_TIE`` makes a view of the embedding.
-
     Attributes:
-        vocab: number of token ids.
-        context: longest window; positions have their own learned embedding.
-        d_model: width of embeddings and of the residual stream.
-        heads: attention heads per block.
-        layers: transformer blocks.
-        tie_by_hand: use ``nn.Embed.attend`` as the output layer (the embedding
-            tied inside the module) instead of a ``Dense`` head of its own.
+        context: longest window (positions have learned embeddings).
+        tie_by_hand: use ``nn.Embed.attend`` as the output layer instead of ``head``.
 
     Example:
         >>> import jax, jax.numpy as jnp, sharetree as st
@@ -103,11 +76,7 @@ class TinyLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Next-token logits at every position of ``tokens`` (causal: position ``i`` sees ``<= i``).
-
-        Raises:
-            ValueError: a window longer than ``context``.
-        """
+        """Next-token logits at every position of ``tokens`` (causal)."""
         window = tokens.shape[-1]
         if window > self.context:
             raise ValueError(
