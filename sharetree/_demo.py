@@ -23,10 +23,7 @@ from sharetree._lm import HEAD_TIE, TinyLM, block_ties
 from sharetree.flax import TiedModule, tied
 
 PROMPT = "The well "
-"""What the demo's sample starts with."""
-
 TEMPERATURE = 0.8
-"""Sampling temperature of the demo's sample."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +44,7 @@ class Config:
 
 
 class Vocab:
-    """Characters <-> integer ids (the sorted set of characters of a text).
-
-    Example:
-        >>> from sharetree._demo import Vocab
-        >>> v = Vocab("hello")
-        >>> v.chars, v.encode("hole").tolist(), v.decode([3, 1, 2])
-        ('ehlo', [1, 3, 2, 0], 'ohl')
-    """
+    """Characters <-> integer ids (the sorted set of characters of a text)."""
 
     def __init__(self, text: str) -> None:
         self.chars = "".join(sorted(set(text)))
@@ -78,13 +68,7 @@ def load_corpus() -> str:
 
 
 def make_model(vocab_size: int, cfg: Config) -> TiedModule:
-    """``TinyLM`` of ``cfg``'s sizes, its head tied to the embedding and its blocks to the first.
-
-    Example:
-        >>> from sharetree._demo import Config, make_model
-        >>> make_model(10, Config(layers=2)).ties  # doctest: +NORMALIZE_WHITESPACE
-        ((('head', 'kernel'), Tied('embed/embedding', T)), (('block_1',), Tied('block_0')))
-    """
+    """``TinyLM`` of ``cfg``'s sizes, its head tied to the embedding and its blocks to the first."""
     lm = TinyLM(vocab_size, cfg.context, cfg.d_model, cfg.heads, cfg.layers)
     return tied(lm, {**HEAD_TIE, **block_ties(cfg.layers)})
 
@@ -123,16 +107,7 @@ def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
 
 
 def generate(params: Any, vocab: Vocab, cfg: Config, prompt: str, length: int, seed: int) -> str:
-    """Sample ``length`` characters after ``prompt`` at ``TEMPERATURE`` (prompt not repeated).
-
-    Example:
-        >>> from sharetree._demo import Config, Vocab, generate, init_params
-        >>> cfg = Config(context=8, d_model=8, heads=2)
-        >>> vocab = Vocab("abc ")
-        >>> out = generate(init_params(0, len(vocab), cfg), vocab, cfg, "ab", 5, seed=0)
-        >>> len(out), set(out) <= set("abc ")
-        (5, True)
-    """
+    """Sample ``length`` characters after ``prompt`` at ``TEMPERATURE`` (prompt not repeated)."""
     rng = np.random.default_rng(seed)
     ids = list(vocab.encode(prompt)) or [0]
     out: list[int] = []
@@ -146,10 +121,6 @@ def generate(params: Any, vocab: Vocab, cfg: Config, prompt: str, length: int, s
 
 def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) -> Any:
     """Train the demo model with optax Adam; print the losses, what sharing saved and a sample.
-
-    Args:
-        sample: characters to generate after training (0: none).
-        quiet: no progress bar.
 
     Returns:
         The trained canonical tree (``Tied`` nodes in place): what ``--out`` saves.

@@ -22,13 +22,7 @@ HEAD_TIE: Mapping[str, Tied] = types.MappingProxyType({"head/kernel": Tied("embe
 
 
 def block_ties(layers: int) -> dict[str, Tied]:
-    """Ties that make every block after ``block_0`` a view of it (one block used ``layers`` times).
-
-    Example:
-        >>> from sharetree._lm import block_ties
-        >>> block_ties(3)
-        {'block_1': Tied('block_0'), 'block_2': Tied('block_0')}
-    """
+    """Ties that make every block after ``block_0`` a view of it (one block, ``layers`` uses)."""
     return {f"block_{i}": Tied("block_0") for i in range(1, layers)}
 
 
@@ -53,18 +47,6 @@ class TinyLM(nn.Module):
     Attributes:
         context: longest window (positions have learned embeddings).
         tie_by_hand: use ``nn.Embed.attend`` as the output layer instead of ``head``.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, sharetree as st
-        >>> from sharetree.flax import tied
-        >>> from sharetree._lm import HEAD_TIE, TinyLM
-        >>> model = tied(TinyLM(vocab=11, context=8, d_model=16, heads=2, layers=1), HEAD_TIE)
-        >>> tokens = jnp.zeros((1, 8), jnp.int32)
-        >>> params = model.init(jax.random.key(0), tokens)["params"]
-        >>> params["head"]
-        {'kernel': Tied('embed/embedding', T)}
-        >>> model.apply({"params": params}, tokens).shape
-        (1, 8, 11)
     """
 
     vocab: int

@@ -129,16 +129,12 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     Example:
         >>> import jax.numpy as jnp, sharetree as st, sharetree.nnx
         >>> from flax import nnx
-        >>> class AE(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
-        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
-        >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
-        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties=ties)
-        >>> state["dec"]["kernel"]
-        Tied('enc/kernel', T)
+        >>> ties = {"bias": st.Tied("kernel", st.index(0))}
+        >>> graphdef, state = st.nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ties=ties)
+        >>> state["bias"]
+        Tied('kernel', index(0))
         >>> model = st.nnx.merge(graphdef, state)
-        >>> bool(jnp.all(model.dec.kernel[...] == model.enc.kernel[...].T))
+        >>> bool(jnp.all(model.bias[...] == model.kernel[0]))
         True
     """
     for f in filters:
