@@ -1,11 +1,6 @@
 """``python -m sharetree demo``: train the tied character-level LM of ``sharetree._lm``.
 
-The model (:func:`make_model`) has its output layer tied to the embedding and
-its later blocks to the first; training is plain ``jax.grad`` + optax on the
-canonical tree. The corpus ships with the package (``sharetree/data/corpus.txt``,
-original text dedicated to the public domain).
-
-Needs the ``demo`` extra (Flax, optax, tqdm).
+Needs the ``demo`` extra (Flax, optax, tqdm); see docs/integrations.md, "The demo model".
 """
 
 from __future__ import annotations
@@ -28,10 +23,7 @@ from sharetree._lm import HEAD_TIE, TinyLM, block_ties
 from sharetree.flax import TiedModule, tied
 
 PROMPT = "The well "
-"""What the demo's sample starts with."""
-
 TEMPERATURE = 0.8
-"""Sampling temperature of the demo's sample."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +31,7 @@ class Config:
     """Sizes of the demo model and hyperparameters of its training (hashable).
 
     Attributes:
-        context: characters per window (the model sees at most this many).
-        d_model: width of embeddings and of the residual stream.
-        heads: attention heads (``d_model`` must be divisible by it).
-        layers: transformer blocks applied; blocks after the first are ``Tied``
-            to the first (one set of block weights used ``layers`` times).
-        batch: windows per training step.
+        layers: blocks applied; blocks after the first are ``Tied`` to the first.
         lr: peak Adam learning rate (linear warm-up, cosine decay).
     """
 
@@ -57,14 +44,7 @@ class Config:
 
 
 class Vocab:
-    """Characters <-> integer ids (the sorted set of characters of a text).
-
-    Example:
-        >>> from sharetree._demo import Vocab
-        >>> v = Vocab("hello")
-        >>> v.chars, v.encode("hole").tolist(), v.decode([3, 1, 2])
-        ('ehlo', [1, 3, 2, 0], 'ohl')
-    """
+    """Characters <-> integer ids (the sorted set of characters of a text)."""
 
     def __init__(self, text: str) -> None:
         self.chars = "".join(sorted(set(text)))
@@ -88,39 +68,19 @@ def load_corpus() -> str:
 
 
 def make_model(vocab_size: int, cfg: Config) -> TiedModule:
-    """``TinyLM`` of ``cfg``'s sizes, its head tied to the embedding and its blocks to the first.
-
-    Example:
-        >>> from sharetree._demo import Config, make_model
-        >>> make_model(10, Config(layers=2)).ties  # doctest: +NORMALIZE_WHITESPACE
-        ((('head', 'kernel'), Tied('embed/embedding', T)), (('block_1',), Tied('block_0')))
-    """
+    """``TinyLM`` of ``cfg``'s sizes, its head tied to the embedding and its blocks to the first."""
     lm = TinyLM(vocab_size, cfg.context, cfg.d_model, cfg.heads, cfg.layers)
     return tied(lm, {**HEAD_TIE, **block_ties(cfg.layers)})
 
 
 def init_params(seed: int, vocab_size: int, cfg: Config) -> dict[str, Any]:
-    """The canonical parameter tree of :func:`make_model`, with the ties in place.
-
-    Example:
-        >>> import sharetree as st
-        >>> from sharetree._demo import Config, init_params
-        >>> p = init_params(0, 10, Config(context=8, d_model=8, heads=2))
-        >>> p["head"]["kernel"], p["block_1"]
-        (Tied('embed/embedding', T), Tied('block_0'))
-        >>> st.materialize(p)["head"]["kernel"].shape
-        (8, 10)
-    """
+    """The canonical parameter tree of :func:`make_model`, with the ties in place."""
     init = jax.jit(make_model(vocab_size, cfg).init)  # one compilation, not one per op
     return init(jax.random.key(seed), jnp.zeros((1, cfg.context), jnp.int32))["params"]
 
 
 def loss_fn(model: TiedModule, params: Any, tokens: jax.Array) -> jax.Array:
-    """Mean next-character cross-entropy (nats) of the canonical ``params`` on ``tokens``.
-
-    ``tokens`` is ``(batch, window + 1)``: the model reads the first ``window``
-    characters of each row and is scored on the next one at every position.
-    """
+    """Mean next-character cross-entropy (nats) of ``params`` on ``(batch, window + 1)`` tokens."""
     logp = jax.nn.log_softmax(model.apply({"params": params}, tokens[:, :-1]))
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
@@ -131,11 +91,7 @@ def _logits(cfg: Config, params: Any, tokens: jax.Array) -> jax.Array:
 
 
 def _window_logits(cfg: Config, params: Any, ids: np.ndarray | list[int]) -> np.ndarray:
-    """Float64 logits ``(context, vocab)`` of one window of ``ids``, zero-padded to ``context``.
-
-    Causal: the logits up to the last id ignore the padding. Evaluation and
-    :func:`generate` share this one compiled forward pass of shape ``(1, context)``.
-    """
+    """Float64 logits ``(context, vocab)`` of ``ids`` zero-padded to ``context`` (causal)."""
     window = np.zeros((1, cfg.context), np.int32)
     window[0, : len(ids)] = ids
     return np.asarray(_logits(cfg, params, jnp.asarray(window)), np.float64)[0]
@@ -151,16 +107,7 @@ def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
 
 
 def generate(params: Any, vocab: Vocab, cfg: Config, prompt: str, length: int, seed: int) -> str:
-    """Sample ``length`` characters after ``prompt`` at ``TEMPERATURE`` (prompt not repeated).
-
-    Example:
-        >>> from sharetree._demo import Config, Vocab, generate, init_params
-        >>> cfg = Config(context=8, d_model=8, heads=2)
-        >>> vocab = Vocab("abc ")
-        >>> out = generate(init_params(0, len(vocab), cfg), vocab, cfg, "ab", 5, seed=0)
-        >>> len(out), set(out) <= set("abc ")
-        (5, True)
-    """
+    """Sample ``length`` characters after ``prompt`` at ``TEMPERATURE`` (prompt not repeated)."""
     rng = np.random.default_rng(seed)
     ids = list(vocab.encode(prompt)) or [0]
     out: list[int] = []
@@ -173,17 +120,7 @@ def generate(params: Any, vocab: Vocab, cfg: Config, prompt: str, length: int, s
 
 
 def run(steps: int, *, seed: int = 0, sample: int = 200, quiet: bool = False) -> Any:
-    """Train the demo model with optax Adam on the canonical tree; print what sharing saved.
-
-    A tqdm progress bar on stderr; on stdout the held-out loss before and
-    after (the last 10% of the corpus is held out), the sharing summary, the
-    parameter and optimizer-state counts, and a sample.
-
-    Args:
-        steps: optimisation steps.
-        seed: seed of the initialisation, the batches and the sample.
-        sample: characters to generate after training (0: none).
-        quiet: no progress bar.
+    """Train the demo model with optax Adam; print the losses, what sharing saved and a sample.
 
     Returns:
         The trained canonical tree (``Tied`` nodes in place): what ``--out`` saves.

@@ -1,18 +1,7 @@
-"""The small transformer language model of the demo, the examples and the LM benchmark.
+"""The small transformer LM of the demo, the examples and the LM benchmark (an untied module).
 
-``TinyLM`` is an ordinary Flax linen decoder: token and position embeddings,
-pre-norm blocks of causal self-attention and an MLP, a final layer norm and a
-``Dense`` output layer named ``head``. The module knows nothing about sharing;
-the ties are data given to :func:`sharetree.flax.tied`:
-
-* ``HEAD_TIE`` ties the output layer to the embedding table, transposed
-  (``head/kernel = Tied("embed/embedding", T)``), as in GPT-2;
-* ``block_ties(layers)`` makes every block after the first a view of the
-  first (``block_1 = Tied("block_0")``), ALBERT-style cross-layer sharing.
-
-``TinyLM(..., tie_by_hand=True)`` is the same model tied the way linen users
-write it, with ``nn.Embed.attend`` (and no ``head`` parameters): the reference
-that ``benchmarks/lm.py`` compares the ``tied`` version against.
+Its ties are data given to :func:`sharetree.flax.tied`; see docs/integrations.md,
+"The demo model".
 """
 
 from __future__ import annotations
@@ -33,30 +22,18 @@ HEAD_TIE: Mapping[str, Tied] = types.MappingProxyType({"head/kernel": Tied("embe
 
 
 def block_ties(layers: int) -> dict[str, Tied]:
-    """Ties that make every block after ``block_0`` a view of it (one block used ``layers`` times).
-
-    Example:
-        >>> from sharetree._lm import block_ties
-        >>> block_ties(3)
-        {'block_1': Tied('block_0'), 'block_2': Tied('block_0')}
-    """
+    """Ties that make every block after ``block_0`` a view of it (one block, ``layers`` uses)."""
     return {f"block_{i}": Tied("block_0") for i in range(1, layers)}
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP of width ``4 * d_model``.
-
-    Attributes:
-        d_model: width of the residual stream.
-        heads: attention heads (``d_model`` must be divisible by it).
-    """
+    """Pre-norm transformer block: causal self-attention, then an MLP of width ``4 * d_model``."""
 
     d_model: int
     heads: int
 
     @nn.compact
     def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
-        """``h + attention(h) + mlp(...)`` on ``h`` of shape ``(batch, window, d_model)``."""
         a = nn.LayerNorm(name="ln_attn")(h)
         h = h + nn.MultiHeadDotProductAttention(num_heads=self.heads, name="attn")(a, mask=mask)
         m = nn.LayerNorm(name="ln_mlp")(h)
@@ -67,31 +44,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A decoder-only transformer LM: integer tokens ``(batch, window)`` -> logits ``(..., vocab)``.
 
-    Parameters (the ``"params"`` collection): ``embed/embedding`` ``(vocab, d_model)``,
-    ``pos`` ``(context, d_model)``, ``block_0`` .. ``block_{layers-1}``, ``ln_f`` and,
-    unless ``tie_by_hand``, ``head/kernel`` ``(d_model, vocab)`` (no bias), the
-    position that ``HEAD_TIE`` makes a view of the embedding.
-
     Attributes:
-        vocab: number of token ids.
-        context: longest window; positions have their own learned embedding.
-        d_model: width of embeddings and of the residual stream.
-        heads: attention heads per block.
-        layers: transformer blocks.
-        tie_by_hand: use ``nn.Embed.attend`` as the output layer (the embedding
-            tied inside the module) instead of a ``Dense`` head of its own.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, sharetree as st
-        >>> from sharetree.flax import tied
-        >>> from sharetree._lm import HEAD_TIE, TinyLM
-        >>> model = tied(TinyLM(vocab=11, context=8, d_model=16, heads=2, layers=1), HEAD_TIE)
-        >>> tokens = jnp.zeros((1, 8), jnp.int32)
-        >>> params = model.init(jax.random.key(0), tokens)["params"]
-        >>> params["head"]
-        {'kernel': Tied('embed/embedding', T)}
-        >>> model.apply({"params": params}, tokens).shape
-        (1, 8, 11)
+        context: longest window (positions have learned embeddings).
+        tie_by_hand: use ``nn.Embed.attend`` as the output layer instead of ``head``.
     """
 
     vocab: int
@@ -103,11 +58,7 @@ class TinyLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Next-token logits at every position of ``tokens`` (causal: position ``i`` sees ``<= i``).
-
-        Raises:
-            ValueError: a window longer than ``context``.
-        """
+        """Next-token logits at every position of ``tokens`` (causal)."""
         window = tokens.shape[-1]
         if window > self.context:
             raise ValueError(

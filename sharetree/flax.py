@@ -1,22 +1,7 @@
 """Flax linen integration: ``tied(module, ties)`` ties parameters of any linen module.
 
-The wrapper keeps the ``"params"`` collection canonical (each shared buffer
-stored once, a ``Tied`` node at each view) and materializes it on every
-``apply``. It is a drop-in ``apply_fn`` for ``flax.training.train_state.TrainState``:
-``jax.grad`` returns canonical gradients, so ``state.apply_gradients`` and any
-optax chain see each buffer once and keep the ties.
-
-A tie may name a partition box (``nn.with_logical_partitioning``): the view is
-then the whole box, rebuilt with the buffer's partition names moved by the
-transform (``Transform.axis_names``: a slice keeps them, an index drops one),
-which ``init`` checks are the target's own; tie the ``value`` leaf to
-keep the target's box (docs/integrations.md, "Partition boxes").
-
-Importing it also registers ``Tied`` with ``flax.serialization``: ``to_bytes`` /
-``to_state_dict`` store nothing at a tie and ``from_bytes(target, data)`` takes
-each ``Tied`` from the target, as Orbax does.
-
-Import it explicitly (``import sharetree.flax``); ``import sharetree`` never needs flax.
+Importing it registers ``Tied`` with ``flax.serialization``. Import it explicitly
+(``import sharetree`` never needs flax); see docs/integrations.md, "Flax linen".
 """
 
 from __future__ import annotations
@@ -129,17 +114,8 @@ def _with_params(variables: Any, params: Any) -> Any:
     return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
 
-def _materialized(canonical: Any, where: str) -> Any:
-    """Materialize ``canonical``; each box a view copied from its buffer gets the view's names."""
-    return _rename_boxes(canonical, materialize(canonical), where)
-
-
 def _rename_boxes(canonical: Any, materialized: Any, where: str) -> Any:
-    """``materialized`` (views of ``canonical``) with each box copied from a buffer renamed.
-
-    Also what :func:`sharetree.untie` and :func:`sharetree.untie_state` call on
-    their untied copies (registered below), so an untied box has the view's names.
-    """
+    """``materialized`` with each box copied from a buffer renamed (also used by ``st.untie``)."""
     structure = structure_of(jtu.tree_structure(canonical))
     own = _boxes(canonical)  # boxes that hold a Tied value keep their own names
     copied = _boxes(materialized)
@@ -167,35 +143,23 @@ def _rename_boxes(canonical: Any, materialized: Any, where: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class TiedModule:
-    """A linen module whose ``"params"`` collection is tied (see :func:`tied`).
+    """A linen module whose ``"params"`` collection is tied (made by :func:`tied`).
 
     Attributes:
         module: the wrapped linen module.
         ties: ``(target path, Tied)`` pairs; paths are inside ``"params"``.
-        check: whether ``init`` requires each view to have the shape and dtype
-            of the parameter it replaces.
+        check: whether each view must have the shape and dtype of the parameter it replaces.
 
     Example:
-        >>> import jax.numpy as jnp, numpy as np, flax.linen as nn, sharetree as st
+        >>> import numpy as np, flax.linen as nn, sharetree as st
         >>> from sharetree.flax import tied
-        >>> class AE(nn.Module):
-        ...     @nn.compact
-        ...     def __call__(self, x):
-        ...         return nn.Dense(4, use_bias=False, name="dec")(nn.Dense(2, name="enc")(x))
-        >>> model = tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)})
-        >>> model.ties
-        ((('dec', 'kernel'), Tied('enc/kernel', T)),)
-        >>> untied = {  # e.g. weights from a checkpoint that stores the tie twice
-        ...     "enc": {"kernel": np.ones((4, 2), np.float32), "bias": np.zeros(2, np.float32)},
-        ...     "dec": {"kernel": np.ones((2, 4), np.float32)},
-        ... }
-        >>> variables = {"params": model.tie(untied)}
-        >>> variables["params"]["dec"]
-        {'kernel': Tied('enc/kernel', T)}
-        >>> model.materialize(variables)["params"]["dec"]["kernel"].shape
-        (2, 4)
-        >>> model.apply(variables, jnp.ones((1, 4)))
-        Array([[8., 8., 8., 8.]], dtype=float32)
+        >>> model = tied(nn.Dense(3), {"bias": st.Tied("kernel", st.reshape((3,)))})
+        >>> params = {"kernel": np.ones((1, 3), np.float32), "bias": np.zeros(3, np.float32)}
+        >>> variables = {"params": model.tie(params)}  # e.g. untied weights from a checkpoint
+        >>> variables["params"]["bias"]
+        Tied('kernel', reshape(3))
+        >>> model.materialize(variables)["params"]["bias"]
+        Array([1., 1., 1.], dtype=float32)
     """
 
     module: nn.Module
@@ -206,22 +170,10 @@ class TiedModule:
         return f"tied({type(self.module).__name__}).{method}"
 
     def tie(self, params: Any) -> Any:
-        """Tie a ``"params"`` tree of the wrapped module (e.g. untied weights from a checkpoint).
-
-        The values at the tied targets are dropped: they are views now.
+        """Tie a ``"params"`` tree of the wrapped module; the values at the targets are dropped.
 
         Raises:
-            TieError: a target or ref that does not exist in ``params`` (naming the
-                closest existing path), or a view whose shape or dtype differs from
-                the parameter it replaces.
-
-        Example:
-            >>> import numpy as np, flax.linen as nn, sharetree as st
-            >>> from sharetree.flax import tied
-            >>> model = tied(nn.Dense(3), {"bias": st.Tied("kernel", st.reshape((3,)))})
-            >>> params = {"kernel": np.ones((1, 3), np.float32), "bias": np.zeros(3, np.float32)}
-            >>> model.tie(params)
-            {'bias': Tied('kernel', reshape(3)), 'kernel': array([[1., 1., 1.]], dtype=float32)}
+            TieError: as :func:`tied` at ``init``.
         """
         return self._tie(params, "tie")
 
@@ -234,16 +186,7 @@ class TiedModule:
             raise TieError(f"{where}: in the {COLLECTION!r} collection: {e}") from None
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
-        """``module.init``, with the ``"params"`` collection tied.
-
-        Args:
-            rngs: as for ``flax.linen.Module.init`` (a key or a dict of keys).
-            *args: passed on to ``module.init``.
-            **kwargs: passed on to ``module.init`` (``method``, ``mutable``, ...).
-
-        Returns:
-            The variables; ``variables["params"]`` is a canonical tree.
-        """
+        """``module.init``, with the ``"params"`` collection tied (canonical)."""
         return self._tie_variables(self.module.init(rngs, *args, **kwargs), "init")
 
     def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -256,12 +199,7 @@ class TiedModule:
         return self._tie_variables(self.module.lazy_init(rngs, *args, **kwargs), "lazy_init")
 
     def bind(self, variables: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        """``module.bind`` to the materialized variables (every view computed).
-
-        The bound module reads the views as arrays (``bound.head.variables``);
-        like ``apply`` without a mutable ``"params"``, it writes nothing back to
-        the canonical tree.
-        """
+        """``module.bind`` to the materialized variables (nothing is written back)."""
         _check_variables(variables, self._where("bind"))
         return self.module.bind(self.materialize(variables), *args, **kwargs)
 
@@ -278,53 +216,21 @@ class TiedModule:
         return _with_params(variables, self._tie(variables[COLLECTION], method))
 
     def materialize(self, variables: Any) -> Any:
-        """The variables with the ``"params"`` collection materialized (every view computed).
-
-        A view that is a whole partition box gets a box with the buffer's
-        partition names permuted by its transform. Other collections pass
-        through unchanged.
-
-        Example:
-            >>> import numpy as np, flax.linen as nn, sharetree as st
-            >>> from sharetree.flax import tied
-            >>> bias = st.Tied("kernel", st.reshape((3,)))
-            >>> model = tied(nn.Dense(3), {"bias": bias})
-            >>> kernel = np.arange(3, dtype=np.float32).reshape(1, 3)
-            >>> variables = {"params": {"kernel": kernel, "bias": bias}}
-            >>> model.materialize(variables)["params"]["bias"]
-            Array([0., 1., 2.], dtype=float32)
-
-            A view that is a partition box carries the names of the parameter it replaces:
-
-            >>> import jax, jax.numpy as jnp
-            >>> def boxed(*names):
-            ...     return nn.with_logical_partitioning(nn.initializers.ones, names)
-            >>> class AE(nn.Module):
-            ...     @nn.compact
-            ...     def __call__(self, x):
-            ...         x = nn.Dense(2, kernel_init=boxed("embed", "mlp"), name="enc")(x)
-            ...         return nn.Dense(4, kernel_init=boxed("mlp", "embed"), name="dec")(x)
-            >>> model = tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)})
-            >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
-            >>> model.materialize(variables)["params"]["dec"]["kernel"].names
-            ('mlp', 'embed')
-        """
-        _check_variables(variables, self._where("materialize"))
+        """The variables with ``"params"`` materialized; a boxed view gets the view's names."""
+        where = self._where("materialize")
+        _check_variables(variables, where)
         if COLLECTION not in variables:
             return variables
-        where = self._where("materialize")
-        return _with_params(variables, _materialized(variables[COLLECTION], where))
+        canonical = variables[COLLECTION]
+        return _with_params(variables, _rename_boxes(canonical, materialize(canonical), where))
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """Materialize ``variables["params"]`` and call ``module.apply``.
 
-        ``rngs``, ``method``, ``mutable`` and every other keyword pass through
-        as in linen. When ``"params"`` is mutable, the returned ``"params"`` are
-        canonical again (the ties put back).
+        With ``"params"`` mutable, the returned ``"params"`` are canonical again.
 
         Raises:
-            TieError: with ``"params"`` mutable, when the module wrote a new value
-                to a tied position (a view cannot be assigned; write its buffer).
+            TieError: with ``"params"`` mutable, the module wrote to a view.
         """
         _check_variables(variables, self._where("apply"))
         if COLLECTION not in variables:
@@ -349,7 +255,6 @@ class TiedModule:
         return out, _with_params(updated, tie(returned, structure.ties, check=False))
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for names that are not fields or methods of TiedModule.
         if name.startswith("__") or name in ("module", "ties"):
             raise AttributeError(name)
         return getattr(self.module, name)
@@ -357,11 +262,6 @@ class TiedModule:
     def __repr__(self) -> str:
         ties = ", ".join(f"{path_str(p)!r}: {t!r}" for p, t in self.ties)
         return f"tied({self.module!r}, {{{ties}}})"
-
-
-def _tied_state(t: Tied) -> dict[str, Any]:
-    """A ``Tied`` in a ``flax.serialization`` state dict: empty, as it has no leaves."""
-    return {}
 
 
 def _restore_tied(target: Tied, state: Any) -> Tied:
@@ -378,48 +278,31 @@ def _restore_tied(target: Tied, state: Any) -> Tied:
     )
 
 
-# to_bytes / from_bytes / to_state_dict keep ties: a Tied stores nothing and comes back
-# from the target (as Orbax restores it from the target's structure)
-serialization.register_serialization_state(Tied, _tied_state, _restore_tied, override=True)
+# a Tied stores nothing and comes back from the target (as Orbax restores it)
+serialization.register_serialization_state(Tied, lambda t: {}, _restore_tied, override=True)
 
 
 def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:
     """Wrap a linen module so that its ``"params"`` collection is tied.
 
-    ``.init`` returns the module's variables with ``"params"`` canonical (the
-    tied targets replaced by ``Tied`` nodes, their initial values dropped);
-    ``.apply`` materializes the views and calls the module. Everything else
-    (other collections, ``rngs``, ``method``, ``mutable``) passes through.
-
     Args:
         module: any ``flax.linen.Module``.
-        ties: ``{target: ref or Tied(ref, transform)}``, paths inside ``"params"``
-            (e.g. ``{"head/kernel": st.Tied("embed/embedding", st.T)}``).
-        check: require each view to have exactly the shape and dtype of the
-            parameter it replaces (as :func:`sharetree.tie` does).
-
-    Returns:
-        A :class:`TiedModule` with ``init``, ``init_with_output``, ``apply``,
-        ``tie`` and ``materialize``.
+        ties: ``{target: ref or Tied(ref, transform)}``, paths inside ``"params"``.
+        check: require each view to have the shape and dtype of the parameter it replaces.
 
     Raises:
-        TieError: (at ``init``) a target or ref that does not exist in
-            ``"params"`` (naming the closest path), or a view whose shape or
-            dtype differs from the parameter it replaces.
+        TieError: (at ``init``) a target or ref missing from ``"params"``, or a
+            view whose shape or dtype differs from the parameter it replaces.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, sharetree as st
         >>> from sharetree.flax import tied
-        >>> class AE(nn.Module):
-        ...     @nn.compact
-        ...     def __call__(self, x):
-        ...         return nn.Dense(4, use_bias=False, name="dec")(nn.Dense(2, name="enc")(x))
-        >>> model = tied(AE(), {"dec/kernel": st.Tied("enc/kernel", st.T)})
-        >>> variables = model.init(jax.random.key(0), jnp.ones((1, 4)))
-        >>> variables["params"]["dec"]
-        {'kernel': Tied('enc/kernel', T)}
-        >>> model.apply(variables, jnp.ones((1, 4))).shape
-        (1, 4)
+        >>> model = tied(nn.Dense(3), {"bias": st.Tied("kernel", st.reshape((3,)))})
+        >>> variables = model.init(jax.random.key(0), jnp.ones((1, 1)))
+        >>> variables["params"]["bias"]
+        Tied('kernel', reshape(3))
+        >>> model.apply(variables, jnp.ones((1, 1))).shape
+        (1, 3)
     """
     if isinstance(module, TiedModule):
         return TiedModule(module.module, module.ties + _normalize(ties), check and module.check)

@@ -1,14 +1,7 @@
-"""Flax NNX integration: ``split(model, *filters, ties=...)`` and ``merge(graphdef, state)``.
+"""Flax NNX integration: ``split(model, *filters, ties=...)``, ``merge`` and ``update``.
 
-``split`` is ``nnx.split`` with ties, returning a canonical ``nnx.State``;
-``merge`` materializes the views and rebuilds the model with ``nnx.merge``.
-Train the state with ``jax.grad`` and optax like any pytree: each buffer is
-seen once.
-
-Paths are written as NNX prints them: ``"dec/kernel"`` names the Variable
-node (``"dec/kernel/value"`` is accepted as the same thing).
-
-Import it explicitly (``import sharetree.nnx``); ``import sharetree`` never needs flax.
+Import it explicitly (``import sharetree`` never needs flax); see
+docs/integrations.md, "Flax NNX".
 """
 
 from __future__ import annotations
@@ -41,20 +34,19 @@ RawPath = tuple[Any, ...]
 
 
 def _str_path(raw: RawPath) -> Path:
+    """``raw`` with every key a string, as sharetree paths are."""
     return tuple(str(k) for k in raw)
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphDef:
-    """The static part of a tied NNX model: ``nnx.GraphDef`` plus its shared Variables.
-
-    Hashable, so it can be a static argument of ``jax.jit``.
+    """The static part of a tied NNX model: ``nnx.GraphDef`` plus its shared Variables (hashable).
 
     Attributes:
         graphdef: the ``nnx.GraphDef`` of the model.
         aliases: ``(state index, alias path, owner path)`` for each extra place
-            where the model holds a Variable object that is also at ``owner``;
-            the canonical state has ``Tied(owner)`` at ``alias``.
+            where the model holds the Variable object at ``owner``; the
+            canonical state has ``Tied(owner)`` at ``alias``.
         num_states: how many states ``split`` returned (one per filter).
 
     Example:
@@ -65,14 +57,8 @@ class GraphDef:
         ...         self.a = nnx.Linear(4, 2, rngs=rngs)
         ...         self.b = nnx.Linear(4, 2, rngs=rngs)
         ...         self.b.kernel = self.a.kernel  # one Variable object in two places
-        >>> graphdef, state = st.nnx.split(TwoHeads(nnx.Rngs(0)))
-        >>> graphdef
+        >>> st.nnx.split(TwoHeads(nnx.Rngs(0)))[0]
         sharetree.nnx.GraphDef(GraphDef, num_states=1, aliases=['b/kernel' is 'a/kernel'])
-        >>> state["b"]["kernel"]
-        Tied('a/kernel')
-        >>> model = st.nnx.merge(graphdef, state)
-        >>> model.b.kernel is model.a.kernel
-        True
     """
 
     graphdef: Any
@@ -90,11 +76,8 @@ class GraphDef:
 def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
     """Every path (NNX keys) at which the model holds each Variable object, by ``id``.
 
-    NNX has no public function for this: ``nnx.iter_graph`` yields a shared
-    node only at its first path, and ``nnx.iter_children`` skips pytree
-    containers (an ``nnx.data`` list or dict of modules). So this walks each
-    node's children as ``nnx.split`` does, through ``graphlib``'s node
-    implementations, at every path (a node is not entered again below itself).
+    ``nnx.iter_graph`` and ``nnx.find_duplicates`` do not enter a shared node
+    twice, so this walks the children as ``nnx.split`` does, at every path.
     """
     found: dict[int, list[RawPath]] = {}
 
@@ -129,48 +112,29 @@ def _strip_value(path: Path, variables: Mapping[Path, Any]) -> Path:
 
 
 def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = True) -> Any:
-    """``nnx.split`` with ties: ``(graphdef, state)``, the state a canonical tree.
-
-    A drop-in replacement: ``split(model, *filters)`` takes ``nnx.split``'s
-    positional arguments; ties come by keyword.
+    """``nnx.split`` with ties: ``(graphdef, state, *more_states)``, each state canonical.
 
     Args:
         model: an NNX module (or any NNX graph node).
-        *filters: NNX filters (``nnx.Param``, ``...``) as for ``nnx.split``; then
-            one state per filter is returned, and a tie must stay within one state.
+        *filters: NNX filters as for ``nnx.split`` (one state per filter).
         ties: ``{target: ref or Tied(ref, transform)}`` with paths as NNX prints
-            them (``{"dec/kernel": st.Tied("enc/kernel", st.T)}``). A target may
-            also name a whole submodule. ``None`` only records shared Variables.
-        check: require each view to have exactly the shape and dtype of the
-            Variable it replaces (as :func:`sharetree.tie` does). With ``False``,
-            :func:`merge` puts the view into that Variable whatever its shape.
-
-    Returns:
-        ``(graphdef, state)``, or ``(graphdef, state, *more_states)`` with filters.
-        ``graphdef`` is a :class:`GraphDef` for :func:`merge`. In the state each
-        tie target is a ``Tied`` node (no leaf, no Variable), and each extra place
-        where the model holds one Variable object is ``Tied(the place where the
-        NNX state keeps it)``, an identity tie.
+            them; a target may name a submodule. ``None`` only records shared Variables.
+        check: require each view to have the shape and dtype of the Variable it replaces.
 
     Raises:
-        TieError: a target or ref that does not exist in the NNX state (naming the
-            closest existing path), a tie across two filtered states, a target
-            that is already the same object as another Variable, or (with
-            ``check``) a view whose shape or dtype differs from the Variable it replaces.
+        TieError: a target or ref missing from the state, a tie across two
+            states, a target that is the same object as another Variable, or
+            (with ``check``) a view whose shape or dtype differs.
 
     Example:
         >>> import jax.numpy as jnp, sharetree as st, sharetree.nnx
         >>> from flax import nnx
-        >>> class AE(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
-        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
-        >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
-        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties=ties)
-        >>> state["dec"]["kernel"]
-        Tied('enc/kernel', T)
+        >>> ties = {"bias": st.Tied("kernel", st.index(0))}
+        >>> graphdef, state = st.nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ties=ties)
+        >>> state["bias"]
+        Tied('kernel', index(0))
         >>> model = st.nnx.merge(graphdef, state)
-        >>> bool(jnp.all(model.dec.kernel[...] == model.enc.kernel[...].T))
+        >>> bool(jnp.all(model.bias[...] == model.kernel[0]))
         True
     """
     for f in filters:
@@ -185,7 +149,7 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     flats = [_flat(s) for s in states]
     owner_state = {raw: i for i, flat in enumerate(flats) for raw, _ in flat}
 
-    # Variable objects the model holds in more than one place: identity ties.
+    # Variable objects the model holds in more than one place: identity ties
     alias_entries: list[tuple[int, RawPath, RawPath]] = []
     for raws in _variable_positions(model).values():
         owners = [r for r in raws if r in owner_state]
@@ -196,7 +160,7 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     graph_aliases = tuple((i, _str_path(a), _str_path(o)) for i, a, o in alias_entries)
     aliases = {a: (i, o) for i, a, o in graph_aliases}
 
-    # Where each Variable lives: str path -> state index (owners and aliases).
+    # str path -> state index of each Variable (owners and aliases)
     where = {_str_path(r): i for r, i in owner_state.items()} | {a: i for i, a, _ in graph_aliases}
     nodes = node_paths(where)
 
@@ -254,10 +218,7 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
 
 
 def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
-    """``[nnx.GraphDef, *plain NNX states]`` of canonical states (views computed, aliases dropped).
-
-    A plain ``nnx.GraphDef`` stands for a :class:`GraphDef` without aliases.
-    """
+    """``[nnx.GraphDef, *plain NNX states]`` of canonical states (views in, aliases out)."""
     if not isinstance(graphdef, GraphDef):
         graphdef = GraphDef(graphdef, (), len(states))
     if len(states) != graphdef.num_states:
@@ -293,17 +254,10 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
 def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
     """Rebuild the model from :func:`split`'s output: materialize the views, then ``nnx.merge``.
 
-    Works inside ``jax.grad`` / ``jax.jit``: the gradient with respect to a
-    canonical state accumulates each buffer's uses, and tied targets get none.
-
     Args:
-        graphdef: the :class:`GraphDef` from :func:`split` (a plain
-            ``nnx.GraphDef`` is accepted for a state tied with :func:`sharetree.tie`).
+        graphdef: the :class:`GraphDef` from :func:`split` (or a plain
+            ``nnx.GraphDef``, for a state tied with :func:`sharetree.tie`).
         *states: the canonical state(s), as :func:`split` returned them.
-
-    Returns:
-        The model. A tied Variable holds ``transform(buffer)``, with the
-        Variable type and metadata the model gave it.
 
     Raises:
         TieError: a wrong number of states, a removed identity tie, or a bad graph.
@@ -311,45 +265,25 @@ def merge(graphdef: GraphDef | Any, *states: Any) -> Any:
     Example:
         >>> import jax, jax.numpy as jnp, sharetree as st, sharetree.nnx
         >>> from flax import nnx
-        >>> class AE(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
-        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
-        >>> ties = {"dec/kernel": st.Tied("enc/kernel", st.T)}
-        >>> graphdef, state = st.nnx.split(AE(nnx.Rngs(0)), ties=ties)
-        >>> def loss(state, x):
-        ...     model = st.nnx.merge(graphdef, state)  # dec.kernel = enc.kernel.T
-        ...     return jnp.sum(model.dec(model.enc(x)))
-        >>> grads = jax.jit(jax.grad(loss))(state, jnp.ones((1, 4)))
-        >>> grads["dec"]["kernel"], grads["enc"]["kernel"].shape  # one gradient, both uses
-        (Tied('enc/kernel', T), (4, 2))
+        >>> ties = {"bias": st.Tied("kernel", st.index(0))}
+        >>> graphdef, state = st.nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ties=ties)
+        >>> loss = lambda s: st.nnx.merge(graphdef, s)(jnp.ones((1, 2))).sum()
+        >>> jax.grad(loss)(state)["bias"]  # the kernel's gradient counts both uses
+        Tied('kernel', index(0))
     """
     return nnx.merge(*_to_nnx(graphdef, states))
 
 
 def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
-    """Write canonical state(s) into an existing ``model`` in place (``nnx.update`` with ties).
-
-    Each tied Variable of ``model`` receives ``transform(buffer)``; a Variable
-    the model shares in two places is written once.
-
-    Args:
-        model: the model ``split`` was called on (or one of the same structure).
-        graphdef: the :class:`GraphDef` from :func:`split`.
-        *states: the canonical state(s).
+    """Write canonical state(s) into ``model`` in place (``nnx.update`` with ties).
 
     Example:
         >>> import jax, jax.numpy as jnp, sharetree as st, sharetree.nnx
         >>> from flax import nnx
-        >>> class AE(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.enc = nnx.Linear(4, 2, rngs=rngs)
-        ...         self.dec = nnx.Linear(2, 4, rngs=rngs)
-        >>> model = AE(nnx.Rngs(0))
-        >>> graphdef, state = st.nnx.split(model, ties={"dec/kernel": st.Tied("enc/kernel", st.T)})
-        >>> trained = jax.tree.map(jnp.ones_like, state)  # stands in for an optimizer step
-        >>> st.nnx.update(model, graphdef, trained)
-        >>> model.dec.kernel.shape, float(model.dec.kernel[...].sum())  # enc.kernel.T, all ones
-        ((2, 4), 8.0)
+        >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> graphdef, state = st.nnx.split(model, ties={"bias": st.Tied("kernel", st.index(0))})
+        >>> st.nnx.update(model, graphdef, jax.tree.map(jnp.ones_like, state))
+        >>> model.bias[...]
+        Array([1., 1.], dtype=float32)
     """
     nnx.update(model, *_to_nnx(graphdef, states)[1:])
