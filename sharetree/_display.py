@@ -126,7 +126,6 @@ class _BufferRow(NamedTuple):
     path: str
     buffers: tuple[Buffer, ...]
     num_views: int  # views of a leaf; rows of the view table that read a subtree
-    first: int  # flatten index of its first buffer (the rows keep flatten order)
 
 
 def _common_source(tie: str, views: Sequence[View]) -> str | None:
@@ -169,31 +168,30 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
 
 def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[_BufferRow]:
     """The buffers, those under a subtree that a subtree tie reads as one row each."""
-    buffers = g.buffers
-    index = {key_str(b.path): i for i, b in enumerate(buffers)}
-    sources = sorted({grp.buffer for grp in groups if grp.subtree and grp.buffer not in index})
-    claimed: dict[int, str] = {}
-    for src in sorted(sources, key=len):  # outermost first: a subtree inside one is in its row
-        for i, b in enumerate(buffers):
-            if i not in claimed and key_str(b.path).startswith(src + "/"):
-                claimed[i] = src
-    members: dict[str, list[int]] = {}
-    for i, src in claimed.items():
-        members.setdefault(src, []).append(i)
-    rows = [
-        _BufferRow(key_str(b.path), (b,), b.num_views, i)
-        for i, b in enumerate(buffers)
-        if i not in claimed
-    ]
-    for src, ids in members.items():
-        inside = {key_str(buffers[i].path) for i in ids}
-        readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
-        rows.append(_BufferRow(src, tuple(buffers[i] for i in sorted(ids)), readers, min(ids)))
-    return sorted(rows, key=lambda r: r.first)
+    index = {key_str(b.path) for b in g.buffers}
+    sources = {grp.buffer for grp in groups if grp.subtree and grp.buffer not in index}
+    members: dict[str, list[Buffer]] = {}
+    for b in g.buffers:  # a buffer in several such subtrees is in the outermost one's row
+        path = key_str(b.path)
+        src = min((s for s in sources if path.startswith(s + "/")), key=len, default=path)
+        members.setdefault(src, []).append(b)
+    rows = []
+    for path, bs in members.items():
+        readers = bs[0].num_views
+        if path in sources:
+            inside = {key_str(b.path) for b in bs}
+            readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
+        rows.append(_BufferRow(path, tuple(bs), readers))
+    return rows
 
 
 def _leaves_cell(n: int) -> str:
     return f"{n:,} leaf" if n == 1 else f"{n:,} leaves"
+
+
+def _summed(xs: Sequence[Buffer | View]) -> tuple[str, str, str]:
+    """The shape, dtype and bytes cells of a row that stands for the leaves ``xs``."""
+    return _leaves_cell(len(xs)), _common(_shape_dtype(x)[1] for x in xs), _sum_bytes(xs)
 
 
 def _sum_bytes(xs: Iterable[Buffer | View]) -> str:
@@ -224,26 +222,18 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     b_rows: list[tuple[str, ...]] = []
     b_details: list[Sequence[tuple[str, ...]]] = []
     for r in b_shown:
-        if len(r.buffers) == 1 and key_str(r.buffers[0].path) == r.path:
-            b_rows.append(_buffer_cells(r.buffers[0]))
-            b_details.append(())
-        else:
-            dtype = _common(_shape_dtype(b)[1] for b in r.buffers)
-            cells = (r.path, _leaves_cell(len(r.buffers)), dtype, _sum_bytes(r.buffers))
-            b_rows.append((*cells, str(r.num_views)))
-            b_details.append([_buffer_cells(b) for b in r.buffers])
+        inner = [_buffer_cells(b) for b in r.buffers]
+        one = len(inner) == 1 and inner[0][0] == r.path
+        b_rows.append(inner[0] if one else (r.path, *_summed(r.buffers), str(r.num_views)))
+        b_details.append(() if one else inner)
     v_shown = groups[:max_rows]
     v_rows: list[tuple[str, ...]] = []
     v_details: list[Sequence[tuple[str, ...]]] = []
     for grp in v_shown:
-        if not grp.subtree:
-            v_rows.append(_view_cells(grp.views[0]))
-            v_details.append(())
-        else:
-            dtype = _common(_shape_dtype(v)[1] for v in grp.views)
-            head = (grp.path, grp.buffer, grp.transform, _leaves_cell(len(grp.views)), dtype)
-            v_rows.append((*head, _sum_bytes(grp.views)))
-            v_details.append([_view_cells(v) for v in grp.views])
+        inner = [_view_cells(v) for v in grp.views]
+        head = (grp.path, grp.buffer, grp.transform)
+        v_rows.append((*head, *_summed(grp.views)) if grp.subtree else inner[0])
+        v_details.append(inner if grp.subtree else ())
     n_buffers = sum(len(r.buffers) for r in b_shown)
     n_views = sum(len(grp.views) for grp in v_shown)
     return [
@@ -379,18 +369,12 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         return ""
     check_max_rows(max_rows, "graph_svg")
     groups = _view_groups(g)
-    order: dict[str, int] = {}
-    for i, b in enumerate(g.buffers):
-        order[key_str(b.path)] = i
+    order = {key_str(b.path): i for i, b in enumerate(g.buffers)}
     for grp in groups:  # a subtree's place: its first buffer's
-        if grp.buffer not in order:
-            order[grp.buffer] = min(
-                (order[key_str(v.buffer)] for v in grp.views if key_str(v.buffer) in order),
-                default=len(order),
-            )
+        order.setdefault(grp.buffer, min(order[key_str(v.buffer)] for v in grp.views))
     shown = sorted(groups[:max_rows], key=lambda grp: order[grp.buffer])
     more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
-    buffers = {key_str(b.path): b for b in g.buffers}
+    buffers = {key_str(b.path) for b in g.buffers}
 
     def left_label(grp: _Group) -> str:
         if grp.buffer in buffers:
