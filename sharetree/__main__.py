@@ -1,12 +1,6 @@
 """Command line: ``python -m sharetree demo`` and ``python -m sharetree inspect FILE``.
 
-``demo`` trains the tied character-level language model of ``sharetree._demo``
-and prints its sharing summary and a sample; ``--out`` saves a checkpoint.
-``inspect`` prints the sharing graph of a checkpoint written by ``sharetree.save``
-(:func:`describe`, which runs none of the file's code).
-Bad arguments and unreadable files: one line on stderr, exit code 2. A reader
-that leaves early (``python -m sharetree inspect FILE | head -2``): no
-traceback, exit code 141, as a shell reports for a program that SIGPIPE ended.
+Exit codes and what each command prints: "Command line" on the display page of the docs.
 """
 
 from __future__ import annotations
@@ -140,19 +134,6 @@ class _FileGraph(SharingGraph):
 
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
-
-    For a file written by :func:`sharetree.save`: its size, format version and the
-    sharing summary of its tree (as :func:`sharetree.summary` prints it), from
-    the header and metadata only; ``st.fn`` views are shown by their stored
-    name (``fn(mylib.ops:softcap)``), never imported or called, so without
-    shape and dtype. For another safetensors file: its tensors and bytes.
-
-    Args:
-        path: the file.
-        max_rows: the most rows shown per table.
-
-    Returns:
-        Several lines of text, without a trailing newline.
 
     Raises:
         TieError: any problem (a missing or unreadable file, malformed
