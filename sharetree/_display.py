@@ -45,6 +45,7 @@ _BUFFER_FILL = "#dbeafe"
 _BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
 _VIEW_STYLE = 'fill="#ffedd5" stroke="#c2410c" stroke-dasharray="4 2"'
 _svg_ids = itertools.count()
+_Row = tuple[str, ...]  # the cells of a table row
 
 
 def format_bytes(n: int) -> str:
@@ -93,14 +94,6 @@ class _Group(NamedTuple):
         return len(self.views) != 1 or self.views[0].path != self.path
 
 
-class _BufferRow(NamedTuple):
-    """One row of the buffer table: a buffer, or the buffers under a subtree a tie reads."""
-
-    path: str
-    buffers: tuple[Buffer, ...]
-    num_views: int  # views of a leaf; rows of the view table that read a subtree
-
-
 def _common_source(tie: str, views: Sequence[View]) -> str | None:
     """``B`` when every view ``tie/S`` reads buffer ``B/S`` for one ``B``, else ``None``."""
     found = set()
@@ -138,8 +131,8 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
     return out
 
 
-def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[_BufferRow]:
-    """The buffers, those under a subtree that a subtree tie reads as one row each."""
+def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[tuple[int, _Row, list[_Row]]]:
+    """(views, cells, details) of the buffers, those of a subtree a tie reads as one row."""
     index = {key_str(b.path) for b in g.buffers}
     sources = {grp.buffer for grp in groups if grp.subtree and grp.buffer not in index}
     members: dict[str, list[Buffer]] = {}
@@ -149,11 +142,16 @@ def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[_BufferRow]:
         members.setdefault(src, []).append(b)
     rows = []
     for path, bs in members.items():
-        readers = bs[0].num_views
-        if path in sources:
-            inside = {key_str(b.path) for b in bs}
-            readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
-        rows.append(_BufferRow(path, tuple(bs), readers))
+        inner = [
+            (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
+            for b in bs
+        ]
+        if path not in sources:
+            rows.append((bs[0].num_views, inner[0], []))
+            continue
+        inside = {key_str(b.path) for b in bs}
+        readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
+        rows.append((readers, (path, *_summed(bs), str(readers)), inner))
     return rows
 
 
@@ -166,11 +164,7 @@ def _sum_bytes(xs: Iterable[Buffer | View]) -> str:
     return format_bytes(sum(x.nbytes for x in xs))
 
 
-def _buffer_cells(b: Buffer) -> tuple[str, ...]:
-    return (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
-
-
-def _view_cells(v: View) -> tuple[str, ...]:
+def _view_cells(v: View) -> _Row:
     path, buffer = key_str(v.path), key_str(v.buffer)
     return (path, buffer, repr(v.transform), *_shape_dtype(v), format_bytes(v.nbytes))
 
@@ -179,24 +173,19 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     """The buffer and view tables, cut after ``max_rows`` rows (buffers with views kept first)."""
     groups = _view_groups(g)
     brows = _buffer_rows(g, groups)
-    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i].num_views)
+    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i][0])
     b_shown = [brows[i] for i in sorted(shared_first[:max_rows])]
-    b_rows: list[tuple[str, ...]] = []
-    b_details: list[Sequence[tuple[str, ...]]] = []
-    for r in b_shown:
-        inner = [_buffer_cells(b) for b in r.buffers]
-        one = len(inner) == 1 and inner[0][0] == r.path
-        b_rows.append(inner[0] if one else (r.path, *_summed(r.buffers), str(r.num_views)))
-        b_details.append(() if one else inner)
+    b_rows = [cells for _, cells, _ in b_shown]
+    b_details = [inner for _, _, inner in b_shown]
     v_shown = groups[:max_rows]
-    v_rows: list[tuple[str, ...]] = []
-    v_details: list[Sequence[tuple[str, ...]]] = []
+    v_rows: list[_Row] = []
+    v_details: list[Sequence[_Row]] = []
     for grp in v_shown:
         inner = [_view_cells(v) for v in grp.views]
         head = (grp.path, grp.buffer, grp.transform)
         v_rows.append((*head, *_summed(grp.views)) if grp.subtree else inner[0])
         v_details.append(inner if grp.subtree else ())
-    n_buffers = sum(len(r.buffers) for r in b_shown)
+    n_buffers = sum(len(d) or 1 for d in b_details)
     n_views = sum(len(grp.views) for grp in v_shown)
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
