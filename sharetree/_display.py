@@ -331,7 +331,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         by = sum(y for _, y in rows) / len(rows)
         first = rows[0][0]
         title = f"buffer {buf}"
-        if first.subtree and buf not in buffers:
+        if buf not in buffers:
             title += ": " + _first(sorted({key_str(v.buffer) for v in first.views}), 20)
         out.append(_box(title, 4.0, by, left_w, left_label(first), _BUFFER_STYLE))
         for grp, y in rows:
@@ -461,14 +461,8 @@ class MaterializedDisplay:
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> tree = {"w": np.arange(3, dtype=np.float32), "w10": st.Tied("w", st.scale(10.0))}
-        >>> shown = st.MaterializedDisplay(tree)  # what st.treescope_materialized(tree) returns
-        >>> print(shown)  # the text rendering; Jupyter shows it as interactive HTML
-        # materialized tree; sharing graph: 1 buffer, 1 view (50.0% of bytes saved)
-        {
-          'w': [buffer: 1 view] np.array([0., 1., 2.], dtype=float32),  # shared with w10
-          'w10': [view of w via scale(10.0)] <jax.Array([ 0., 10., 20.], dtype=float32)>,
-        }
+        >>> st.MaterializedDisplay({"w": np.ones(3), "v": st.Tied("w")}).graph
+        SharingGraph(1 buffer, 1 view; params 3 unique / 6 expanded; bytes 24 / 48)
     """
 
     def __init__(self, tree: Any) -> None:

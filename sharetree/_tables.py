@@ -1,7 +1,6 @@
 """Text and HTML tables, cut after ``max_rows`` rows: what ``summary`` and ``grad_report`` share.
 
-Every cell is escaped before it goes into HTML or SVG; styles are inline
-(notebook viewers drop ``<style>`` blocks).
+Cells are escaped; styles are inline (notebook viewers drop ``<style>`` blocks).
 """
 
 from __future__ import annotations
