@@ -1,7 +1,4 @@
-"""Command line: ``python -m sharetree demo`` and ``python -m sharetree inspect FILE``.
-
-Exit codes and what each command prints: "Command line" on the display page of the docs.
-"""
+"""``python -m sharetree demo`` and ``inspect FILE``: see "Command line" in docs/display.md."""
 
 from __future__ import annotations
 
@@ -209,13 +206,7 @@ def _printable(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line on ``argv`` (``sys.argv[1:]`` by default); return the exit code.
-
-    Example:
-        >>> from sharetree.__main__ import main
-        >>> main(["demo", "--steps", "0"])
-        2
-    """
+    """Run the command line on ``argv`` (``sys.argv[1:]`` by default); return the exit code."""
     parser = _parser()
     try:
         try:

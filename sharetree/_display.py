@@ -1,8 +1,4 @@
-"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT, treescope.
-
-Everything here reads a :class:`~sharetree.SharingGraph`; text from a tree is
-escaped before it goes into HTML, SVG or DOT.
-"""
+"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT, treescope."""
 
 from __future__ import annotations
 
@@ -283,8 +279,7 @@ _BOX_H, _PAD = 20, 8
 def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     """The sharing DAG as inline SVG (buffers left, views right), ``""`` without views.
 
-    Each edge is labelled with its transform (none for identity); a subtree tie
-    is one edge, and hovering a box lists its leaves.
+    Edges are labelled with their transform; hovering a box lists its leaves.
     """
     if not g.views:
         return ""

@@ -1,7 +1,4 @@
-"""The sharing graph of a tree: :class:`SharingGraph`, :class:`Buffer`, :class:`View`.
-
-Rendering (text, HTML, SVG, DOT) lives in ``_display``.
-"""
+"""The sharing graph of a tree: :class:`SharingGraph`, :class:`Buffer`, :class:`View`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Text and HTML tables, cut after ``max_rows`` rows: what ``summary`` and ``grad_report`` share.
 
-Cells are escaped; styles are inline (notebook viewers drop ``<style>`` blocks).
+Styles are inline: notebook viewers drop ``<style>`` blocks.
 """
 
 from __future__ import annotations
