@@ -153,11 +153,8 @@ def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[tuple[int, _
 
 def _summed(xs: Sequence[Buffer | View]) -> tuple[str, str, str]:
     """The shape, dtype and bytes cells of a row that stands for the leaves ``xs``."""
-    return _leaves_cell(len(xs)), _common(_shape_dtype(x)[1] for x in xs), _sum_bytes(xs)
-
-
-def _sum_bytes(xs: Iterable[Buffer | View]) -> str:
-    return format_bytes(sum(x.nbytes for x in xs))
+    nbytes = format_bytes(sum(x.nbytes for x in xs))
+    return _leaves_cell(len(xs)), _common(_shape_dtype(x)[1] for x in xs), nbytes
 
 
 def _view_cells(v: View) -> _Row:
@@ -305,7 +302,8 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     def right_label(grp: _Group) -> str:
         if not grp.subtree:
             return _clip(grp.path, 36)
-        return f"{_clip(grp.path, 36)}  ({_leaves_cell(len(grp.views))}, {_sum_bytes(grp.views)})"
+        leaves, _, nbytes = _summed(grp.views)
+        return f"{_clip(grp.path, 36)}  ({leaves}, {nbytes})"
 
     char_w, row_h, top = 7.0, 26, 12
     left_w = max(len(left_label(grp)) for grp in shown) * char_w + 2 * _PAD
@@ -361,11 +359,9 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for sec in (buffers, views) if views.rows else (buffers,):
         parts.append(f"<div><b>{sec.title}</b></div>")
         parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more, sec.details))
-    parts.append(graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS)
+    no_views = "<div><i>no views: nothing is shared</i></div>"
+    parts.append(graph_svg(g, max_rows=max_rows) if views.rows else no_views)
     return _page("sharetree-graph", _headline(g), parts)
-
-
-_NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
 
 
 def _dot_str(s: str) -> str:
