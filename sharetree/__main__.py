@@ -19,7 +19,7 @@ from sharetree._io import PathOrStr, _Builder, save
 from sharetree._materialize import leaves_and_structure
 from sharetree._report import SharingGraph
 from sharetree._safetensors import Reader, file_path, one_line
-from sharetree._tables import check_max_rows
+from sharetree._tables import _more, check_max_rows
 from sharetree._transforms import describe_transform, is_described
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
@@ -166,9 +166,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
             f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
             for info in list(reader.infos.values())[:max_rows]
         ]
-        if len(reader.infos) > max_rows:
-            rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
-        return "\n".join([head, *rows])
+        more = _more(len(reader.infos), max_rows, "tensors")
+        return "\n".join([head, *rows, *(["  " + more] if more else [])])
     builder = _Builder(reader, reader.infos, None)
     # fn and unregistered transforms: named, never called
     builder.resolve = functools.partial(describe_transform)
