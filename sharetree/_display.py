@@ -136,9 +136,9 @@ def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[tuple[int, _
         path = key_str(b.path)
         src = min((s for s in sources if path.startswith(s + "/")), key=len, default=path)
         members.setdefault(src, []).append(b)
-    rows = []
+    rows: list[tuple[int, _Row, list[_Row]]] = []
     for path, bs in members.items():
-        inner = [
+        inner: list[_Row] = [
             (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
             for b in bs
         ]
