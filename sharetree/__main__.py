@@ -1,13 +1,4 @@
-"""Command line: ``python -m sharetree demo`` and ``python -m sharetree inspect FILE``.
-
-``demo`` trains the tied character-level language model of ``sharetree._demo``
-and prints its sharing summary and a sample; ``--out`` saves a checkpoint.
-``inspect`` prints the sharing graph of a checkpoint written by ``sharetree.save``
-(:func:`describe`, which runs none of the file's code).
-Bad arguments and unreadable files: one line on stderr, exit code 2. A reader
-that leaves early (``python -m sharetree inspect FILE | head -2``): no
-traceback, exit code 141, as a shell reports for a program that SIGPIPE ended.
-"""
+"""``python -m sharetree demo`` and ``inspect FILE``: see "Command line" in docs/display.md."""
 
 from __future__ import annotations
 
@@ -28,7 +19,7 @@ from sharetree._io import PathOrStr, _Builder, save
 from sharetree._materialize import leaves_and_structure
 from sharetree._report import SharingGraph
 from sharetree._safetensors import Reader, file_path, one_line
-from sharetree._tables import check_max_rows
+from sharetree._tables import _more, check_max_rows
 from sharetree._transforms import describe_transform, is_described
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
@@ -141,19 +132,6 @@ class _FileGraph(SharingGraph):
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
 
-    For a file written by :func:`sharetree.save`: its size, format version and the
-    sharing summary of its tree (as :func:`sharetree.summary` prints it), from
-    the header and metadata only; ``st.fn`` views are shown by their stored
-    name (``fn(mylib.ops:softcap)``), never imported or called, so without
-    shape and dtype. For another safetensors file: its tensors and bytes.
-
-    Args:
-        path: the file.
-        max_rows: the most rows shown per table.
-
-    Returns:
-        Several lines of text, without a trailing newline.
-
     Raises:
         TieError: any problem (a missing or unreadable file, malformed
             metadata, a bad graph), as one line naming the file.
@@ -188,9 +166,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
             f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
             for info in list(reader.infos.values())[:max_rows]
         ]
-        if len(reader.infos) > max_rows:
-            rows.append(f"  ... and {len(reader.infos) - max_rows:,} more tensors")
-        return "\n".join([head, *rows])
+        more = _more(len(reader.infos), max_rows, "tensors")
+        return "\n".join([head, *rows, *(["  " + more] if more else [])])
     builder = _Builder(reader, reader.infos, None)
     # fn and unregistered transforms: named, never called
     builder.resolve = functools.partial(describe_transform)
@@ -228,13 +205,7 @@ def _printable(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line on ``argv`` (``sys.argv[1:]`` by default); return the exit code.
-
-    Example:
-        >>> from sharetree.__main__ import main
-        >>> main(["demo", "--steps", "0"])
-        2
-    """
+    """Run the command line on ``argv`` (``sys.argv[1:]`` by default); return the exit code."""
     parser = _parser()
     try:
         try:

@@ -1,11 +1,4 @@
-"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT, treescope.
-
-Everything here reads a :class:`~sharetree.SharingGraph`; nothing here changes
-a tree. Tables and drawings are cut after ``max_rows`` rows with an
-``... and K more`` line, so that a tree of thousands of leaves still prints
-instantly. All text that comes from a tree (paths, dtypes, transform reprs) is
-escaped before it goes into HTML, SVG or DOT.
-"""
+"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT, treescope."""
 
 from __future__ import annotations
 
@@ -24,6 +17,7 @@ from sharetree._tables import (
     MAX_ROWS,
     _first,
     _html_table,
+    _leaves_cell,
     _more,
     _page,
     _svg,
@@ -47,20 +41,11 @@ _BUFFER_FILL = "#dbeafe"
 _BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
 _VIEW_STYLE = 'fill="#ffedd5" stroke="#c2410c" stroke-dasharray="4 2"'
 _svg_ids = itertools.count()
-
-
-# ---------------------------------------------------------------------------
-# numbers
+_Row = tuple[str, ...]  # the cells of a table row
 
 
 def format_bytes(n: int) -> str:
-    """``1536`` -> ``'1.5 KiB'`` (binary units; bytes below 1 KiB are exact).
-
-    Example:
-        >>> from sharetree._display import format_bytes
-        >>> format_bytes(24), format_bytes(1536), format_bytes(3 * 2**20)
-        ('24 B', '1.5 KiB', '3.0 MiB')
-    """
+    """``1536`` -> ``'1.5 KiB'`` (binary units; bytes below 1 KiB are exact)."""
     if n < 1024:
         return f"{n} B"
     k = min((int(n).bit_length() - 1) // 10, 4)  # the largest unit that is at most n
@@ -68,13 +53,7 @@ def format_bytes(n: int) -> str:
 
 
 def saved_percent(unique: int, expanded: int) -> float:
-    """Percentage of ``expanded`` that sharing saves: ``100 * (1 - unique / expanded)``.
-
-    Example:
-        >>> from sharetree._display import saved_percent
-        >>> saved_percent(24, 48), saved_percent(0, 0)
-        (50.0, 0.0)
-    """
+    """Percentage of ``expanded`` that sharing saves (``0.0`` when ``expanded`` is 0)."""
     return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
@@ -86,11 +65,7 @@ def _shape_dtype(x: Buffer | View) -> tuple[str, str]:
 
 
 class _Section(NamedTuple):
-    """One table of a summary: its title, header, the rows shown and the ``... more`` line.
-
-    ``details`` holds, for each row, the rows behind its disclosure in HTML: the
-    leaves of a subtree tie (empty for a row that is one leaf).
-    """
+    """One table of a summary; ``details``: each row's leaves, behind a disclosure in HTML."""
 
     title: str
     header: tuple[str, ...]
@@ -102,12 +77,7 @@ class _Section(NamedTuple):
 
 
 class _Group(NamedTuple):
-    """One row of the view table: a ``Tied`` and the views it makes.
-
-    A leaf tie makes one view at its own path; a subtree tie (``Tied("block_0")``
-    at ``block_1``) makes one view per leaf of the subtree, shown as one row
-    ``block_1 <- block_0`` with its leaf count and bytes.
-    """
+    """One row of the view table: a ``Tied`` and the views it makes (one per leaf it ties)."""
 
     path: str  # where the Tied is written
     buffer: str  # the buffer it reads, or the subtree that holds the buffers it reads
@@ -118,15 +88,6 @@ class _Group(NamedTuple):
     def subtree(self) -> bool:
         """Whether the tie is a subtree's: several views, or one below the tie's path."""
         return len(self.views) != 1 or self.views[0].path != self.path
-
-
-class _BufferRow(NamedTuple):
-    """One row of the buffer table: a buffer, or the buffers under a subtree a tie reads."""
-
-    path: str
-    buffers: tuple[Buffer, ...]
-    num_views: int  # views of a leaf; rows of the view table that read a subtree
-    first: int  # flatten index of its first buffer (the rows keep flatten order)
 
 
 def _common_source(tie: str, views: Sequence[View]) -> str | None:
@@ -141,10 +102,10 @@ def _common_source(tie: str, views: Sequence[View]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _common(values: Iterable[str], mixed: str = "mixed") -> str:
+def _common(values: Iterable[str]) -> str:
     """The one value of ``values``, or ``mixed`` when they differ."""
     seen = set(values)
-    return seen.pop() if len(seen) == 1 else mixed
+    return seen.pop() if len(seen) == 1 else "mixed"
 
 
 def _view_groups(g: SharingGraph) -> list[_Group]:
@@ -155,11 +116,10 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
     ties = {key_str(k): t for k, t in g.ties.items()}
     out = []
     for tie, vs in by_tie.items():
-        if len(vs) == 1 and key_str(vs[0].path) == tie:
-            out.append(_Group(tie, key_str(vs[0].buffer), repr(vs[0].transform), (vs[0],)))
-            continue
         source = _common_source(tie, vs)
-        if source is None:  # the subtree holds ties to elsewhere: name the ref as written
+        if len(vs) == 1 and key_str(vs[0].path) == tie:
+            source = key_str(vs[0].buffer)
+        elif source is None:  # the subtree holds ties to elsewhere: name the ref as written
             source = (
                 path_str(ties[tie].ref) if tie in ties else _common(key_str(v.buffer) for v in vs)
             )
@@ -167,84 +127,58 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
     return out
 
 
-def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[_BufferRow]:
-    """The buffers, those under a subtree that a subtree tie reads as one row each."""
-    buffers = g.buffers
-    index = {key_str(b.path): i for i, b in enumerate(buffers)}
-    sources = sorted({grp.buffer for grp in groups if grp.subtree and grp.buffer not in index})
-    claimed: dict[int, str] = {}
-    for src in sorted(sources, key=len):  # outermost first: a subtree inside one is in its row
-        for i, b in enumerate(buffers):
-            if i not in claimed and key_str(b.path).startswith(src + "/"):
-                claimed[i] = src
-    members: dict[str, list[int]] = {}
-    for i, src in claimed.items():
-        members.setdefault(src, []).append(i)
-    rows = [
-        _BufferRow(key_str(b.path), (b,), b.num_views, i)
-        for i, b in enumerate(buffers)
-        if i not in claimed
-    ]
-    for src, ids in members.items():
-        inside = {key_str(buffers[i].path) for i in ids}
+def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[tuple[int, _Row, list[_Row]]]:
+    """(views, cells, details) of the buffers, those of a subtree a tie reads as one row."""
+    index = {key_str(b.path) for b in g.buffers}
+    sources = {grp.buffer for grp in groups if grp.subtree and grp.buffer not in index}
+    members: dict[str, list[Buffer]] = {}
+    for b in g.buffers:  # a buffer in several such subtrees is in the outermost one's row
+        path = key_str(b.path)
+        src = min((s for s in sources if path.startswith(s + "/")), key=len, default=path)
+        members.setdefault(src, []).append(b)
+    rows: list[tuple[int, _Row, list[_Row]]] = []
+    for path, bs in members.items():
+        inner: list[_Row] = [
+            (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
+            for b in bs
+        ]
+        if path not in sources:
+            rows.append((bs[0].num_views, inner[0], []))
+            continue
+        inside = {key_str(b.path) for b in bs}
         readers = sum(any(key_str(v.buffer) in inside for v in grp.views) for grp in groups)
-        rows.append(_BufferRow(src, tuple(buffers[i] for i in sorted(ids)), readers, min(ids)))
-    return sorted(rows, key=lambda r: r.first)
+        rows.append((readers, (path, *_summed(bs), str(readers)), inner))
+    return rows
 
 
-def _leaves_cell(n: int) -> str:
-    return f"{n:,} leaf" if n == 1 else f"{n:,} leaves"
+def _summed(xs: Sequence[Buffer | View]) -> tuple[str, str, str]:
+    """The shape, dtype and bytes cells of a row that stands for the leaves ``xs``."""
+    nbytes = format_bytes(sum(x.nbytes for x in xs))
+    return _leaves_cell(len(xs)), _common(_shape_dtype(x)[1] for x in xs), nbytes
 
 
-def _sum_bytes(xs: Iterable[Buffer | View]) -> str:
-    return format_bytes(sum(x.nbytes for x in xs))
-
-
-def _buffer_cells(b: Buffer) -> tuple[str, ...]:
-    return (key_str(b.path), *_shape_dtype(b), format_bytes(b.nbytes), str(b.num_views))
-
-
-def _view_cells(v: View) -> tuple[str, ...]:
+def _view_cells(v: View) -> _Row:
     path, buffer = key_str(v.path), key_str(v.buffer)
     return (path, buffer, repr(v.transform), *_shape_dtype(v), format_bytes(v.nbytes))
 
 
 def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
-    """The buffer and view tables, each cut after ``max_rows`` rows.
-
-    A subtree tie is one row of the view table, and the buffers under the
-    subtree it reads one row of the buffer table, each with its leaves as
-    details. Rows that have views come first when the table must be cut (they
-    are the interesting ones), but rows keep flatten order.
-    """
+    """The buffer and view tables, cut after ``max_rows`` rows (buffers with views kept first)."""
     groups = _view_groups(g)
     brows = _buffer_rows(g, groups)
-    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i].num_views)
+    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i][0])
     b_shown = [brows[i] for i in sorted(shared_first[:max_rows])]
-    b_rows: list[tuple[str, ...]] = []
-    b_details: list[Sequence[tuple[str, ...]]] = []
-    for r in b_shown:
-        if len(r.buffers) == 1 and key_str(r.buffers[0].path) == r.path:
-            b_rows.append(_buffer_cells(r.buffers[0]))
-            b_details.append(())
-        else:
-            dtype = _common(_shape_dtype(b)[1] for b in r.buffers)
-            cells = (r.path, _leaves_cell(len(r.buffers)), dtype, _sum_bytes(r.buffers))
-            b_rows.append((*cells, str(r.num_views)))
-            b_details.append([_buffer_cells(b) for b in r.buffers])
+    b_rows = [cells for _, cells, _ in b_shown]
+    b_details = [inner for _, _, inner in b_shown]
     v_shown = groups[:max_rows]
-    v_rows: list[tuple[str, ...]] = []
-    v_details: list[Sequence[tuple[str, ...]]] = []
+    v_rows: list[_Row] = []
+    v_details: list[Sequence[_Row]] = []
     for grp in v_shown:
-        if not grp.subtree:
-            v_rows.append(_view_cells(grp.views[0]))
-            v_details.append(())
-        else:
-            dtype = _common(_shape_dtype(v)[1] for v in grp.views)
-            head = (grp.path, grp.buffer, grp.transform, _leaves_cell(len(grp.views)), dtype)
-            v_rows.append((*head, _sum_bytes(grp.views)))
-            v_details.append([_view_cells(v) for v in grp.views])
-    n_buffers = sum(len(r.buffers) for r in b_shown)
+        inner = [_view_cells(v) for v in grp.views]
+        head = (grp.path, grp.buffer, grp.transform)
+        v_rows.append((*head, *_summed(grp.views)) if grp.subtree else inner[0])
+        v_details.append(inner if grp.subtree else ())
+    n_buffers = sum(len(d) or 1 for d in b_details)
     n_views = sum(len(grp.views) for grp in v_shown)
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
@@ -276,10 +210,6 @@ def _headline(g: SharingGraph) -> str:
     return head + (f" (from {plural(ties, 'tie')})" if ties != g.num_views else "")
 
 
-# ---------------------------------------------------------------------------
-# text
-
-
 def summary(
     tree: Any,
     grads_by_use: Mapping[str, Mapping[str, Any]] | None = None,
@@ -288,22 +218,14 @@ def summary(
 ) -> str:
     """A plain-text summary of the sharing in ``tree``, for terminals and logs.
 
-    Shows the totals (unique vs expanded, and the share sharing saves), the
-    buffers and the views, as in the example; buffers that have views are kept
-    first when a table is cut. A subtree tie (``Tied("block_0")`` at
-    ``block_1``) is one row of the view table, ``block_1  block_0  identity
-    16 leaves``, and the buffers under ``block_0`` one row of the buffer table;
-    ``canonicalize(tree).views`` lists every leaf. Given
-    :func:`~sharetree.grad_by_use` output, it ends with its
-    :func:`~sharetree.grad_report`.
+    Totals, buffers and views; a subtree tie is one row (see "Seeing the
+    sharing" in the docs). Given :func:`~sharetree.grad_by_use` output, it ends
+    with its :func:`~sharetree.grad_report`.
 
     Args:
         tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
         grads_by_use: optional ``st.grad_by_use(fun)(tree, ...)`` for this tree.
         max_rows: the most rows shown per table.
-
-    Returns:
-        The summary, several lines without a trailing newline.
 
     Raises:
         TieError: when the tree's ties do not resolve (as for ``canonicalize``).
@@ -335,10 +257,6 @@ def summary(
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------
-# HTML and SVG
-
-
 def _clip(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "\u2026"
 
@@ -356,41 +274,20 @@ _BOX_H, _PAD = 20, 8
 
 
 def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
-    """A small drawing of the sharing DAG as inline SVG: buffers left, views right.
+    """The sharing DAG as inline SVG (buffers left, views right), ``""`` without views.
 
-    Only buffers that have views are drawn; each edge is labelled with the
-    composed transform (an edge without a label is an identity view). A
-    subtree tie (``Tied("block_0")`` at ``block_1``) is one edge between two
-    boxes that give its leaf count and bytes; hovering a box lists its leaves.
-    No system graphviz is needed.
-
-    Returns:
-        An ``<svg>`` element, or ``""`` when the graph has no views.
-
-    Example:
-        >>> import numpy as np, sharetree as st
-        >>> from sharetree._display import graph_svg
-        >>> g = st.canonicalize({"a": np.zeros((2, 3)), "b": st.Tied("a", st.T)})
-        >>> svg = graph_svg(g)
-        >>> svg.startswith("<svg") and ">T</text>" in svg
-        True
+    Edges are labelled with their transform; hovering a box lists its leaves.
     """
     if not g.views:
         return ""
     check_max_rows(max_rows, "graph_svg")
     groups = _view_groups(g)
-    order: dict[str, int] = {}
-    for i, b in enumerate(g.buffers):
-        order[key_str(b.path)] = i
+    order = {key_str(b.path): i for i, b in enumerate(g.buffers)}
     for grp in groups:  # a subtree's place: its first buffer's
-        if grp.buffer not in order:
-            order[grp.buffer] = min(
-                (order[key_str(v.buffer)] for v in grp.views if key_str(v.buffer) in order),
-                default=len(order),
-            )
+        order.setdefault(grp.buffer, min(order[key_str(v.buffer)] for v in grp.views))
     shown = sorted(groups[:max_rows], key=lambda grp: order[grp.buffer])
     more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
-    buffers = {key_str(b.path): b for b in g.buffers}
+    buffers = {key_str(b.path) for b in g.buffers}
 
     def left_label(grp: _Group) -> str:
         if grp.buffer in buffers:
@@ -405,7 +302,8 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     def right_label(grp: _Group) -> str:
         if not grp.subtree:
             return _clip(grp.path, 36)
-        return f"{_clip(grp.path, 36)}  ({_leaves_cell(len(grp.views))}, {_sum_bytes(grp.views)})"
+        leaves, _, nbytes = _summed(grp.views)
+        return f"{_clip(grp.path, 36)}  ({leaves}, {nbytes})"
 
     char_w, row_h, top = 7.0, 26, 12
     left_w = max(len(left_label(grp)) for grp in shown) * char_w + 2 * _PAD
@@ -426,7 +324,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         by = sum(y for _, y in rows) / len(rows)
         first = rows[0][0]
         title = f"buffer {buf}"
-        if first.subtree and buf not in buffers:
+        if buf not in buffers:
             title += ": " + _first(sorted({key_str(v.buffer) for v in first.views}), 20)
         out.append(_box(title, 4.0, by, left_w, left_label(first), _BUFFER_STYLE))
         for grp, y in rows:
@@ -453,18 +351,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
 
 
 def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
-    """The HTML shown for a :class:`~sharetree.SharingGraph` in Jupyter.
-
-    Totals, a buffer table, a view table and the SVG drawing, with inline
-    styles only (notebook viewers drop ``<style>`` blocks).
-
-    Example:
-        >>> import numpy as np, sharetree as st
-        >>> g = st.canonicalize({"a": np.zeros((2, 3)), "b<i>": st.Tied("a", st.T)})
-        >>> page = g._repr_html_()
-        >>> "b&lt;i&gt;" in page and "b<i>" not in page and "<svg" in page
-        True
-    """
+    """The HTML of a :class:`~sharetree.SharingGraph` in Jupyter: totals, tables, drawing."""
     check_max_rows(max_rows, "graph_html")
     buffers, views = _sections(g, max_rows)
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
@@ -472,15 +359,9 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for sec in (buffers, views) if views.rows else (buffers,):
         parts.append(f"<div><b>{sec.title}</b></div>")
         parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more, sec.details))
-    parts.append(graph_svg(g, max_rows=max_rows) if views.rows else _NO_VIEWS)
+    no_views = "<div><i>no views: nothing is shared</i></div>"
+    parts.append(graph_svg(g, max_rows=max_rows) if views.rows else no_views)
     return _page("sharetree-graph", _headline(g), parts)
-
-
-_NO_VIEWS = "<div><i>no views: nothing is shared</i></div>"
-
-
-# ---------------------------------------------------------------------------
-# DOT
 
 
 def _dot_str(s: str) -> str:
@@ -488,11 +369,7 @@ def _dot_str(s: str) -> str:
 
 
 def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
-    r"""Graphviz DOT text of the sharing graph (render with ``dot -Tsvg``).
-
-    Buffers are filled boxes, views dashed boxes, and each edge carries the
-    composed transform. Buffers without views are left out unless
-    ``include_unshared``.
+    r"""Graphviz DOT text of the sharing graph; buffers without views only if ``include_unshared``.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -524,10 +401,6 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
     return "\n".join([*lines, "}"])
 
 
-# ---------------------------------------------------------------------------
-# treescope
-
-
 def _color(buffer: str) -> str:
     from treescope import formatting_util
 
@@ -539,13 +412,7 @@ def _via(t: Transform) -> str:
 
 
 def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> Any:
-    """The treescope rendering of a ``Tied``: ``Tied('enc/w', T)  # view of enc/w``.
-
-    The node is coloured by its ref, the colour :func:`treescope_materialized`
-    gives the buffer at that path, and a comment names the ref and transform.
-    Used by ``Tied.__treescope_repr__``.
-    """
-    # subtree_renderer is not needed: ref and transform are static text, not subtrees
+    """``Tied('enc/w', T)  # view of enc/w``, coloured as the buffer at its ref is."""
     from treescope import rendering_parts as rp
 
     ref = path_str(tied.ref)
@@ -574,12 +441,10 @@ class _Mark:
 
 
 class MaterializedDisplay:
-    """A materialized tree shown by treescope with every buffer and view marked.
+    """A materialized tree that treescope shows with every buffer and view marked.
 
-    Made by :func:`treescope_materialized`. Views get a badge such as
-    ``[view of enc/w via T]`` and buffers that have views ``[buffer: 1 view]``;
-    a buffer and its views share a colour. Display it in Jupyter, pass it to
-    ``treescope.show``, or ``print`` it for the text rendering.
+    Made by :func:`treescope_materialized`; a buffer and its views share a
+    colour. Display it in Jupyter, pass it to ``treescope.show``, or ``print`` it.
 
     Attributes:
         tree: the canonical tree.
@@ -587,16 +452,8 @@ class MaterializedDisplay:
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> tree = {"w": np.arange(3, dtype=np.float32), "w10": st.Tied("w", st.scale(10.0))}
-        >>> shown = st.MaterializedDisplay(tree)  # what st.treescope_materialized(tree) returns
-        >>> shown.graph
-        SharingGraph(1 buffer, 1 view; params 3 unique / 6 expanded; bytes 12 / 24)
-        >>> print(shown)  # the text rendering; Jupyter shows it as interactive HTML
-        # materialized tree; sharing graph: 1 buffer, 1 view (50.0% of bytes saved)
-        {
-          'w': [buffer: 1 view] np.array([0., 1., 2.], dtype=float32),  # shared with w10
-          'w10': [view of w via scale(10.0)] <jax.Array([ 0., 10., 20.], dtype=float32)>,
-        }
+        >>> st.MaterializedDisplay({"w": np.ones(3), "v": st.Tied("w")}).graph
+        SharingGraph(1 buffer, 1 view; params 3 unique / 6 expanded; bytes 24 / 48)
     """
 
     def __init__(self, tree: Any) -> None:
@@ -645,17 +502,7 @@ class MaterializedDisplay:
 
 
 def treescope_materialized(tree: Any) -> MaterializedDisplay:
-    """Show the materialized ``tree`` in treescope with its views and buffers marked.
-
-    ``treescope.show(tree)`` shows each ``Tied`` as written; this shows what the
-    model consumes instead, marked as :class:`MaterializedDisplay` says.
-
-    Args:
-        tree: a canonical tree.
-
-    Returns:
-        An object that Jupyter displays as a treescope rendering; it works with
-        ``treescope.show``, ``treescope.render_to_html`` and ``print``.
+    """Show the materialized ``tree`` in treescope, its views and buffers marked.
 
     Example:
         >>> import numpy as np, sharetree as st

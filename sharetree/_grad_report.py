@@ -1,8 +1,4 @@
-"""``grad_report``: which use moves a tied weight (norms, shares and cosines of its uses).
-
-Cosines near 1 mean the uses agree, below 0 that they fight. Text for
-terminals, HTML with a small SVG bar chart for Jupyter.
-"""
+"""``grad_report``: which use moves a tied weight (norms, shares and cosines of its uses)."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from html import escape
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -38,15 +34,14 @@ _FIGHT = "#dc2626"
 
 @dataclasses.dataclass(frozen=True)
 class Use:
-    """One use of a buffer: its path, the norm of its contribution, its share, its agreement.
+    """One use of a buffer.
 
     Attributes:
         path: the position (the buffer's own path, or a view's).
         norm: the 2-norm of its contribution (pulled back into the buffer's shape).
-        share: ``norm`` over the sum of the norms of all uses of the buffer
-            (``nan`` when every use is zero).
-        cos_rest: cosine between its contribution and the sum of the other
-            uses' (``None`` for a buffer's only use, ``nan`` when either is zero).
+        share: ``norm`` over the sum of the uses' norms (``nan`` if every use is zero).
+        cos_rest: cosine between its contribution and the sum of the other uses'
+            (``None`` for a buffer's only use, ``nan`` when either is zero).
     """
 
     path: str
@@ -63,8 +58,7 @@ class BufferUses:
         path: the buffer's path.
         uses: one :class:`Use` per use, in flatten order.
         norm: the 2-norm of the accumulated gradient (the sum of the uses).
-        cosines: pairwise cosines between the uses' contributions
-            (``cosines[i][j]``; ``nan`` where one of them is zero).
+        cosines: ``cosines[i][j]`` between uses i and j (``nan`` where one is zero).
     """
 
     path: str
@@ -148,22 +142,11 @@ def _fmt(x: float | None, spec: str) -> str:
 _HEADER = ("use", "norm", "share", "cos(rest)")
 
 
-class _Block(NamedTuple):
-    """What the text and HTML reports show of one buffer used in several places."""
-
-    buffer: BufferUses
-    title: str  # after the buffer's path: its number of uses and the norm of their sum
-    rows: list[tuple[str, ...]]  # path, norm, share, cos(rest) of each use shown
-    more: str  # the "... and K more uses" line, or ""
-
-
 @dataclasses.dataclass(frozen=True)
 class GradReport:
     """Which use moves each tied weight: made by :func:`grad_report`.
 
-    ``print`` it in a terminal; Jupyter shows a table and a bar chart per
-    shared buffer (bars in blue where a use agrees with the others, red where
-    it fights them, i.e. ``cos_rest < 0``).
+    ``print`` it, or see a table and a bar chart per shared buffer in Jupyter.
 
     Attributes:
         buffers: one :class:`BufferUses` per buffer, in flatten order.
@@ -196,15 +179,15 @@ class GradReport:
             )
         return f"gradient by use: {k:,} of {plural(n, 'buffer')} used in several places"
 
-    def _blocks(self) -> Iterator[_Block]:
-        """One :class:`_Block` per buffer shown."""
+    def _blocks(self) -> Iterator[tuple[BufferUses, str, list[tuple[str, ...]], str]]:
+        """Per buffer shown: it, its title after the path, its rows and ``... more`` line."""
         for b in self.shared[: self.max_rows]:
             rows: list[tuple[str, ...]] = [
                 (u.path, _fmt(u.norm, ".4g"), _fmt(u.share, ".1%"), _fmt(u.cos_rest, "+.3f"))
                 for u in b.uses[: self.max_rows]
             ]
             title = f": {len(b.uses)} uses, norm of their sum {_fmt(b.norm, '.4g')}"
-            yield _Block(b, title, rows, _more(len(b.uses), len(rows), "uses"))
+            yield b, title, rows, _more(len(b.uses), len(rows), "uses")
 
     def _single(self) -> str:
         single = [b.path for b in self.buffers if len(b.uses) == 1]
@@ -257,18 +240,11 @@ class GradReport:
 def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_ROWS) -> GradReport:
     """Summarize :func:`~sharetree.grad_by_use` output: norm, share and cosine of each use.
 
-    For each buffer, the fields of :class:`BufferUses` and :class:`Use`
-    (``cos(rest)``: for two uses, the cosine between them), computed on the
-    host in float64. A tree without ties gives a report that says each buffer
-    has one use.
+    Computed on the host in float64 (see "Reading grad_report" in the docs).
 
     Args:
-        by_use: ``{buffer path: {use path: contribution}}`` as returned by
-            ``st.grad_by_use(fun)(tree, ...)`` (concrete arrays, not traced).
+        by_use: what ``st.grad_by_use(fun)(tree, ...)`` returns (concrete, not traced).
         max_rows: the most buffers, and uses per buffer, shown.
-
-    Returns:
-        A :class:`GradReport` (text when printed, HTML in Jupyter).
 
     Raises:
         TieError: an input that is not such a dict, contributions of one

@@ -1,8 +1,4 @@
-"""The report model of a sharing graph: :class:`SharingGraph`, :class:`Buffer`, :class:`View`.
-
-Built by :func:`canonicalize` from a resolved :class:`~sharetree._resolve.Structure`
-and the tree's leaves; rendering (text, HTML, SVG, DOT) lives in ``_display``.
-"""
+"""The sharing graph of a tree: :class:`SharingGraph`, :class:`Buffer`, :class:`View`."""
 
 from __future__ import annotations
 
@@ -79,12 +75,11 @@ class View(_Shaped):
 
 
 class SharingGraph:
-    """The resolved sharing DAG of a canonical tree: unique buffers plus views.
+    """The resolved sharing DAG of a canonical tree, built by :func:`canonicalize`.
 
-    Built by :func:`canonicalize`. Counts are over leaves (``num_*``), array
-    elements (``size_*``, i.e. parameters) and bytes (``nbytes_*``); "unique"
-    counts each buffer once, "expanded" counts every position of the
-    materialized tree. Per-buffer details are computed lazily on first access.
+    Counts are over leaves (``num_*``), parameters (``size_*``) and bytes
+    (``nbytes_*``); "unique" counts each buffer once, "expanded" every position
+    of the materialized tree.
 
     Example:
         >>> import numpy as np, sharetree as st
@@ -177,7 +172,6 @@ class SharingGraph:
         return self.nbytes_unique + sum(aval_nbytes(a) for a in self._view_avals)
 
     def _repr_html_(self) -> str:
-        """HTML for Jupyter: totals, buffer and view tables, and an SVG drawing."""
         return DISPLAY["graph_html"](self)
 
     def to_dot(self, *, include_unshared: bool = False) -> str:
@@ -193,16 +187,7 @@ class SharingGraph:
 
 
 def canonicalize(tree: Any) -> SharingGraph:
-    """Resolve every tie of ``tree`` into a :class:`SharingGraph`.
-
-    The structural part is cached per treedef; a second call on a tree of the
-    same structure costs one flatten.
-
-    Args:
-        tree: a canonical tree (may contain ``Tied`` nodes).
-
-    Returns:
-        The sharing graph: ``buffers``, ``views``, counts and bytes.
+    """Resolve every tie of ``tree`` into a :class:`SharingGraph` (cached per treedef).
 
     Raises:
         TieError: for a dangling ref (naming the closest path), a cycle (the
@@ -210,10 +195,8 @@ def canonicalize(tree: Any) -> SharingGraph:
 
     Example:
         >>> import numpy as np, sharetree as st
-        >>> tree = {"x": np.array([7.0, 7.0]), "y": np.array([3.0, 4.0]), "z": st.Tied("x")}
-        >>> g = st.canonicalize(tree)
-        >>> [b.path for b in g.buffers], list(g.views)
-        (['x', 'y'], ['z'])
+        >>> st.canonicalize({"x": np.ones(2), "z": st.Tied("x")}).buffers
+        (Buffer('x', float64[2], views=1),)
     """
     leaves, structure = leaves_and_structure(tree)
     return SharingGraph(structure, leaves)

@@ -1,7 +1,6 @@
 """Text and HTML tables, cut after ``max_rows`` rows: what ``summary`` and ``grad_report`` share.
 
-Every cell is escaped before it goes into HTML or SVG; styles are inline
-(notebook viewers drop ``<style>`` blocks).
+Styles are inline: notebook viewers drop ``<style>`` blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +32,10 @@ def _more(total: int, shown: int, what: str) -> str:
 def _first(names: Sequence[str], n: int) -> str:
     """The first ``n`` of ``names``, comma-separated, then ``, ... (K more)``."""
     return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def _leaves_cell(n: int) -> str:
+    return f"{n:,} leaf" if n == 1 else f"{n:,} leaves"
 
 
 def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
@@ -67,11 +70,10 @@ def _html_table(
         body.append(f"<tr>{cells('td', r)}</tr>")
         inner = details[k] if k < len(details) else ()
         if inner:
-            leaves = f"{len(inner):,} leaf" if len(inner) == 1 else f"{len(inner):,} leaves"
             body.append(
                 f'<tr><td colspan="{len(header)}" style="padding:0 8px 4px 24px;">'
                 f'<details><summary style="cursor:pointer;color:#4b5563;">'
-                f"the {leaves} of {escape(r[0])}</summary>"
+                f"the {_leaves_cell(len(inner))} of {escape(r[0])}</summary>"
                 f"{_html_table(header, inner, numeric)}</details></td></tr>"
             )
     if more:
