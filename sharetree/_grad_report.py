@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from html import escape
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -142,6 +142,15 @@ def _fmt(x: float | None, spec: str) -> str:
 _HEADER = ("use", "norm", "share", "cos(rest)")
 
 
+class _Block(NamedTuple):
+    """What the text and HTML reports show of one buffer used in several places."""
+
+    buffer: BufferUses
+    title: str  # after the buffer's path: its number of uses and the norm of their sum
+    rows: list[tuple[str, ...]]  # path, norm, share, cos(rest) of each use shown
+    more: str  # the "... and K more uses" line, or ""
+
+
 @dataclasses.dataclass(frozen=True)
 class GradReport:
     """Which use moves each tied weight: made by :func:`grad_report`.
@@ -179,7 +188,7 @@ class GradReport:
             )
         return f"gradient by use: {k:,} of {plural(n, 'buffer')} used in several places"
 
-    def _blocks(self) -> Iterator[tuple[BufferUses, str, list[tuple[str, ...]], str]]:
+    def _blocks(self) -> Iterator[_Block]:
         """Per buffer shown: it, its title after the path, its rows and ``... more`` line."""
         for b in self.shared[: self.max_rows]:
             rows: list[tuple[str, ...]] = [
@@ -187,7 +196,7 @@ class GradReport:
                 for u in b.uses[: self.max_rows]
             ]
             title = f": {len(b.uses)} uses, norm of their sum {_fmt(b.norm, '.4g')}"
-            yield b, title, rows, _more(len(b.uses), len(rows), "uses")
+            yield _Block(b, title, rows, _more(len(b.uses), len(rows), "uses"))
 
     def _single(self) -> str:
         single = [b.path for b in self.buffers if len(b.uses) == 1]
