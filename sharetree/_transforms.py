@@ -986,12 +986,12 @@ def chain(*parts: Transform) -> Transform:
     """
     out: list[Transform] = []
     for p in parts:
-        check_transform(p)
-        rest = parts_of(p)
-        for i, q in enumerate(rest):
-            if _push(out, q) and i + 1 < len(rest):
-                out.extend(rest[i + 1 :])  # q was kept as is: its neighbours in p do not fold
-                break
+        for t in parts_of(check_transform(p)):
+            while out and t != identity and (folded := out[-1].fold(t)) is not None:
+                out.pop()
+                t = folded
+            if t != identity:
+                out.append(t)
     if len(out) < 2:
         return out[0] if out else identity
     return _Chain(tuple(out))
@@ -1000,19 +1000,6 @@ def chain(*parts: Transform) -> Transform:
 def parts_of(t: Transform) -> tuple[Transform, ...]:
     """The transforms a chain applies, in order; ``(t,)`` for a transform that is not a chain."""
     return t.parts if isinstance(t, _Chain) else (t,)
-
-
-def _push(stack: list[Transform], t: Transform) -> bool:
-    """Append ``t`` to a normal form, folding it into the end; True if kept unchanged."""
-    kept = True
-    while t != identity:
-        folded = stack[-1].fold(t) if stack else None
-        if folded is None:
-            stack.append(t)
-            return kept
-        stack.pop()
-        t, kept = folded, False
-    return False
 
 
 _FACTORY_EXAMPLES = {
