@@ -828,19 +828,19 @@ class _Chain(Transform, name="chain"):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Unregistered(Transform):
-    """Stands for a spec whose transform class is not registered, when only describing a file."""
+class _Described(Transform):
+    """Stands for an unregistered transform, or an ``fn``'s function, when describing a file."""
 
-    spec_text: str  # the spec as compact JSON (hashable, shown as it is)
+    text: str  # the spec as compact JSON, or the function's "module:qualname"
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         raise TieError(  # pragma: no cover - describing never computes a view
-            f"the transform {self.spec_text} was only described: its class is not registered "
-            "in this process. Fix: import (or define) the class, then load the file."
+            f"{self.text} was only described, not restored. Fix: load the file, passing "
+            "functions= for its st.fn functions, after importing your own transform classes."
         )
 
     def __repr__(self) -> str:
-        return self.spec_text
+        return self.text
 
 
 def _spec_text(spec: Mapping[str, Any]) -> str:
@@ -853,31 +853,12 @@ def _spec_text(spec: Mapping[str, Any]) -> str:
 
 def is_described(t: Transform) -> bool:
     """Whether ``t`` (a chain part by part) holds a stand-in that describes without computing."""
-    return any(
-        isinstance(p, _Unregistered) or isinstance(getattr(p, "function", None), _Unresolved)
-        for p in parts_of(t)
-    )
+    return any(isinstance(getattr(p, "function", p), _Described) for p in parts_of(t))
 
 
 def describe_transform(spec: object) -> Transform:
     """A transform for ``spec``; an ``fn`` or an unregistered class is a stand-in, never called."""
-    return _from_spec(spec, _Unresolved)  # an fn's function becomes a stand-in
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unresolved:
-    """Stands for an ``fn`` spec's function in :func:`describe_spec`; never called."""
-
-    name: str
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        raise TieError(  # pragma: no cover - describe_spec returns text only
-            f"fn({self.name}) was only described, not restored. Fix: restore it with "
-            f"transform_from_spec(spec, functions={{{self.name!r}: ...}})."
-        )
-
-    def __repr__(self) -> str:
-        return self.name
+    return _from_spec(spec, _Described)  # an fn's function becomes a stand-in
 
 
 identity: Transform = _Identity()
@@ -1108,8 +1089,8 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
         )
     name = spec["name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
-    if cls is None and isinstance(name, str) and resolve is _Unresolved:
-        return _Unregistered(_spec_text(spec))
+    if cls is None and isinstance(name, str) and resolve is _Described:
+        return _Described(_spec_text(spec))
     if cls is None:
         own = (
             f" if it is a transform of your own, import (or define) the class registered as "
