@@ -620,16 +620,18 @@ class _Fn(Transform, name="fn"):
 
     def spec(self) -> dict[str, Any]:
         f = self.function
-        module = getattr(f, "__module__", None)
-        qualname = getattr(f, "__qualname__", None)
-        # saving only: the function must be found again by its name (reading never imports)
-        if not module or not qualname or "<" in qualname or _import(module, qualname) is not f:
+        name = f"{getattr(f, '__module__', None)}:{getattr(f, '__qualname__', None)}"
+        try:  # saving only: the function must be found again by its name (reading never imports)
+            found = pkgutil.resolve_name(name) is f  # "<locals>", "<lambda>": a ValueError
+        except (ImportError, AttributeError, ValueError):
+            found = False
+        if not found:
             raise TieError(
                 f"fn({f!r}) cannot be written to a file: only functions importable by "
                 "module and name can. Fix: define the function at module level, or "
                 "express the view with built-in transforms (transpose, reshape, astype, scale)."
             )
-        return {"name": "fn", "function": f"{module}:{qualname}"}
+        return {"name": "fn", "function": name}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
@@ -1028,14 +1030,6 @@ def check_transform(t: Any, where: str = "") -> Transform:
             "Fix: build it from hashable arguments (tuples, numbers, module-level functions)."
         ) from None
     return t
-
-
-def _import(module: str, qualname: str) -> Any:
-    """The object ``module:qualname`` of the user's own code (used when saving only)."""
-    try:
-        return pkgutil.resolve_name(f"{module}:{qualname}")
-    except (ImportError, AttributeError, ValueError):
-        return None
 
 
 def _reverse(n: int) -> tuple[int, ...]:
