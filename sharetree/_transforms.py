@@ -188,6 +188,19 @@ class Transform:
         """Whether the view may be computed in one compiled call with others (``fn``: no)."""
         return True
 
+    def __repr__(self) -> str:
+        """A built-in transform as the call that makes it, e.g. ``slice(0, 5, axis=1)``."""
+        if type(self).__module__ != __name__:  # a user's class that is no dataclass
+            return object.__repr__(self)
+        args: list[Any] = []
+        for f in _fields(type(self)):
+            v = getattr(self, f)
+            if f != "axis":
+                args += v if isinstance(v, tuple) else [v]
+            elif v:  # axis 0 is the default: not shown
+                args.append(f"axis={v}")
+        return f"{self.spec_name}({', '.join(map(str, args))})" if args else self.spec_name
+
 
 def _fields(cls: type[Transform]) -> tuple[str, ...]:
     """The spec fields of a transform class: its dataclass fields."""
@@ -334,7 +347,7 @@ def _set(obj: Any, **fields: Any) -> None:
         object.__setattr__(obj, k, v)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Identity(Transform, name="identity"):
     """``identity``: the view is the buffer object itself; vanishes from every chain."""
 
@@ -359,9 +372,6 @@ class _Identity(Transform, name="identity"):
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
         return x
-
-    def __repr__(self) -> str:
-        return "identity"
 
     def __reduce__(self) -> str:
         return "identity"  # unpickles to the module's singleton
@@ -432,7 +442,7 @@ class _Transpose(Transform, name="transpose"):
         return "T" if self.axes is None else f"transpose({', '.join(map(str, self.axes))})"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Reshape(Transform, name="reshape"):
     """``reshape(*shape)``: see :func:`reshape`."""
 
@@ -477,11 +487,8 @@ class _Reshape(Transform, name="reshape"):
     def numpy(self, x: np.ndarray) -> np.ndarray:
         return np.reshape(x, self.shape)
 
-    def __repr__(self) -> str:
-        return f"reshape({', '.join(map(str, self.shape))})"
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _AsType(Transform, name="astype"):
     """``astype(dtype)``: cast; see :func:`astype`."""
 
@@ -523,11 +530,8 @@ class _AsType(Transform, name="astype"):
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
         return tuple(names)
 
-    def __repr__(self) -> str:
-        return f"astype({self.dtype})"
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _Scale(Transform, name="scale"):
     """``scale(c)``: multiply by a finite constant; see :func:`scale`."""
 
@@ -580,9 +584,6 @@ class _Scale(Transform, name="scale"):
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
         return tuple(names)
-
-    def __repr__(self) -> str:
-        return f"scale({self.c!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +657,7 @@ def _nonempty(start: int, stop: int) -> str:
     return f"st.slice({start}, {start + 1})"  # one entry
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Slice(Transform, name="slice"):
     """``slice(start, stop, axis)``: the entries ``start:stop`` of one axis; see :func:`slice`."""
 
@@ -722,12 +723,8 @@ class _Slice(Transform, name="slice"):
         axis, start, stop = self._bounds(np.shape(x))
         return x[(builtins.slice(None),) * axis + (builtins.slice(start, stop),)]
 
-    def __repr__(self) -> str:
-        axis = f", axis={self.axis}" if self.axis else ""
-        return f"slice({self.start}, {self.stop}{axis})"
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Index(Transform, name="index"):
     """``index(i, axis)``: entry ``i`` of one axis, which the view drops; see :func:`index`."""
 
@@ -776,9 +773,6 @@ class _Index(Transform, name="index"):
     def numpy(self, x: np.ndarray) -> np.ndarray:
         axis, i = self._where(np.shape(x))
         return np.asarray(x[(builtins.slice(None),) * axis + (i,)])
-
-    def __repr__(self) -> str:
-        return f"index({self.i}{f', axis={self.axis}' if self.axis else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
