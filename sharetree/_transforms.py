@@ -879,8 +879,7 @@ def transpose(*axes: int | Sequence[int]) -> Transform:
         >>> st.transpose() == st.T, st.transpose(0, 2, 1), st.transpose(-1, 0)
         (True, transpose(0, 2, 1), transpose(1, 0))
     """
-    given = _args(axes)
-    return _Transpose(given) if given else T
+    return _Transpose(_args(axes))  # no axes: equal to T
 
 
 def reshape(*shape: int | Sequence[int]) -> Transform:
