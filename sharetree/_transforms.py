@@ -130,9 +130,7 @@ class Transform:
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         """Rebuild the transform from its spec, whose fields are all present (checked before).
 
-        By default each field is read back as its annotation says (``complex``,
-        ``Transform``, ``tuple[X, ...]``, ``X | None``; other lists as tuples) and the
-        class is called; what it raises becomes a :class:`TieError` naming the spec.
+        By default each field is read back by its annotation, then the class is called.
         ``resolve`` turns an ``fn`` spec's function name into the function.
         """
         kinds = _field_types(cls)
@@ -143,34 +141,15 @@ class Transform:
         return None
 
     def state_view(self) -> Transform | None:
-        """The transform of a per-element optimizer state (Adam's moments), or ``None``: unknown.
-
-        Example:
-            >>> import sharetree as st
-            >>> (st.T >> st.slice(0, 2)).state_view(), st.scale(2.0).state_view()
-            (T >> slice(0, 2), None)
-        """
+        """The transform of a per-element optimizer state (Adam's moments), or ``None``: unknown."""
         return None
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
-        """The names of the view's axes from the buffer's, or ``None`` when they are not its axes.
-
-        Example:
-            >>> import jax, sharetree as st
-            >>> aval = jax.ShapeDtypeStruct((4, 8, 2), "float32")
-            >>> (st.index(0) >> st.T).axis_names(("layers", "embed", "mlp"), aval)
-            ('mlp', 'embed')
-        """
+        """The names of the view's axes from the buffer's, or ``None`` if they are not its axes."""
         return None
 
     def inverse(self) -> Transform | None:
-        """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``.
-
-        Example:
-            >>> import sharetree as st
-            >>> st.transpose(1, 2, 0).inverse(), st.scale(2.0).inverse()
-            (transpose(2, 0, 1), None)
-        """
+        """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``."""
         return None
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
