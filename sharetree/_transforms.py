@@ -510,11 +510,12 @@ class _AsType(Transform, name="astype"):
         return tuple(names)
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Scale(Transform, name="scale"):
     """``scale(c)``: multiply by a finite constant; see :func:`scale`."""
 
     c: Any  # given as a Python or NumPy number; stored as a finite float, or complex if given so
+    kind: type = dataclasses.field(init=False)  # 2.0 == 2+0j, but scale(2+0j) makes views complex
     field_docs: ClassVar = {"c": "a finite number, or [real, imag] for a complex one"}
 
     def __post_init__(self) -> None:
@@ -536,19 +537,10 @@ class _Scale(Transform, name="scale"):
                 "infinite scale is not equal to itself and cannot be written to a file. Fix: "
                 "pass a finite constant; to mask values use st.fn with a module-level function."
             )
-        _set(self, c=value + 0.0)  # + 0.0 turns -0.0 into 0.0, which compares equal to it
+        _set(self, c=value + 0.0, kind=type(value))  # + 0.0 turns -0.0 into 0.0 (equal to it)
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x) * self.c
-
-    # 2.0 == 2+0j in Python, but scale(2+0j) makes a view complex: the type is part of the value
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Scale):
-            return NotImplemented
-        return type(self.c) is type(other.c) and self.c == other.c
-
-    def __hash__(self) -> int:
-        return hash((_Scale, type(self.c), self.c))
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
