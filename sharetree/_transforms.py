@@ -133,7 +133,12 @@ class Transform:
         By default each field is read back by its annotation, then the class is called.
         ``resolve`` turns an ``fn`` spec's function name into the function.
         """
-        kinds = _field_types(cls)
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # a name the class's module cannot resolve: keep the strings
+            hints = {}
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        kinds = {f.name: hints.get(f.name, f.type) for f in fields if f.init}
         return _construct(cls, spec, {f: _read(spec[f], kinds[f], resolve) for f in kinds})
 
     def fold(self, after: Transform) -> Transform | None:
@@ -203,16 +208,6 @@ def _tuples(v: Any, depth: int = 4) -> Any:
     if isinstance(v, list) and depth:
         return tuple(_tuples(x, depth - 1) for x in v)
     return v
-
-
-def _field_types(cls: type[Transform]) -> dict[str, Any]:
-    """Each spec field's annotation, resolved where possible (else as written, maybe a string)."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # a name the class's module cannot resolve: keep the strings
-        hints = {}
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    return {f.name: hints.get(f.name, f.type) for f in fields if f.init}
 
 
 _NOT_READ = object()
@@ -607,7 +602,9 @@ class _Fn(Transform, name="fn"):
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        if not _is_function_name(name := spec["function"]):
+        name = spec["function"]
+        module, sep, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
+        if not sep or not all(p.isidentifier() for p in (*module.split("."), *qualname.split("."))):
             raise _bad_field(cls, spec, "function", name)
         return _Fn(resolve(name))  # resolve checked it
 
@@ -1015,11 +1012,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_real(v: Any) -> bool:
     return _is_int(v) or isinstance(v, (float, np.floating))
-
-
-def _is_function_name(name: Any) -> bool:
-    module, sep, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
-    return bool(sep) and all(p.isidentifier() for p in (*module.split("."), *qualname.split(".")))
 
 
 def _bad_field(
