@@ -321,8 +321,15 @@ def _set(obj: Any, **fields: Any) -> None:
         object.__setattr__(obj, k, v)
 
 
+class _Moves(Transform):
+    """A transform that only moves or selects entries: optimizer moments move like the values."""
+
+    def state_view(self) -> Transform:
+        return self
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Identity(Transform, name="identity"):
+class _Identity(_Moves, name="identity"):
     """``identity``: the view is the buffer object itself; vanishes from every chain."""
 
     def __call__(self, x: ArrayLike) -> ArrayLike:  # type: ignore[override]
@@ -334,9 +341,6 @@ class _Identity(Transform, name="identity"):
 
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return aval
-
-    def state_view(self) -> Transform:
-        return self
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
         return tuple(names)
@@ -352,7 +356,7 @@ class _Identity(Transform, name="identity"):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Transpose(Transform, name="transpose"):
+class _Transpose(_Moves, name="transpose"):
     """``T`` / ``transpose(*axes)``: permute axes; see :func:`transpose`."""
 
     axes: tuple[int, ...] | None = None  # None: reverse all axes (T); else a permutation
@@ -399,9 +403,6 @@ class _Transpose(Transform, name="transpose"):
         dtype = canonical_dtype(aval.dtype)  # as jnp.transpose returns it
         return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), dtype)
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         axes = self._perm(len(names))
         return None if axes is None else tuple(names[a] for a in axes)
@@ -413,11 +414,11 @@ class _Transpose(Transform, name="transpose"):
         return np.transpose(x, self.axes)
 
     def __repr__(self) -> str:
-        return "T" if self.axes is None else f"transpose({', '.join(map(str, self.axes))})"
+        return "T" if self.axes is None else super().__repr__()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Reshape(Transform, name="reshape"):
+class _Reshape(_Moves, name="reshape"):
     """``reshape(*shape)``: see :func:`reshape`."""
 
     shape: tuple[int, ...]  # sizes >= 0 and at most one -1
@@ -451,9 +452,6 @@ class _Reshape(Transform, name="reshape"):
         if known == 0 or size % known:
             return None  # the second reshape fails; keep the error
         return _Reshape(tuple(size // known if d == -1 else d for d in after.shape))
-
-    def state_view(self) -> Transform:
-        return self
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         return tuple(names) if self.abstract(aval).shape == tuple(aval.shape) else None
@@ -626,7 +624,7 @@ def _nonempty(start: int, stop: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Slice(Transform, name="slice"):
+class _Slice(_Moves, name="slice"):
     """``slice(start, stop, axis)``: the entries ``start:stop`` of one axis; see :func:`slice`."""
 
     start: int
@@ -681,9 +679,6 @@ class _Slice(Transform, name="slice"):
         shape = (*aval.shape[:axis], stop - start, *aval.shape[axis + 1 :])
         return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         return tuple(names) if len(names) == len(aval.shape) else None
 
@@ -693,7 +688,7 @@ class _Slice(Transform, name="slice"):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Index(Transform, name="index"):
+class _Index(_Moves, name="index"):
     """``index(i, axis)``: entry ``i`` of one axis, which the view drops; see :func:`index`."""
 
     i: int
@@ -728,9 +723,6 @@ class _Index(Transform, name="index"):
         axis, _ = self._where(tuple(aval.shape))
         shape = (*aval.shape[:axis], *aval.shape[axis + 1 :])
         return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
-
-    def state_view(self) -> Transform:
-        return self
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         if len(names) != len(aval.shape):
