@@ -799,14 +799,6 @@ class _Described(Transform):
         return self.text
 
 
-def _spec_text(spec: Mapping[str, Any]) -> str:
-    try:
-        text = json.dumps(spec, separators=(",", ":"), sort_keys=False)
-    except (TypeError, ValueError):
-        text = repr(spec)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def is_described(t: Transform) -> bool:
     """Whether ``t`` (a chain part by part) holds a stand-in that describes without computing."""
     return any(isinstance(getattr(p, "function", p), _Described) for p in parts_of(t))
@@ -1032,7 +1024,11 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
     name = spec["name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None and isinstance(name, str) and resolve is _Described:
-        return _Described(_spec_text(spec))
+        try:
+            text = json.dumps(spec, separators=(",", ":"))
+        except (TypeError, ValueError):
+            text = repr(spec)
+        return _Described(text if len(text) <= 80 else text[:77] + "...")
     if cls is None:
         own = (
             f" if it is a transform of your own, import (or define) the class registered as "
