@@ -130,12 +130,15 @@ class Transform:
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
         """Rebuild the transform from its spec, whose fields are all present (checked before).
 
-        By default each field is read back as its annotation says (``complex``,
-        ``Transform``, ``tuple[X, ...]``, ``X | None``; other lists as tuples) and the
-        class is called; what it raises becomes a :class:`TieError` naming the spec.
+        By default each field is read back by its annotation, then the class is called.
         ``resolve`` turns an ``fn`` spec's function name into the function.
         """
-        kinds = _field_types(cls)
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # a name the class's module cannot resolve: keep the strings
+            hints = {}
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        kinds = {f.name: hints.get(f.name, f.type) for f in fields if f.init}
         return _construct(cls, spec, {f: _read(spec[f], kinds[f], resolve) for f in kinds})
 
     def fold(self, after: Transform) -> Transform | None:
@@ -143,34 +146,15 @@ class Transform:
         return None
 
     def state_view(self) -> Transform | None:
-        """The transform of a per-element optimizer state (Adam's moments), or ``None``: unknown.
-
-        Example:
-            >>> import sharetree as st
-            >>> (st.T >> st.slice(0, 2)).state_view(), st.scale(2.0).state_view()
-            (T >> slice(0, 2), None)
-        """
+        """The transform of a per-element optimizer state (Adam's moments), or ``None``: unknown."""
         return None
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
-        """The names of the view's axes from the buffer's, or ``None`` when they are not its axes.
-
-        Example:
-            >>> import jax, sharetree as st
-            >>> aval = jax.ShapeDtypeStruct((4, 8, 2), "float32")
-            >>> (st.index(0) >> st.T).axis_names(("layers", "embed", "mlp"), aval)
-            ('mlp', 'embed')
-        """
+        """The names of the view's axes from the buffer's, or ``None`` if they are not its axes."""
         return None
 
     def inverse(self) -> Transform | None:
-        """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``.
-
-        Example:
-            >>> import sharetree as st
-            >>> st.transpose(1, 2, 0).inverse(), st.scale(2.0).inverse()
-            (transpose(2, 0, 1), None)
-        """
+        """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``."""
         return None
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
@@ -187,6 +171,19 @@ class Transform:
     def traceable(self) -> bool:
         """Whether the view may be computed in one compiled call with others (``fn``: no)."""
         return True
+
+    def __repr__(self) -> str:
+        """A built-in transform as the call that makes it, e.g. ``slice(0, 5, axis=1)``."""
+        if type(self).__module__ != __name__:  # a user's class that is no dataclass
+            return object.__repr__(self)
+        args: list[Any] = []
+        for f in _fields(type(self)):
+            v = getattr(self, f)
+            if f != "axis":
+                args += v if isinstance(v, tuple) else [v]
+            elif v:  # axis 0 is the default: not shown
+                args.append(f"axis={v}")
+        return f"{self.spec_name}({', '.join(map(str, args))})" if args else self.spec_name
 
 
 def _fields(cls: type[Transform]) -> tuple[str, ...]:
@@ -211,16 +208,6 @@ def _tuples(v: Any, depth: int = 4) -> Any:
     if isinstance(v, list) and depth:
         return tuple(_tuples(x, depth - 1) for x in v)
     return v
-
-
-def _field_types(cls: type[Transform]) -> dict[str, Any]:
-    """Each spec field's annotation, resolved where possible (else as written, maybe a string)."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # a name the class's module cannot resolve: keep the strings
-        hints = {}
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    return {f.name: hints.get(f.name, f.type) for f in fields if f.init}
 
 
 _NOT_READ = object()
@@ -334,8 +321,15 @@ def _set(obj: Any, **fields: Any) -> None:
         object.__setattr__(obj, k, v)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Identity(Transform, name="identity"):
+class _Moves(Transform):
+    """A transform that only moves or selects entries: optimizer moments move like the values."""
+
+    def state_view(self) -> Transform:
+        return self
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Identity(_Moves, name="identity"):
     """``identity``: the view is the buffer object itself; vanishes from every chain."""
 
     def __call__(self, x: ArrayLike) -> ArrayLike:  # type: ignore[override]
@@ -348,9 +342,6 @@ class _Identity(Transform, name="identity"):
     def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return aval
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
         return tuple(names)
 
@@ -360,15 +351,12 @@ class _Identity(Transform, name="identity"):
     def numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 
-    def __repr__(self) -> str:
-        return "identity"
-
     def __reduce__(self) -> str:
         return "identity"  # unpickles to the module's singleton
 
 
 @dataclasses.dataclass(frozen=True)
-class _Transpose(Transform, name="transpose"):
+class _Transpose(_Moves, name="transpose"):
     """``T`` / ``transpose(*axes)``: permute axes; see :func:`transpose`."""
 
     axes: tuple[int, ...] | None = None  # None: reverse all axes (T); else a permutation
@@ -415,9 +403,6 @@ class _Transpose(Transform, name="transpose"):
         dtype = canonical_dtype(aval.dtype)  # as jnp.transpose returns it
         return jax.ShapeDtypeStruct(tuple(aval.shape[a] for a in axes), dtype)
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         axes = self._perm(len(names))
         return None if axes is None else tuple(names[a] for a in axes)
@@ -429,11 +414,11 @@ class _Transpose(Transform, name="transpose"):
         return np.transpose(x, self.axes)
 
     def __repr__(self) -> str:
-        return "T" if self.axes is None else f"transpose({', '.join(map(str, self.axes))})"
+        return "T" if self.axes is None else super().__repr__()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reshape(Transform, name="reshape"):
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Reshape(_Moves, name="reshape"):
     """``reshape(*shape)``: see :func:`reshape`."""
 
     shape: tuple[int, ...]  # sizes >= 0 and at most one -1
@@ -468,20 +453,14 @@ class _Reshape(Transform, name="reshape"):
             return None  # the second reshape fails; keep the error
         return _Reshape(tuple(size // known if d == -1 else d for d in after.shape))
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         return tuple(names) if self.abstract(aval).shape == tuple(aval.shape) else None
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
         return np.reshape(x, self.shape)
 
-    def __repr__(self) -> str:
-        return f"reshape({', '.join(map(str, self.shape))})"
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _AsType(Transform, name="astype"):
     """``astype(dtype)``: cast; see :func:`astype`."""
 
@@ -523,15 +502,13 @@ class _AsType(Transform, name="astype"):
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
         return tuple(names)
 
-    def __repr__(self) -> str:
-        return f"astype({self.dtype})"
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Scale(Transform, name="scale"):
     """``scale(c)``: multiply by a finite constant; see :func:`scale`."""
 
     c: Any  # given as a Python or NumPy number; stored as a finite float, or complex if given so
+    kind: type = dataclasses.field(init=False)  # 2.0 == 2+0j, but scale(2+0j) makes views complex
     field_docs: ClassVar = {"c": "a finite number, or [real, imag] for a complex one"}
 
     def __post_init__(self) -> None:
@@ -553,19 +530,10 @@ class _Scale(Transform, name="scale"):
                 "infinite scale is not equal to itself and cannot be written to a file. Fix: "
                 "pass a finite constant; to mask values use st.fn with a module-level function."
             )
-        _set(self, c=value + 0.0)  # + 0.0 turns -0.0 into 0.0, which compares equal to it
+        _set(self, c=value + 0.0, kind=type(value))  # + 0.0 turns -0.0 into 0.0 (equal to it)
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         return jnp.asarray(x) * self.c
-
-    # 2.0 == 2+0j in Python, but scale(2+0j) makes a view complex: the type is part of the value
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Scale):
-            return NotImplemented
-        return type(self.c) is type(other.c) and self.c == other.c
-
-    def __hash__(self) -> int:
-        return hash((_Scale, type(self.c), self.c))
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
@@ -580,9 +548,6 @@ class _Scale(Transform, name="scale"):
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names:
         return tuple(names)
-
-    def __repr__(self) -> str:
-        return f"scale({self.c!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,20 +585,24 @@ class _Fn(Transform, name="fn"):
 
     def spec(self) -> dict[str, Any]:
         f = self.function
-        module = getattr(f, "__module__", None)
-        qualname = getattr(f, "__qualname__", None)
-        # saving only: the function must be found again by its name (reading never imports)
-        if not module or not qualname or "<" in qualname or _import(module, qualname) is not f:
+        name = f"{getattr(f, '__module__', None)}:{getattr(f, '__qualname__', None)}"
+        try:  # saving only: the function must be found again by its name (reading never imports)
+            found = pkgutil.resolve_name(name) is f  # "<locals>", "<lambda>": a ValueError
+        except (ImportError, AttributeError, ValueError):
+            found = False
+        if not found:
             raise TieError(
                 f"fn({f!r}) cannot be written to a file: only functions importable by "
                 "module and name can. Fix: define the function at module level, or "
                 "express the view with built-in transforms (transpose, reshape, astype, scale)."
             )
-        return {"name": "fn", "function": f"{module}:{qualname}"}
+        return {"name": "fn", "function": name}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], resolve: Resolve) -> Transform:
-        if not _is_function_name(name := spec["function"]):
+        name = spec["function"]
+        module, sep, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
+        if not sep or not all(p.isidentifier() for p in (*module.split("."), *qualname.split("."))):
             raise _bad_field(cls, spec, "function", name)
         return _Fn(resolve(name))  # resolve checked it
 
@@ -654,8 +623,8 @@ def _nonempty(start: int, stop: int) -> str:
     return f"st.slice({start}, {start + 1})"  # one entry
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slice(Transform, name="slice"):
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Slice(_Moves, name="slice"):
     """``slice(start, stop, axis)``: the entries ``start:stop`` of one axis; see :func:`slice`."""
 
     start: int
@@ -710,9 +679,6 @@ class _Slice(Transform, name="slice"):
         shape = (*aval.shape[:axis], stop - start, *aval.shape[axis + 1 :])
         return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         return tuple(names) if len(names) == len(aval.shape) else None
 
@@ -720,13 +686,9 @@ class _Slice(Transform, name="slice"):
         axis, start, stop = self._bounds(np.shape(x))
         return x[(builtins.slice(None),) * axis + (builtins.slice(start, stop),)]
 
-    def __repr__(self) -> str:
-        axis = f", axis={self.axis}" if self.axis else ""
-        return f"slice({self.start}, {self.stop}{axis})"
 
-
-@dataclasses.dataclass(frozen=True)
-class _Index(Transform, name="index"):
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Index(_Moves, name="index"):
     """``index(i, axis)``: entry ``i`` of one axis, which the view drops; see :func:`index`."""
 
     i: int
@@ -762,9 +724,6 @@ class _Index(Transform, name="index"):
         shape = (*aval.shape[:axis], *aval.shape[axis + 1 :])
         return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
 
-    def state_view(self) -> Transform:
-        return self
-
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         if len(names) != len(aval.shape):
             return None
@@ -774,9 +733,6 @@ class _Index(Transform, name="index"):
     def numpy(self, x: np.ndarray) -> np.ndarray:
         axis, i = self._where(np.shape(x))
         return np.asarray(x[(builtins.slice(None),) * axis + (i,)])
-
-    def __repr__(self) -> str:
-        return f"index({self.i}{f', axis={self.axis}' if self.axis else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -828,56 +784,29 @@ class _Chain(Transform, name="chain"):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Unregistered(Transform):
-    """Stands for a spec whose transform class is not registered, when only describing a file."""
+class _Described(Transform):
+    """Stands for an unregistered transform, or an ``fn``'s function, when describing a file."""
 
-    spec_text: str  # the spec as compact JSON (hashable, shown as it is)
+    text: str  # the spec as compact JSON, or the function's "module:qualname"
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         raise TieError(  # pragma: no cover - describing never computes a view
-            f"the transform {self.spec_text} was only described: its class is not registered "
-            "in this process. Fix: import (or define) the class, then load the file."
+            f"{self.text} was only described, not restored. Fix: load the file, passing "
+            "functions= for its st.fn functions, after importing your own transform classes."
         )
 
     def __repr__(self) -> str:
-        return self.spec_text
-
-
-def _spec_text(spec: Mapping[str, Any]) -> str:
-    try:
-        text = json.dumps(spec, separators=(",", ":"), sort_keys=False)
-    except (TypeError, ValueError):
-        text = repr(spec)
-    return text if len(text) <= 80 else text[:77] + "..."
+        return self.text
 
 
 def is_described(t: Transform) -> bool:
     """Whether ``t`` (a chain part by part) holds a stand-in that describes without computing."""
-    return any(
-        isinstance(p, _Unregistered) or isinstance(getattr(p, "function", None), _Unresolved)
-        for p in parts_of(t)
-    )
+    return any(isinstance(getattr(p, "function", p), _Described) for p in parts_of(t))
 
 
 def describe_transform(spec: object) -> Transform:
     """A transform for ``spec``; an ``fn`` or an unregistered class is a stand-in, never called."""
-    return _from_spec(spec, _Unresolved)  # an fn's function becomes a stand-in
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unresolved:
-    """Stands for an ``fn`` spec's function in :func:`describe_spec`; never called."""
-
-    name: str
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        raise TieError(  # pragma: no cover - describe_spec returns text only
-            f"fn({self.name}) was only described, not restored. Fix: restore it with "
-            f"transform_from_spec(spec, functions={{{self.name!r}: ...}})."
-        )
-
-    def __repr__(self) -> str:
-        return self.name
+    return _from_spec(spec, _Described)  # an fn's function becomes a stand-in
 
 
 identity: Transform = _Identity()
@@ -902,8 +831,7 @@ def transpose(*axes: int | Sequence[int]) -> Transform:
         >>> st.transpose() == st.T, st.transpose(0, 2, 1), st.transpose(-1, 0)
         (True, transpose(0, 2, 1), transpose(1, 0))
     """
-    given = _args(axes)
-    return _Transpose(given) if given else T
+    return _Transpose(_args(axes))  # no axes: equal to T
 
 
 def reshape(*shape: int | Sequence[int]) -> Transform:
@@ -986,12 +914,12 @@ def chain(*parts: Transform) -> Transform:
     """
     out: list[Transform] = []
     for p in parts:
-        check_transform(p)
-        rest = parts_of(p)
-        for i, q in enumerate(rest):
-            if _push(out, q) and i + 1 < len(rest):
-                out.extend(rest[i + 1 :])  # q was kept as is: its neighbours in p do not fold
-                break
+        for t in parts_of(check_transform(p)):
+            while out and t != identity and (folded := out[-1].fold(t)) is not None:
+                out.pop()
+                t = folded
+            if t != identity:
+                out.append(t)
     if len(out) < 2:
         return out[0] if out else identity
     return _Chain(tuple(out))
@@ -1000,19 +928,6 @@ def chain(*parts: Transform) -> Transform:
 def parts_of(t: Transform) -> tuple[Transform, ...]:
     """The transforms a chain applies, in order; ``(t,)`` for a transform that is not a chain."""
     return t.parts if isinstance(t, _Chain) else (t,)
-
-
-def _push(stack: list[Transform], t: Transform) -> bool:
-    """Append ``t`` to a normal form, folding it into the end; True if kept unchanged."""
-    kept = True
-    while t != identity:
-        folded = stack[-1].fold(t) if stack else None
-        if folded is None:
-            stack.append(t)
-            return kept
-        stack.pop()
-        t, kept = folded, False
-    return False
 
 
 _FACTORY_EXAMPLES = {
@@ -1062,14 +977,6 @@ def check_transform(t: Any, where: str = "") -> Transform:
     return t
 
 
-def _import(module: str, qualname: str) -> Any:
-    """The object ``module:qualname`` of the user's own code (used when saving only)."""
-    try:
-        return pkgutil.resolve_name(f"{module}:{qualname}")
-    except (ImportError, AttributeError, ValueError):
-        return None
-
-
 def _reverse(n: int) -> tuple[int, ...]:
     return tuple(range(n - 1, -1, -1))
 
@@ -1089,11 +996,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_real(v: Any) -> bool:
     return _is_int(v) or isinstance(v, (float, np.floating))
-
-
-def _is_function_name(name: Any) -> bool:
-    module, sep, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
-    return bool(sep) and all(p.isidentifier() for p in (*module.split("."), *qualname.split(".")))
 
 
 def _bad_field(
@@ -1121,8 +1023,12 @@ def _from_spec(spec: object, resolve: Resolve) -> Transform:
         )
     name = spec["name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
-    if cls is None and isinstance(name, str) and resolve is _Unresolved:
-        return _Unregistered(_spec_text(spec))
+    if cls is None and isinstance(name, str) and resolve is _Described:
+        try:
+            text = json.dumps(spec, separators=(",", ":"))
+        except (TypeError, ValueError):
+            text = repr(spec)
+        return _Described(text if len(text) <= 80 else text[:77] + "...")
     if cls is None:
         own = (
             f" if it is a transform of your own, import (or define) the class registered as "
