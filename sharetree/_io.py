@@ -38,7 +38,6 @@ from sharetree._safetensors import (
     Pending,
     Reader,
     Tensor,
-    TensorInfo,
     _only,
     atomic_write,
     file_path,
@@ -363,21 +362,11 @@ def save(
         KEY_LIBRARY: LIBRARY_VERSION,
         KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    try:
-        if jax.process_index() == 0:
-            _write(path, writer, meta, user)
-    finally:  # with gather, every process returns once the file is there (even if it failed)
-        if writer.gather and jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"sharetree.save {path}")
-
-
-def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str]) -> None:
     from safetensors import SafetensorError
 
     try:
-        atomic_write(path, writer.tensors, meta)
+        if jax.process_index() == 0:
+            atomic_write(path, writer.tensors, meta)
     except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
         raise TieError(
             f"save: safetensors cannot write {path!r} ({one_line(e)}); its header would hold "
@@ -386,6 +375,11 @@ def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str
             "takes a header over 100 MB. Nothing was written. Fix: store large text as arrays "
             "or keep it out of the tree and metadata."
         ) from e
+    finally:  # with gather, every process returns once the file is there (even if it failed)
+        if writer.gather and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"sharetree.save {path}")
 
 
 # ----------------------------------------------------------------------------- load
@@ -462,7 +456,7 @@ def load(
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    builder = _Builder(reader, reader.infos, functions, lazy=True)
+    builder = _Builder(reader, functions, lazy=True)
     tree = builder.run()  # buffers not read yet: every check first, then one pass over the file
     if like is not None:
         tree = _restore_like(path, tree, like)
@@ -506,11 +500,9 @@ class _Builder:
     leaves; every error names the file, the node's path and the field.
     """
 
-    def __init__(
-        self, reader: Reader, tensors: Mapping[str, TensorInfo], functions: Any, lazy: bool = False
-    ) -> None:
+    def __init__(self, reader: Reader, functions: Any, lazy: bool = False) -> None:
         self.path, self.verb, self.meta = reader.path, reader.verb, reader.metadata
-        self.reader, self.tensors, self.lazy = reader, tensors, lazy
+        self.reader, self.tensors, self.lazy = reader, reader.infos, lazy
         self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
@@ -537,25 +529,22 @@ class _Builder:
                 f"{where} has a format version but no {KEY_TREE!r} metadata, so its tree "
                 f"structure is lost. {_RESAVE}"
             )
-        deep = TieError(
-            f"{of_tree} is nested deeper than Python recurses; a file written by st.save holds "
-            f"a tree of at most {MAX_DEPTH} levels. {_RESAVE}"
-        )
         try:
-            structure = json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs)
+            tree = self.build(json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs), ())
         except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
             raise TieError(
                 f"{of_tree} names the field {e.key!r} twice in one object, so one of the two "
                 f"would be silently lost. {_RESAVE}"
             ) from None
-        except RecursionError:
-            raise deep from None
+        except RecursionError:  # in the parser, or a value nested almost as deep, echoed
+            raise TieError(
+                f"{of_tree} is nested deeper than Python recurses; a file written by st.save "
+                f"holds a tree of at most {MAX_DEPTH} levels. {_RESAVE}"
+            ) from None
+        except TieError:
+            raise
         except ValueError as e:
             raise TieError(f"{of_tree} is not valid JSON ({one_line(e)}). {_RESAVE}") from e
-        try:
-            tree = self.build(structure, ())
-        except RecursionError:  # a value nested almost as deep, echoed in a message
-            raise deep from None
         unused = sorted(set(self.tensors) - self.used)
         if unused:
             raise TieError(
