@@ -86,7 +86,7 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
 def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
     """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory), headers read.
 
-    A sharded checkpoint's index is checked against its shards. ``reader``: the file's, if open.
+    ``reader``: the file's, if open. A directory's file written by ``st.save`` is refused.
     """
     if not os.path.isdir(path):
         return [Reader(path) if reader is None else reader]
@@ -97,8 +97,20 @@ def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
             "it is not clear which checkpoint is meant. Fix: remove the stale one, or load "
             "the file itself."
         )
-    if os.path.isfile(single):
-        return _not_sharetree(path, [Reader(single)])
+    readers = [Reader(single)] if os.path.isfile(single) else _shards(path, index)
+    for r in readers:  # as a state dict, a file st.save wrote would lose its tree and ties
+        if KEY_VERSION in r.metadata:
+            raise TieError(
+                f"load: the directory {path!r} holds {os.path.basename(r.path)!r}, a file "
+                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
+                f"it would lose its tree and ties. Fix: load the file itself: "
+                f"st.load({r.path!r})."
+            )
+    return readers
+
+
+def _shards(path: str, index: str) -> list[Reader]:
+    """The shards of the directory ``path``, checked against its ``index`` (tensor -> shard)."""
     if not os.path.isfile(index):
         raise TieError(
             f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
@@ -107,57 +119,6 @@ def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
             "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
             "loaded (convert it to safetensors first)."
         )
-    weight_map = _read_index(index)
-    for name, shard in weight_map.items():
-        if not os.path.isfile(os.path.join(path, shard)):
-            raise TieError(
-                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
-                f"does not exist in {path!r}. Fix: copy the missing shard, or save the "
-                "checkpoint again."
-            )
-    readers = [Reader(os.path.join(path, s)) for s in dict.fromkeys(weight_map.values())]
-    where: dict[str, str] = {}
-    for reader in readers:
-        shard = os.path.basename(reader.path)
-        for name in reader.infos:
-            if name in where:
-                raise TieError(
-                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
-                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
-                    "Fix: save the checkpoint again."
-                )
-            where[name] = shard
-    for name, shard in where.items():
-        if (listed := weight_map.get(name)) != shard:
-            said = "does not list it" if listed is None else f"puts it in {listed!r}"
-            raise TieError(
-                f"load: the shard {shard!r} holds {name!r}, but {index!r} {said}. "
-                "Fix: write the index again (save_pretrained), or remove the stray shard."
-            )
-    for name, shard in weight_map.items():
-        if name not in where:
-            raise TieError(
-                f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
-                "it (it is in no shard). Fix: save the checkpoint again."
-            )
-    return _not_sharetree(path, readers)
-
-
-def _not_sharetree(path: str, readers: list[Reader]) -> list[Reader]:
-    """``readers``, unless one was written by ``st.save`` (as a state dict it would lose ties)."""
-    for reader in readers:
-        if KEY_VERSION in reader.metadata:
-            raise TieError(
-                f"load: the directory {path!r} holds {os.path.basename(reader.path)!r}, a file "
-                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
-                f"it would lose its tree and ties. Fix: load the file itself: "
-                f"st.load({reader.path!r})."
-            )
-    return readers
-
-
-def _read_index(index: str) -> dict[str, str]:
-    """The ``weight_map`` of a shard index: tensor name -> a shard file in the index's directory."""
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
         raise TieError(
             f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
@@ -189,7 +150,38 @@ def _read_index(index: str) -> dict[str, str]:
                 f"load: {index!r} puts {name!r} in {shard!r}, which is not a file name in the "
                 "index's directory (shards never lie elsewhere). Fix: write the index again."
             )
-    return weight_map
+    for name, shard in weight_map.items():
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise TieError(
+                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
+                f"does not exist in {path!r}. Fix: copy the missing shard, or save the "
+                "checkpoint again."
+            )
+    readers = [Reader(os.path.join(path, s)) for s in dict.fromkeys(weight_map.values())]
+    where: dict[str, str] = {}
+    for reader in readers:
+        shard = os.path.basename(reader.path)
+        for name in reader.infos:
+            if name in where:
+                raise TieError(
+                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
+                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
+                    "Fix: save the checkpoint again."
+                )
+            where[name] = shard
+    for name in {**where, **weight_map}:  # first the tensors of the shards, then the rest
+        if name not in where:
+            raise TieError(
+                f"load: {index!r} puts {name!r} in {weight_map[name]!r}, but that shard does "
+                "not hold it (it is in no shard). Fix: save the checkpoint again."
+            )
+        if (listed := weight_map.get(name)) != where[name]:
+            said = "does not list it" if listed is None else f"puts it in {listed!r}"
+            raise TieError(
+                f"load: the shard {where[name]!r} holds {name!r}, but {index!r} {said}. "
+                "Fix: write the index again (save_pretrained), or remove the stray shard."
+            )
+    return readers
 
 
 # ----------------------------------------------------------------------------- ties

@@ -317,7 +317,7 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
                 shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding)
             )
         )
-        buffers = {p for p, x in got.items() if isinstance(x, Pending)}
+        buffers = [p for p, x in got.items() if isinstance(x, Pending)]
         missing, extra = _only(buffers, want), _only(want, got)
         if missing != "none" or extra != "none":
             raise TieError(
@@ -326,23 +326,18 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
                 "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
                 "sharding, abstract_tree) (Tied positions are ignored)."
             )
-        for p, x in got.items():
-            s = want[p] if isinstance(x, Pending) else None
-            if s is None or is_tied(s):
-                want[p] = None
-                continue
+        want = {p: want[p] for p in buffers if want[p] is not None and not is_tied(want[p])}
+        for p, s in want.items():
             if not isinstance(s, Sharding):
                 raise TieError(
                     f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
                     "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
                 )
-            check_fits(path_str(p), x.shape, s)
-    leaves = []
-    for p, x in got.items():
-        if isinstance(x, Pending):
-            s = want.get(p)
-            x = x.read() if s is None else x.place(s)
-        leaves.append(x)
+            check_fits(path_str(p), got[p].shape, s)
+    leaves = [
+        x if not isinstance(x, Pending) else x.place(want[p]) if p in want else x.read()
+        for p, x in got.items()
+    ]
     return _refill(tree, iter(leaves))
 
 
