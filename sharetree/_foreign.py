@@ -342,7 +342,6 @@ def _tensor(reader: Reader, name: str) -> Tensor:
 
 def load_foreign(
     path: str,
-    *,
     like: Any = None,
     ties: Any = None,
     atol: float | None = None,

@@ -447,9 +447,7 @@ def load(
         raise FileNotFoundError(f"load: no such file: {path!r}")
     reader = None if os.path.isdir(path) else Reader(path)
     if reader is None or KEY_VERSION not in reader.metadata:
-        return load_foreign(
-            path, like=like, ties=ties, atol=atol, shardings=shardings, reader=reader
-        )
+        return load_foreign(path, like, ties, atol, shardings, reader)
     if ties is not None or atol is not None:
         raise TieError(
             f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
