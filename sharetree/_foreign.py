@@ -407,7 +407,6 @@ def load_foreign(
         )
     warnings.warn(
         f"{label} was not written by sharetree (no {KEY_VERSION!r} in its metadata): {said}.",
-        UserWarning,
         stacklevel=3,
     )
     return tree

@@ -477,11 +477,9 @@ def load(
             f"on its own, such as {kind} at {path_str(where)!r}, were loaded as dicts keyed by "
             "their key names (paths and ties are unchanged). Pass like=template to get the "
             f"original types{hint if boxes else '.'}",
-            UserWarning,
             stacklevel=2,
         )
-    try:
-        # dangling refs, cycles, bad transforms; only the caller's functions are ever called
+    try:  # dangling refs, cycles, bad transforms; only the caller's functions are ever called
         abstract_expanded(tree)
     except TieError as e:
         raise TieError(f"load: {path!r} holds a bad sharing graph: {e}") from None
@@ -576,7 +574,9 @@ class _Builder:
     def node(self, node: dict[str, Any], path: Path) -> Any:
         t = node["t"]
         self.check(isinstance(t, str), path, "t", t, "a node kind")
-        if t in ("none", "static", "tied", "value", "buffer"):
+        if t == "none":
+            return None
+        if t in ("static", "tied", "value", "buffer"):
             return getattr(self, t)(node, path)
         if t not in _CONTAINERS and t != "node":
             raise self.fail(
@@ -608,9 +608,6 @@ class _Builder:
         if sequence:
             return _CONTAINERS[t](values)
         return _CONTAINERS.get(t, dict)(zip(map(str, keys) if t == "node" else keys, values))
-
-    def none(self, node: dict[str, Any], path: Path) -> None:
-        return None
 
     def type_name(self, node: dict[str, Any], path: Path) -> str:
         """A ``module.qualname`` as ``save`` writes it (printable: it is shown in messages)."""

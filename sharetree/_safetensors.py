@@ -28,7 +28,6 @@ from sharetree._tied import is_tied
 __all__ = [
     "NATIVE_CODES",
     "DuplicateKey",
-    "Index",
     "Pending",
     "Reader",
     "Tensor",
