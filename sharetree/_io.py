@@ -80,8 +80,21 @@ def _addressable(x: jax.Array) -> bool:
     return bool(x.is_fully_addressable)
 
 
-def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
-    """A TieError naming the field when a transform's spec is not JSON (checked before writing)."""
+def _spec(x: Tied, path: Path) -> Any:
+    """The spec of the transform of ``x``, checked to be JSON before anything is written."""
+
+    def where() -> str:  # shown only on an error (a repr may be costly)
+        return f"save: the tie at {path_str(path)!r} ({x!r})"
+
+    try:
+        spec = x.transform.spec()
+    except TieError as e:
+        raise TieError(f"{where()}: {e}") from None
+    except Exception as e:  # a user transform's own spec()
+        raise TieError(
+            f"{where()}: its spec() raised {type(e).__name__}: {one_line(e)}. Fix: make spec() "
+            "return a dict of JSON values (see Transform.spec)."
+        ) from e
 
     def bad(v: Any) -> str | None:
         try:
@@ -92,7 +105,7 @@ def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
 
     why = bad(spec)
     if why is None:
-        return
+        return spec
     items = spec.items() if isinstance(spec, dict) else []
     field = next(((k, v) for k, v in items if bad(v) is not None and isinstance(k, str)), None)
     what = (
@@ -102,11 +115,10 @@ def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
         else f"its spec {spec!r:.80} is not a JSON object"
     )
     raise TieError(
-        f"save: the tie at {path_str(path)!r} ({x!r}): {what} ({why}); a spec holds str, int, "
-        "float, bool, None and lists and dicts of them (complex numbers and transforms are "
-        "written as such by the default spec()). Fix: store a JSON value in the field (e.g. a "
-        "dtype's name, converted in __post_init__), or define the transform's spec() and "
-        "from_spec()."
+        f"{where()}: {what} ({why}); a spec holds str, int, float, bool, None and lists and "
+        "dicts of them (complex numbers and transforms are written as such by the default "
+        "spec()). Fix: store a JSON value in the field (e.g. a dtype's name, converted in "
+        "__post_init__), or define the transform's spec() and from_spec()."
     )
 
 
@@ -134,18 +146,7 @@ class _Writer:
                 "every reader can rebuild it without deep recursion. Fix: flatten the tree."
             )
         if isinstance(x, Tied):
-            try:
-                spec = x.transform.spec()
-            except TieError as e:
-                raise TieError(f"save: the tie at {path_str(path)!r} ({x!r}): {e}") from None
-            except Exception as e:  # a user transform's own spec()
-                raise TieError(
-                    f"save: the tie at {path_str(path)!r} ({x!r}): its spec() raised "
-                    f"{type(e).__name__}: {one_line(e)}. Fix: make spec() return a dict of "
-                    "JSON values (see Transform.spec)."
-                ) from e
-            _check_spec_json(spec, x, path)
-            return {"t": "tied", "ref": list(x.ref), "transform": spec}
+            return {"t": "tied", "ref": list(x.ref), "transform": _spec(x, path)}
         if x is None:
             return {"t": "none"}
         kind, t = type(x), _KIND_OF.get(type(x))
