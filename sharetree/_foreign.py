@@ -45,10 +45,9 @@ _MAX_INDEX_BYTES = 64 << 20  # an index names tensors and files; anything larger
 
 def _name(x: Any, what: str) -> str:
     """A tensor name from a tie's target or ref (a string, or a path of one key)."""
-    if isinstance(x, str) and x:
-        return x
-    if isinstance(x, tuple) and len(x) == 1 and isinstance(x[0], str) and x[0]:
-        return x[0]
+    name = x[0] if isinstance(x, tuple) and len(x) == 1 else x
+    if isinstance(name, str) and name:
+        return name
     raise TieError(
         f"load: the tie {what} {x!r} is not a tensor name. A file not written by sharetree "
         "is a flat state dict, so each path is one tensor name, e.g. 'lm_head.weight'. "
@@ -275,10 +274,7 @@ class _Computed(Pending):
 def _compare(
     label: str, tree: dict[str, Any], copies: dict[str, Tensor], asked: dict[str, Tied], atol: float
 ) -> None:
-    """Each copy the file holds against the view that replaces it (on the buffer's devices).
-
-    Placed, each process reads its share and all raise the same error or none.
-    """
+    """Each copy the file holds against the view that replaces it (placed: on its devices)."""
     leaves, structure = leaves_and_structure(tree)
     for leaf in structure.expanded:
         (name,) = leaf.path
@@ -355,17 +351,6 @@ def load_foreign(
     ``atol`` and ``shardings`` are as for :func:`sharetree.load`; ``like``
     must be ``None``; ``reader``: the file's, if open. See "Importing Hugging
     Face checkpoints" in ``docs/saving_and_scaling.md``.
-
-    Example:
-        >>> import os, tempfile, warnings, numpy as np
-        >>> from safetensors.numpy import save_file
-        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-        >>> save_file({"embed": np.ones((3, 2), np.float32)}, path, metadata={"format": "pt"})
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")
-        ...     sd = load_foreign(path, ties={"head": "embed"})
-        >>> sd["head"], sd["embed"].shape
-        (Tied('embed'), (3, 2))
     """
     readers = _readers(path, reader)  # headers only: every tensor is read once, below
     label = repr(path)

@@ -114,17 +114,7 @@ Index = tuple[slice, ...]
 
 
 class Reader:
-    """One safetensors file, opened once: its metadata, tensor infos and any part of a tensor.
-
-    Example:
-        >>> import os, tempfile, numpy as np
-        >>> from safetensors.numpy import save_file
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path)
-        >>> Reader(path).read("w", (slice(0, 2), slice(1, 2)))
-        array([[1.],
-               [4.]])
-    """
+    """One safetensors file, opened once: its metadata, tensor infos and any part of a tensor."""
 
     def __init__(self, path: str, verb: str = "load") -> None:
         from safetensors import safe_open
@@ -174,8 +164,7 @@ class Reader:
     ) -> np.ndarray:
         """The tensor ``name``, or its part ``index``, as a NumPy array that owns its memory.
 
-        Only that part's bytes are read. ``view``: ``(dtype, shape)`` that the
-        bytes of a ``uint8`` tensor hold (a dtype without a safetensors code).
+        Only that part's bytes are read. ``view``: ``(dtype, shape)`` that a ``uint8`` tensor holds.
         """
         info, stored = self.infos[name], view is None
         if view is None:
@@ -304,10 +293,7 @@ class Tensor(Pending):
 
 
 def read_tree(label: str, tree: Any, shardings: Any) -> Any:
-    """``tree`` with every :class:`Pending` leaf read onto its sharding (or host, for ``None``).
-
-    Every sharding is checked before any tensor is read; then each is read once.
-    """
+    """``tree`` with every :class:`Pending` leaf read (each once, every sharding checked first)."""
     got = dict(leaves_with_paths(tree, is_tied))
     want: dict[Path, Any] = {}
     if shardings is not None:
