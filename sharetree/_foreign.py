@@ -193,9 +193,8 @@ def _apply_ties(
     asked: dict[str, Tied],
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The canonical flat dict (its buffers not read yet), and the targets to compare by value."""
-    tree: dict[str, Any] = dict(tensors)
-    for dropped, kept in file_ties.items():
-        tree[dropped] = tensors[kept]  # the file says: the same values
+    # the file's own ties: one tensor for both names
+    tree: dict[str, Any] = {**tensors, **{d: tensors[k] for d, k in file_ties.items()}}
     moved: set[str] = set()
     for target, t in asked.items():  # first the moves, so that any tie may refer to a moved buffer
         (ref,) = t.ref
