@@ -168,7 +168,7 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         ]
         more = _more(len(reader.infos), max_rows, "tensors")
         return "\n".join([head, *rows, *(["  " + more] if more else [])])
-    builder = _Builder(reader, reader.infos, None)
+    builder = _Builder(reader, None)
     # fn and unregistered transforms: named, never called
     builder.resolve = functools.partial(describe_transform)
     tree = builder.run()

@@ -45,10 +45,9 @@ _MAX_INDEX_BYTES = 64 << 20  # an index names tensors and files; anything larger
 
 def _name(x: Any, what: str) -> str:
     """A tensor name from a tie's target or ref (a string, or a path of one key)."""
-    if isinstance(x, str) and x:
-        return x
-    if isinstance(x, tuple) and len(x) == 1 and isinstance(x[0], str) and x[0]:
-        return x[0]
+    name = x[0] if isinstance(x, tuple) and len(x) == 1 else x
+    if isinstance(name, str) and name:
+        return name
     raise TieError(
         f"load: the tie {what} {x!r} is not a tensor name. A file not written by sharetree "
         "is a flat state dict, so each path is one tensor name, e.g. 'lm_head.weight'. "
@@ -86,7 +85,7 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
 def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
     """The safetensors files of ``path`` (a file, or a ``save_pretrained`` directory), headers read.
 
-    A sharded checkpoint's index is checked against its shards. ``reader``: the file's, if open.
+    ``reader``: the file's, if open. A directory's file written by ``st.save`` is refused.
     """
     if not os.path.isdir(path):
         return [Reader(path) if reader is None else reader]
@@ -97,8 +96,20 @@ def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
             "it is not clear which checkpoint is meant. Fix: remove the stale one, or load "
             "the file itself."
         )
-    if os.path.isfile(single):
-        return _not_sharetree(path, [Reader(single)])
+    readers = [Reader(single)] if os.path.isfile(single) else _shards(path, index)
+    for r in readers:  # as a state dict, a file st.save wrote would lose its tree and ties
+        if KEY_VERSION in r.metadata:
+            raise TieError(
+                f"load: the directory {path!r} holds {os.path.basename(r.path)!r}, a file "
+                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
+                f"it would lose its tree and ties. Fix: load the file itself: "
+                f"st.load({r.path!r})."
+            )
+    return readers
+
+
+def _shards(path: str, index: str) -> list[Reader]:
+    """The shards of the directory ``path``, checked against its ``index`` (tensor -> shard)."""
     if not os.path.isfile(index):
         raise TieError(
             f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
@@ -107,57 +118,6 @@ def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
             "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
             "loaded (convert it to safetensors first)."
         )
-    weight_map = _read_index(index)
-    for name, shard in weight_map.items():
-        if not os.path.isfile(os.path.join(path, shard)):
-            raise TieError(
-                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
-                f"does not exist in {path!r}. Fix: copy the missing shard, or save the "
-                "checkpoint again."
-            )
-    readers = [Reader(os.path.join(path, s)) for s in dict.fromkeys(weight_map.values())]
-    where: dict[str, str] = {}
-    for reader in readers:
-        shard = os.path.basename(reader.path)
-        for name in reader.infos:
-            if name in where:
-                raise TieError(
-                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
-                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
-                    "Fix: save the checkpoint again."
-                )
-            where[name] = shard
-    for name, shard in where.items():
-        if (listed := weight_map.get(name)) != shard:
-            said = "does not list it" if listed is None else f"puts it in {listed!r}"
-            raise TieError(
-                f"load: the shard {shard!r} holds {name!r}, but {index!r} {said}. "
-                "Fix: write the index again (save_pretrained), or remove the stray shard."
-            )
-    for name, shard in weight_map.items():
-        if name not in where:
-            raise TieError(
-                f"load: {index!r} puts {name!r} in {shard!r}, but that shard does not hold "
-                "it (it is in no shard). Fix: save the checkpoint again."
-            )
-    return _not_sharetree(path, readers)
-
-
-def _not_sharetree(path: str, readers: list[Reader]) -> list[Reader]:
-    """``readers``, unless one was written by ``st.save`` (as a state dict it would lose ties)."""
-    for reader in readers:
-        if KEY_VERSION in reader.metadata:
-            raise TieError(
-                f"load: the directory {path!r} holds {os.path.basename(reader.path)!r}, a file "
-                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
-                f"it would lose its tree and ties. Fix: load the file itself: "
-                f"st.load({reader.path!r})."
-            )
-    return readers
-
-
-def _read_index(index: str) -> dict[str, str]:
-    """The ``weight_map`` of a shard index: tensor name -> a shard file in the index's directory."""
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
         raise TieError(
             f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
@@ -189,7 +149,38 @@ def _read_index(index: str) -> dict[str, str]:
                 f"load: {index!r} puts {name!r} in {shard!r}, which is not a file name in the "
                 "index's directory (shards never lie elsewhere). Fix: write the index again."
             )
-    return weight_map
+    for name, shard in weight_map.items():
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise TieError(
+                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
+                f"does not exist in {path!r}. Fix: copy the missing shard, or save the "
+                "checkpoint again."
+            )
+    readers = [Reader(os.path.join(path, s)) for s in dict.fromkeys(weight_map.values())]
+    where: dict[str, str] = {}
+    for reader in readers:
+        shard = os.path.basename(reader.path)
+        for name in reader.infos:
+            if name in where:
+                raise TieError(
+                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
+                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
+                    "Fix: save the checkpoint again."
+                )
+            where[name] = shard
+    for name in {**where, **weight_map}:  # first the tensors of the shards, then the rest
+        if name not in where:
+            raise TieError(
+                f"load: {index!r} puts {name!r} in {weight_map[name]!r}, but that shard does "
+                "not hold it (it is in no shard). Fix: save the checkpoint again."
+            )
+        if (listed := weight_map.get(name)) != where[name]:
+            said = "does not list it" if listed is None else f"puts it in {listed!r}"
+            raise TieError(
+                f"load: the shard {where[name]!r} holds {name!r}, but {index!r} {said}. "
+                "Fix: write the index again (save_pretrained), or remove the stray shard."
+            )
+    return readers
 
 
 # ----------------------------------------------------------------------------- ties
@@ -202,9 +193,8 @@ def _apply_ties(
     asked: dict[str, Tied],
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The canonical flat dict (its buffers not read yet), and the targets to compare by value."""
-    tree: dict[str, Any] = dict(tensors)
-    for dropped, kept in file_ties.items():
-        tree[dropped] = tensors[kept]  # the file says: the same values
+    # the file's own ties: one tensor for both names
+    tree: dict[str, Any] = {**tensors, **{d: tensors[k] for d, k in file_ties.items()}}
     moved: set[str] = set()
     for target, t in asked.items():  # first the moves, so that any tie may refer to a moved buffer
         (ref,) = t.ref
@@ -283,10 +273,7 @@ class _Computed(Pending):
 def _compare(
     label: str, tree: dict[str, Any], copies: dict[str, Tensor], asked: dict[str, Tied], atol: float
 ) -> None:
-    """Each copy the file holds against the view that replaces it (on the buffer's devices).
-
-    Placed, each process reads its share and all raise the same error or none.
-    """
+    """Each copy the file holds against the view that replaces it (placed: on its devices)."""
     leaves, structure = leaves_and_structure(tree)
     for leaf in structure.expanded:
         (name,) = leaf.path
@@ -350,7 +337,6 @@ def _tensor(reader: Reader, name: str) -> Tensor:
 
 def load_foreign(
     path: str,
-    *,
     like: Any = None,
     ties: Any = None,
     atol: float | None = None,
@@ -364,17 +350,6 @@ def load_foreign(
     ``atol`` and ``shardings`` are as for :func:`sharetree.load`; ``like``
     must be ``None``; ``reader``: the file's, if open. See "Importing Hugging
     Face checkpoints" in ``docs/saving_and_scaling.md``.
-
-    Example:
-        >>> import os, tempfile, warnings, numpy as np
-        >>> from safetensors.numpy import save_file
-        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-        >>> save_file({"embed": np.ones((3, 2), np.float32)}, path, metadata={"format": "pt"})
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")
-        ...     sd = load_foreign(path, ties={"head": "embed"})
-        >>> sd["head"], sd["embed"].shape
-        (Tied('embed'), (3, 2))
     """
     readers = _readers(path, reader)  # headers only: every tensor is read once, below
     label = repr(path)
@@ -416,7 +391,6 @@ def load_foreign(
         )
     warnings.warn(
         f"{label} was not written by sharetree (no {KEY_VERSION!r} in its metadata): {said}.",
-        UserWarning,
         stacklevel=3,
     )
     return tree

@@ -38,7 +38,6 @@ from sharetree._safetensors import (
     Pending,
     Reader,
     Tensor,
-    TensorInfo,
     _only,
     atomic_write,
     file_path,
@@ -81,8 +80,21 @@ def _addressable(x: jax.Array) -> bool:
     return bool(x.is_fully_addressable)
 
 
-def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
-    """A TieError naming the field when a transform's spec is not JSON (checked before writing)."""
+def _spec(x: Tied, path: Path) -> Any:
+    """The spec of the transform of ``x``, checked to be JSON before anything is written."""
+
+    def where() -> str:  # shown only on an error (a repr may be costly)
+        return f"save: the tie at {path_str(path)!r} ({x!r})"
+
+    try:
+        spec = x.transform.spec()
+    except TieError as e:
+        raise TieError(f"{where()}: {e}") from None
+    except Exception as e:  # a user transform's own spec()
+        raise TieError(
+            f"{where()}: its spec() raised {type(e).__name__}: {one_line(e)}. Fix: make spec() "
+            "return a dict of JSON values (see Transform.spec)."
+        ) from e
 
     def bad(v: Any) -> str | None:
         try:
@@ -93,7 +105,7 @@ def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
 
     why = bad(spec)
     if why is None:
-        return
+        return spec
     items = spec.items() if isinstance(spec, dict) else []
     field = next(((k, v) for k, v in items if bad(v) is not None and isinstance(k, str)), None)
     what = (
@@ -103,11 +115,10 @@ def _check_spec_json(spec: Any, x: Tied, path: Path) -> None:
         else f"its spec {spec!r:.80} is not a JSON object"
     )
     raise TieError(
-        f"save: the tie at {path_str(path)!r} ({x!r}): {what} ({why}); a spec holds str, int, "
-        "float, bool, None and lists and dicts of them (complex numbers and transforms are "
-        "written as such by the default spec()). Fix: store a JSON value in the field (e.g. a "
-        "dtype's name, converted in __post_init__), or define the transform's spec() and "
-        "from_spec()."
+        f"{where()}: {what} ({why}); a spec holds str, int, float, bool, None and lists and "
+        "dicts of them (complex numbers and transforms are written as such by the default "
+        "spec()). Fix: store a JSON value in the field (e.g. a dtype's name, converted in "
+        "__post_init__), or define the transform's spec() and from_spec()."
     )
 
 
@@ -135,18 +146,7 @@ class _Writer:
                 "every reader can rebuild it without deep recursion. Fix: flatten the tree."
             )
         if isinstance(x, Tied):
-            try:
-                spec = x.transform.spec()
-            except TieError as e:
-                raise TieError(f"save: the tie at {path_str(path)!r} ({x!r}): {e}") from None
-            except Exception as e:  # a user transform's own spec()
-                raise TieError(
-                    f"save: the tie at {path_str(path)!r} ({x!r}): its spec() raised "
-                    f"{type(e).__name__}: {one_line(e)}. Fix: make spec() return a dict of "
-                    "JSON values (see Transform.spec)."
-                ) from e
-            _check_spec_json(spec, x, path)
-            return {"t": "tied", "ref": list(x.ref), "transform": spec}
+            return {"t": "tied", "ref": list(x.ref), "transform": _spec(x, path)}
         if x is None:
             return {"t": "none"}
         kind, t = type(x), _KIND_OF.get(type(x))
@@ -363,21 +363,11 @@ def save(
         KEY_LIBRARY: LIBRARY_VERSION,
         KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
     }
-    try:
-        if jax.process_index() == 0:
-            _write(path, writer, meta, user)
-    finally:  # with gather, every process returns once the file is there (even if it failed)
-        if writer.gather and jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"sharetree.save {path}")
-
-
-def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str]) -> None:
     from safetensors import SafetensorError
 
     try:
-        atomic_write(path, writer.tensors, meta)
+        if jax.process_index() == 0:
+            atomic_write(path, writer.tensors, meta)
     except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
         raise TieError(
             f"save: safetensors cannot write {path!r} ({one_line(e)}); its header would hold "
@@ -386,6 +376,11 @@ def _write(path: str, writer: _Writer, meta: dict[str, str], user: dict[str, str
             "takes a header over 100 MB. Nothing was written. Fix: store large text as arrays "
             "or keep it out of the tree and metadata."
         ) from e
+    finally:  # with gather, every process returns once the file is there (even if it failed)
+        if writer.gather and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"sharetree.save {path}")
 
 
 # ----------------------------------------------------------------------------- load
@@ -453,16 +448,14 @@ def load(
         raise FileNotFoundError(f"load: no such file: {path!r}")
     reader = None if os.path.isdir(path) else Reader(path)
     if reader is None or KEY_VERSION not in reader.metadata:
-        return load_foreign(
-            path, like=like, ties=ties, atol=atol, shardings=shardings, reader=reader
-        )
+        return load_foreign(path, like, ties, atol, shardings, reader)
     if ties is not None or atol is not None:
         raise TieError(
             f"load: {path!r} was written by st.save and carries its own ties; ties= (and "
             "atol=) are for files that other tools wrote. Fix: drop them, or tie the loaded "
             "tree with st.tie."
         )
-    builder = _Builder(reader, reader.infos, functions, lazy=True)
+    builder = _Builder(reader, functions, lazy=True)
     tree = builder.run()  # buffers not read yet: every check first, then one pass over the file
     if like is not None:
         tree = _restore_like(path, tree, like)
@@ -485,11 +478,9 @@ def load(
             f"on its own, such as {kind} at {path_str(where)!r}, were loaded as dicts keyed by "
             "their key names (paths and ties are unchanged). Pass like=template to get the "
             f"original types{hint if boxes else '.'}",
-            UserWarning,
             stacklevel=2,
         )
-    try:
-        # dangling refs, cycles, bad transforms; only the caller's functions are ever called
+    try:  # dangling refs, cycles, bad transforms; only the caller's functions are ever called
         abstract_expanded(tree)
     except TieError as e:
         raise TieError(f"load: {path!r} holds a bad sharing graph: {e}") from None
@@ -506,11 +497,9 @@ class _Builder:
     leaves; every error names the file, the node's path and the field.
     """
 
-    def __init__(
-        self, reader: Reader, tensors: Mapping[str, TensorInfo], functions: Any, lazy: bool = False
-    ) -> None:
+    def __init__(self, reader: Reader, functions: Any, lazy: bool = False) -> None:
         self.path, self.verb, self.meta = reader.path, reader.verb, reader.metadata
-        self.reader, self.tensors, self.lazy = reader, tensors, lazy
+        self.reader, self.tensors, self.lazy = reader, reader.infos, lazy
         self.resolve = functools.partial(transform_from_spec, functions=functions)
         self.used: set[str] = set()
         self.statics: list[tuple[Path, str]] = []
@@ -537,25 +526,22 @@ class _Builder:
                 f"{where} has a format version but no {KEY_TREE!r} metadata, so its tree "
                 f"structure is lost. {_RESAVE}"
             )
-        deep = TieError(
-            f"{of_tree} is nested deeper than Python recurses; a file written by st.save holds "
-            f"a tree of at most {MAX_DEPTH} levels. {_RESAVE}"
-        )
         try:
-            structure = json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs)
+            tree = self.build(json.loads(self.meta[KEY_TREE], object_pairs_hook=unique_pairs), ())
         except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
             raise TieError(
                 f"{of_tree} names the field {e.key!r} twice in one object, so one of the two "
                 f"would be silently lost. {_RESAVE}"
             ) from None
-        except RecursionError:
-            raise deep from None
+        except RecursionError:  # in the parser, or a value nested almost as deep, echoed
+            raise TieError(
+                f"{of_tree} is nested deeper than Python recurses; a file written by st.save "
+                f"holds a tree of at most {MAX_DEPTH} levels. {_RESAVE}"
+            ) from None
+        except TieError:
+            raise
         except ValueError as e:
             raise TieError(f"{of_tree} is not valid JSON ({one_line(e)}). {_RESAVE}") from e
-        try:
-            tree = self.build(structure, ())
-        except RecursionError:  # a value nested almost as deep, echoed in a message
-            raise deep from None
         unused = sorted(set(self.tensors) - self.used)
         if unused:
             raise TieError(
@@ -589,7 +575,9 @@ class _Builder:
     def node(self, node: dict[str, Any], path: Path) -> Any:
         t = node["t"]
         self.check(isinstance(t, str), path, "t", t, "a node kind")
-        if t in ("none", "static", "tied", "value", "buffer"):
+        if t == "none":
+            return None
+        if t in ("static", "tied", "value", "buffer"):
             return getattr(self, t)(node, path)
         if t not in _CONTAINERS and t != "node":
             raise self.fail(
@@ -621,9 +609,6 @@ class _Builder:
         if sequence:
             return _CONTAINERS[t](values)
         return _CONTAINERS.get(t, dict)(zip(map(str, keys) if t == "node" else keys, values))
-
-    def none(self, node: dict[str, Any], path: Path) -> None:
-        return None
 
     def type_name(self, node: dict[str, Any], path: Path) -> str:
         """A ``module.qualname`` as ``save`` writes it (printable: it is shown in messages)."""

@@ -28,7 +28,6 @@ from sharetree._tied import is_tied
 __all__ = [
     "NATIVE_CODES",
     "DuplicateKey",
-    "Index",
     "Pending",
     "Reader",
     "Tensor",
@@ -115,17 +114,7 @@ Index = tuple[slice, ...]
 
 
 class Reader:
-    """One safetensors file, opened once: its metadata, tensor infos and any part of a tensor.
-
-    Example:
-        >>> import os, tempfile, numpy as np
-        >>> from safetensors.numpy import save_file
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-        >>> save_file({"w": np.arange(6.0).reshape(2, 3)}, path)
-        >>> Reader(path).read("w", (slice(0, 2), slice(1, 2)))
-        array([[1.],
-               [4.]])
-    """
+    """One safetensors file, opened once: its metadata, tensor infos and any part of a tensor."""
 
     def __init__(self, path: str, verb: str = "load") -> None:
         from safetensors import safe_open
@@ -175,8 +164,7 @@ class Reader:
     ) -> np.ndarray:
         """The tensor ``name``, or its part ``index``, as a NumPy array that owns its memory.
 
-        Only that part's bytes are read. ``view``: ``(dtype, shape)`` that the
-        bytes of a ``uint8`` tensor hold (a dtype without a safetensors code).
+        Only that part's bytes are read. ``view``: ``(dtype, shape)`` that a ``uint8`` tensor holds.
         """
         info, stored = self.infos[name], view is None
         if view is None:
@@ -305,10 +293,7 @@ class Tensor(Pending):
 
 
 def read_tree(label: str, tree: Any, shardings: Any) -> Any:
-    """``tree`` with every :class:`Pending` leaf read onto its sharding (or host, for ``None``).
-
-    Every sharding is checked before any tensor is read; then each is read once.
-    """
+    """``tree`` with every :class:`Pending` leaf read (each once, every sharding checked first)."""
     got = dict(leaves_with_paths(tree, is_tied))
     want: dict[Path, Any] = {}
     if shardings is not None:
@@ -317,7 +302,7 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
                 shardings, lambda x: x is None or is_tied(x) or isinstance(x, Sharding)
             )
         )
-        buffers = {p for p, x in got.items() if isinstance(x, Pending)}
+        buffers = [p for p, x in got.items() if isinstance(x, Pending)]
         missing, extra = _only(buffers, want), _only(want, got)
         if missing != "none" or extra != "none":
             raise TieError(
@@ -326,23 +311,18 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
                 "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
                 "sharding, abstract_tree) (Tied positions are ignored)."
             )
-        for p, x in got.items():
-            s = want[p] if isinstance(x, Pending) else None
-            if s is None or is_tied(s):
-                want[p] = None
-                continue
+        want = {p: want[p] for p in buffers if want[p] is not None and not is_tied(want[p])}
+        for p, s in want.items():
             if not isinstance(s, Sharding):
                 raise TieError(
                     f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
                     "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
                 )
-            check_fits(path_str(p), x.shape, s)
-    leaves = []
-    for p, x in got.items():
-        if isinstance(x, Pending):
-            s = want.get(p)
-            x = x.read() if s is None else x.place(s)
-        leaves.append(x)
+            check_fits(path_str(p), got[p].shape, s)
+    leaves = [
+        x if not isinstance(x, Pending) else x.place(want[p]) if p in want else x.read()
+        for p, x in got.items()
+    ]
     return _refill(tree, iter(leaves))
 
 
