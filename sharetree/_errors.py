@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TieError", "TieTypeError"]
+__all__ = ["TieError", "TieTypeError", "safe_repr"]
 
 
 class TieError(ValueError):
@@ -23,3 +23,18 @@ class TieTypeError(TieError, TypeError):
         >>> issubclass(st.TieTypeError, TypeError), issubclass(st.TieTypeError, st.TieError)
         (True, True)
     """
+
+
+def safe_repr(x: object, limit: int = 80) -> str:
+    """``repr(x)`` cut to ``limit`` characters for a message; a repr that raises is named.
+
+    Example:
+        >>> from sharetree._errors import safe_repr
+        >>> safe_repr(10**5000)
+        '<int whose repr raised ValueError>'
+    """
+    try:
+        text = repr(x)
+    except Exception as e:  # a user object's repr, or an int past Python's digit limit
+        return f"<{type(x).__name__} whose repr raised {type(e).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

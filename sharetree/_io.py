@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, safe_repr
 from sharetree._foreign import load_foreign
 from sharetree._format import (
     FORMAT_VERSION,
@@ -84,7 +84,7 @@ def _spec(x: Tied, path: Path) -> Any:
     """The spec of the transform of ``x``, checked to be JSON before anything is written."""
 
     def where() -> str:  # shown only on an error (a repr may be costly)
-        return f"save: the tie at {path_str(path)!r} ({x!r})"
+        return f"save: the tie at {path_str(path)!r} ({safe_repr(x, 1000)})"
 
     try:
         spec = x.transform.spec()
@@ -92,7 +92,7 @@ def _spec(x: Tied, path: Path) -> Any:
         raise TieError(f"{where()}: {e}") from None
     except Exception as e:  # a user transform's own spec()
         raise TieError(
-            f"{where()}: its spec() raised {type(e).__name__}: {one_line(e)}. Fix: make spec() "
+            f"{where()}: its spec() raised {one_line(e)}. Fix: make spec() "
             "return a dict of JSON values (see Transform.spec)."
         ) from e
 
@@ -109,10 +109,10 @@ def _spec(x: Tied, path: Path) -> Any:
     items = spec.items() if isinstance(spec, dict) else []
     field = next(((k, v) for k, v in items if bad(v) is not None and isinstance(k, str)), None)
     what = (
-        f"its field {field[0]!r} holds {type(field[1]).__name__} {field[1]!r:.60}, "
+        f"its field {field[0]!r} holds {type(field[1]).__name__} {safe_repr(field[1], 60)}, "
         "which is not JSON"
         if field is not None
-        else f"its spec {spec!r:.80} is not a JSON object"
+        else f"its spec {safe_repr(spec)} is not a JSON object"
     )
     raise TieError(
         f"{where()}: {what} ({why}); a spec holds str, int, float, bool, None and lists and "

@@ -1478,3 +1478,33 @@ def test_a_user_transform_that_cannot_be_written_or_read_is_a_tie_error(tmp_path
     assert path in msg and "tie at 'v'" in msg and "'name': 'test_io_unreadable'" in msg
     assert "Unreadable.from_spec raised NotImplementedError: cannot read. Fix:" in msg
     assert isinstance(e.value.__cause__, NotImplementedError)
+
+
+@dataclasses.dataclass(frozen=True)
+class HugeInt(st.Transform, name="test_io_huge_int"):
+    n: int = 10**5000  # past Python's digit limit: its repr and json.dumps raise ValueError
+
+    def __call__(self, x):
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecRaises(st.Transform, name="test_io_spec_raises"):
+    def __call__(self, x):
+        return x
+
+    def spec(self):
+        raise AttributeError("no spec here")
+
+
+def test_a_transform_whose_repr_or_spec_raises_is_a_tie_error_on_save(tmp_path) -> None:
+    w, path = np.ones(2, np.float32), str(tmp_path / "h.safetensors")
+    with pytest.raises(st.TieError) as e:
+        st.save(path, {"w": w, "v": st.Tied("w", HugeInt())})
+    msg = str(e.value)
+    assert "the tie at 'v' (<Tied whose repr raised ValueError>)" in msg
+    assert "its field 'n' holds int <int whose repr raised ValueError>, which is not JSON" in msg
+    with pytest.raises(st.TieError) as e:
+        st.save(path, {"w": w, "v": st.Tied("w", SpecRaises())})
+    assert "its spec() raised AttributeError: no spec here. Fix:" in str(e.value)
+    assert not os.path.exists(path)
