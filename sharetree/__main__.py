@@ -153,20 +153,18 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
     meta = reader.metadata
     if KEY_VERSION not in meta:
-        data = sum(info.nbytes for info in reader.infos.values())
+        infos = list(reader.infos.values())
+        data = sum(info.nbytes for info in infos)
         ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
         said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
         head = (
             f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
-            f"{KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
+            f"{KEY_VERSION!r} metadata): {len(infos):,} tensors, "
             f"{format_bytes(data)} of tensor data, "
             + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
         )
-        rows = [
-            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
-            for info in list(reader.infos.values())[:max_rows]
-        ]
-        more = _more(len(reader.infos), max_rows, "tensors")
+        rows = [f"  {_printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
+        more = _more(len(infos), max_rows, "tensors")
         return "\n".join([head, *rows, *(["  " + more] if more else [])])
     builder = _Builder(reader, reader.infos, None)
     # fn and unregistered transforms: named, never called

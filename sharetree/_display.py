@@ -113,16 +113,14 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
     by_tie: dict[str, list[View]] = {}
     for v in g.views.values():
         by_tie.setdefault(key_str(v.tie), []).append(v)
-    ties = {key_str(k): t for k, t in g.ties.items()}
+    ties = g.ties
     out = []
     for tie, vs in by_tie.items():
         source = _common_source(tie, vs)
         if len(vs) == 1 and key_str(vs[0].path) == tie:
             source = key_str(vs[0].buffer)
         elif source is None:  # the subtree holds ties to elsewhere: name the ref as written
-            source = (
-                path_str(ties[tie].ref) if tie in ties else _common(key_str(v.buffer) for v in vs)
-            )
+            source = path_str(ties[vs[0].tie].ref)
         out.append(_Group(tie, source, _common(repr(v.transform) for v in vs), tuple(vs)))
     return out
 
@@ -166,18 +164,17 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     """The buffer and view tables, cut after ``max_rows`` rows (buffers with views kept first)."""
     groups = _view_groups(g)
     brows = _buffer_rows(g, groups)
-    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i][0])
-    b_shown = [brows[i] for i in sorted(shared_first[:max_rows])]
-    b_rows = [cells for _, cells, _ in b_shown]
-    b_details = [inner for _, _, inner in b_shown]
+    shown = sorted(sorted(range(len(brows)), key=lambda i: not brows[i][0])[:max_rows])
+    b_rows = [brows[i][1] for i in shown]
+    b_details = [brows[i][2] for i in shown]
     v_shown = groups[:max_rows]
-    v_rows: list[_Row] = []
-    v_details: list[Sequence[_Row]] = []
-    for grp in v_shown:
-        inner = [_view_cells(v) for v in grp.views]
-        head = (grp.path, grp.buffer, grp.transform)
-        v_rows.append((*head, *_summed(grp.views)) if grp.subtree else inner[0])
-        v_details.append(inner if grp.subtree else ())
+    v_rows = [
+        (grp.path, grp.buffer, grp.transform, *_summed(grp.views))
+        if grp.subtree
+        else _view_cells(grp.views[0])
+        for grp in v_shown
+    ]
+    v_details = [[_view_cells(v) for v in grp.views] if grp.subtree else [] for grp in v_shown]
     n_buffers = sum(len(d) or 1 for d in b_details)
     n_views = sum(len(grp.views) for grp in v_shown)
     return [
