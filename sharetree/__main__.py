@@ -123,12 +123,6 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(text)
 
 
-class _FileGraph(SharingGraph):
-    """The sharing graph of a file: ``st.fn`` views are named, never called."""
-
-    _uncalled = staticmethod(is_described)
-
-
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
 
@@ -172,7 +166,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     tree = builder.run()
     try:
         leaves, structure = leaves_and_structure(tree)
-        graph = _FileGraph(structure, leaves)
+        graph = SharingGraph(structure, leaves)
+        graph._uncalled = is_described  # st.fn views: named, never called
         # the file's keys are in the tables: no character of theirs moves a terminal
         text = "".join(
             c if c.isprintable() or c == "\n" else repr(c)[1:-1]

@@ -286,21 +286,14 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
     buffers = {key_str(b.path) for b in g.buffers}
 
-    def left_label(grp: _Group) -> str:
-        if grp.buffer in buffers:
-            return _clip(grp.buffer, 36)
+    def left_label(grp: _Group) -> str:  # a subtree: its number of buffers
         inside = {key_str(v.buffer) for v in grp.views}
-        n = sum(
-            key_str(b.path).startswith(grp.buffer + "/") or key_str(b.path) in inside
-            for b in g.buffers
-        )
-        return f"{_clip(grp.buffer, 36)}  ({_leaves_cell(n)})"
+        n = sum(p.startswith(grp.buffer + "/") or p in inside for p in buffers)
+        return _clip(grp.buffer, 36) + ("" if grp.buffer in buffers else f"  ({_leaves_cell(n)})")
 
-    def right_label(grp: _Group) -> str:
-        if not grp.subtree:
-            return _clip(grp.path, 36)
+    def right_label(grp: _Group) -> str:  # a subtree tie: its number of views and their bytes
         leaves, _, nbytes = _summed(grp.views)
-        return f"{_clip(grp.path, 36)}  ({leaves}, {nbytes})"
+        return _clip(grp.path, 36) + (f"  ({leaves}, {nbytes})" if grp.subtree else "")
 
     char_w, row_h, top = 7.0, 26, 12
     left_w = max(len(left_label(grp)) for grp in shown) * char_w + 2 * _PAD
