@@ -213,16 +213,11 @@ def summary(
     *,
     max_rows: int = MAX_ROWS,
 ) -> str:
-    """A plain-text summary of the sharing in ``tree``, for terminals and logs.
+    """A plain-text summary of the sharing in ``tree`` (or a SharingGraph), for terminals and logs.
 
-    Totals, buffers and views; a subtree tie is one row (see "Seeing the
-    sharing" in the docs). Given :func:`~sharetree.grad_by_use` output, it ends
-    with its :func:`~sharetree.grad_report`.
-
-    Args:
-        tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
-        grads_by_use: optional ``st.grad_by_use(fun)(tree, ...)`` for this tree.
-        max_rows: the most rows shown per table.
+    Totals, then tables of buffers and views of at most ``max_rows`` rows; a
+    subtree tie is one row (see "Seeing the sharing" in the docs). Given
+    ``st.grad_by_use(fun)(tree, ...)``, it ends with its :func:`~sharetree.grad_report`.
 
     Raises:
         TieError: when the tree's ties do not resolve (as for ``canonicalize``).
