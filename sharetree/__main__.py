@@ -123,12 +123,6 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(text)
 
 
-class _FileGraph(SharingGraph):
-    """The sharing graph of a file: ``st.fn`` views are named, never called."""
-
-    _uncalled = staticmethod(is_described)
-
-
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
 
@@ -153,20 +147,18 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
     meta = reader.metadata
     if KEY_VERSION not in meta:
-        data = sum(info.nbytes for info in reader.infos.values())
+        infos = list(reader.infos.values())
+        data = sum(info.nbytes for info in infos)
         ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
         said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
         head = (
             f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
-            f"{KEY_VERSION!r} metadata): {len(reader.infos):,} tensors, "
+            f"{KEY_VERSION!r} metadata): {len(infos):,} tensors, "
             f"{format_bytes(data)} of tensor data, "
             + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
         )
-        rows = [
-            f"  {_printable(info.name)}  {info.code}{list(info.shape)}"
-            for info in list(reader.infos.values())[:max_rows]
-        ]
-        more = _more(len(reader.infos), max_rows, "tensors")
+        rows = [f"  {_printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
+        more = _more(len(infos), max_rows, "tensors")
         return "\n".join([head, *rows, *(["  " + more] if more else [])])
     builder = _Builder(reader, None)
     # fn and unregistered transforms: named, never called
@@ -174,7 +166,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     tree = builder.run()
     try:
         leaves, structure = leaves_and_structure(tree)
-        graph = _FileGraph(structure, leaves)
+        graph = SharingGraph(structure, leaves)
+        graph._uncalled = is_described  # st.fn views: named, never called
         # the file's keys are in the tables: no character of theirs moves a terminal
         text = "".join(
             c if c.isprintable() or c == "\n" else repr(c)[1:-1]

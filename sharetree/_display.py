@@ -113,16 +113,14 @@ def _view_groups(g: SharingGraph) -> list[_Group]:
     by_tie: dict[str, list[View]] = {}
     for v in g.views.values():
         by_tie.setdefault(key_str(v.tie), []).append(v)
-    ties = {key_str(k): t for k, t in g.ties.items()}
+    ties = g.ties
     out = []
     for tie, vs in by_tie.items():
         source = _common_source(tie, vs)
         if len(vs) == 1 and key_str(vs[0].path) == tie:
             source = key_str(vs[0].buffer)
         elif source is None:  # the subtree holds ties to elsewhere: name the ref as written
-            source = (
-                path_str(ties[tie].ref) if tie in ties else _common(key_str(v.buffer) for v in vs)
-            )
+            source = path_str(ties[vs[0].tie].ref)
         out.append(_Group(tie, source, _common(repr(v.transform) for v in vs), tuple(vs)))
     return out
 
@@ -166,18 +164,17 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     """The buffer and view tables, cut after ``max_rows`` rows (buffers with views kept first)."""
     groups = _view_groups(g)
     brows = _buffer_rows(g, groups)
-    shared_first = sorted(range(len(brows)), key=lambda i: not brows[i][0])
-    b_shown = [brows[i] for i in sorted(shared_first[:max_rows])]
-    b_rows = [cells for _, cells, _ in b_shown]
-    b_details = [inner for _, _, inner in b_shown]
+    shown = sorted(sorted(range(len(brows)), key=lambda i: not brows[i][0])[:max_rows])
+    b_rows = [brows[i][1] for i in shown]
+    b_details = [brows[i][2] for i in shown]
     v_shown = groups[:max_rows]
-    v_rows: list[_Row] = []
-    v_details: list[Sequence[_Row]] = []
-    for grp in v_shown:
-        inner = [_view_cells(v) for v in grp.views]
-        head = (grp.path, grp.buffer, grp.transform)
-        v_rows.append((*head, *_summed(grp.views)) if grp.subtree else inner[0])
-        v_details.append(inner if grp.subtree else ())
+    v_rows = [
+        (grp.path, grp.buffer, grp.transform, *_summed(grp.views))
+        if grp.subtree
+        else _view_cells(grp.views[0])
+        for grp in v_shown
+    ]
+    v_details = [[_view_cells(v) for v in grp.views] if grp.subtree else [] for grp in v_shown]
     n_buffers = sum(len(d) or 1 for d in b_details)
     n_views = sum(len(grp.views) for grp in v_shown)
     return [
@@ -216,16 +213,11 @@ def summary(
     *,
     max_rows: int = MAX_ROWS,
 ) -> str:
-    """A plain-text summary of the sharing in ``tree``, for terminals and logs.
+    """A plain-text summary of the sharing in ``tree`` (or a SharingGraph), for terminals and logs.
 
-    Totals, buffers and views; a subtree tie is one row (see "Seeing the
-    sharing" in the docs). Given :func:`~sharetree.grad_by_use` output, it ends
-    with its :func:`~sharetree.grad_report`.
-
-    Args:
-        tree: a canonical tree, or a :class:`~sharetree.SharingGraph`.
-        grads_by_use: optional ``st.grad_by_use(fun)(tree, ...)`` for this tree.
-        max_rows: the most rows shown per table.
+    Totals, then tables of buffers and views of at most ``max_rows`` rows; a
+    subtree tie is one row (see "Seeing the sharing" in the docs). Given
+    ``st.grad_by_use(fun)(tree, ...)``, it ends with its :func:`~sharetree.grad_report`.
 
     Raises:
         TieError: when the tree's ties do not resolve (as for ``canonicalize``).
@@ -289,21 +281,14 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
     buffers = {key_str(b.path) for b in g.buffers}
 
-    def left_label(grp: _Group) -> str:
-        if grp.buffer in buffers:
-            return _clip(grp.buffer, 36)
+    def left_label(grp: _Group) -> str:  # a subtree: its number of buffers
         inside = {key_str(v.buffer) for v in grp.views}
-        n = sum(
-            key_str(b.path).startswith(grp.buffer + "/") or key_str(b.path) in inside
-            for b in g.buffers
-        )
-        return f"{_clip(grp.buffer, 36)}  ({_leaves_cell(n)})"
+        n = sum(p.startswith(grp.buffer + "/") or p in inside for p in buffers)
+        return _clip(grp.buffer, 36) + ("" if grp.buffer in buffers else f"  ({_leaves_cell(n)})")
 
-    def right_label(grp: _Group) -> str:
-        if not grp.subtree:
-            return _clip(grp.path, 36)
+    def right_label(grp: _Group) -> str:  # a subtree tie: its number of views and their bytes
         leaves, _, nbytes = _summed(grp.views)
-        return f"{_clip(grp.path, 36)}  ({leaves}, {nbytes})"
+        return _clip(grp.path, 36) + (f"  ({leaves}, {nbytes})" if grp.subtree else "")
 
     char_w, row_h, top = 7.0, 26, 12
     left_w = max(len(left_label(grp)) for grp in shown) * char_w + 2 * _PAD

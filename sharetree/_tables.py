@@ -57,7 +57,7 @@ def _html_table(
     more: str = "",
     details: Sequence[Sequence[tuple[str, ...]]] = (),
 ) -> str:
-    """An HTML table; a row with ``details`` is followed by a disclosure holding them."""
+    """An HTML table; ``details`` (none, or one per row): leaf rows shown in a disclosure."""
 
     def cells(tag: str, r: Sequence[str]) -> str:
         return "".join(
@@ -66,9 +66,8 @@ def _html_table(
         )
 
     body = []
-    for k, r in enumerate(rows):
+    for r, inner in zip(rows, details or [()] * len(rows)):
         body.append(f"<tr>{cells('td', r)}</tr>")
-        inner = details[k] if k < len(details) else ()
         if inner:
             body.append(
                 f'<tr><td colspan="{len(header)}" style="padding:0 8px 4px 24px;">'
