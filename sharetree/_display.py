@@ -87,7 +87,7 @@ class _Group(NamedTuple):
     @property
     def subtree(self) -> bool:
         """Whether the tie is a subtree's: several views, or one below the tie's path."""
-        return len(self.views) != 1 or self.views[0].path != self.path
+        return len(self.views) != 1 or key_str(self.views[0].path) != self.path
 
 
 def _common_source(tie: str, views: Sequence[View]) -> str | None:

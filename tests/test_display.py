@@ -132,6 +132,13 @@ def test_summary_shows_a_subtree_tie_as_one_row():
     assert "... and 1 more views" in short  # the 16 views of block_1 shown, head/kernel not
 
 
+def test_a_leaf_tie_whose_keys_hold_a_slash_shows_its_shape_not_a_subtree():
+    # paths with "/" in a key are tuples; the row is still one leaf's, with its shape
+    params = {"a/b": np.ones(2, np.float32), "c/d": st.Tied(("a/b",))}
+    views = st.summary(params).split("views:\n")[1].splitlines()
+    assert views[1].split() == ["('c/d',)", "('a/b',)", "identity", "(2,)", "float32", "8", "B"]
+
+
 def test_subtree_tie_rows_in_html_have_their_leaves_behind_a_disclosure():
     params = _demo_params()
     g = st.canonicalize(params)
