@@ -2,10 +2,11 @@
 
 The reference side shares no code with sharetree: ties are generated as a table
 ``{target: (ref, chain)}`` whose chain is a list of plain steps (``("T",)``,
-``("scale", 2.0)``, ...), resolved here by plain recursion; each step's value is
-written in NumPy and its VJP by hand in ``jnp`` (``_np_value``, ``_vjp_by_hand``).
-sharetree's transform objects appear only where the canonical tree is built
-(``_st_chain``) and where its resolved transforms are compared with that chain.
+``("scale", 2.0)``, ``("slice", start, stop, axis)``, ``("index", i, axis)``,
+...), resolved here by plain recursion; each step's value is written in NumPy
+and its VJP by hand (``_apply``, ``_vjp_by_hand``). sharetree's transform
+objects appear only where the canonical tree is built (``_st_chain``) and where
+its resolved transforms are compared with that chain.
 """
 
 import jax
@@ -27,6 +28,12 @@ TRANSFORMS = [
     [("scale", 2.0)],
     [("T",), ("scale", -1.5)],
     [("reshape", -1), ("astype", "float16")],
+    [("slice", 1, None, 0)],
+    [("slice", 0, -1, -1)],
+    [("index", -1, 0)],
+    [("index", 1, -1)],
+    [("T",), ("slice", 0, 2, 0)],
+    [("index", 0, 0), ("scale", 3.0)],
 ]
 
 
@@ -38,6 +45,8 @@ def _st_step(step):
         "reshape": lambda: st.reshape(*arg),
         "astype": lambda: st.astype(jnp.dtype(arg[0])),
         "scale": lambda: st.scale(arg[0]),
+        "slice": lambda: st.slice(arg[0], arg[1], axis=arg[2]),
+        "index": lambda: st.index(arg[0], axis=arg[1]),
     }[kind]()
 
 
@@ -48,49 +57,87 @@ def _st_chain(chain):
     return out
 
 
-def _np_value(chain, x):
-    """A view's value by hand, in NumPy (the transpose of all axes, C-order reshape, ...)."""
-    out = np.asarray(x)
+def _where(kind, arg, ndim):
+    """The index of a slice step (``x[start:stop]`` along its axis) or an index step (``x[i]``)."""
+    *at, axis = arg
+    return (slice(None),) * (axis % ndim) + (slice(*at) if kind == "slice" else at[0],)
+
+
+def _apply(chain, x):
+    """A view's value by hand, one step at a time, with array methods (NumPy or jnp arrays).
+
+    A transpose reverses every axis, a reshape is C-order, a scale multiplies by a
+    Python float (computed in the array's dtype), slice and index are indexing.
+    """
     for kind, *arg in chain:
         if kind == "T":
-            out = np.transpose(out, tuple(reversed(range(out.ndim))))
+            x = x.transpose()
         elif kind == "reshape":
-            out = np.reshape(out, arg)
+            x = x.reshape(arg)
         elif kind == "astype":
-            out = out.astype(np.dtype(arg[0]))
+            x = x.astype(np.dtype(arg[0]))
         elif kind == "scale":
-            out = out * arg[0]  # a Python float: computed in the array's dtype (NEP 50)
+            x = x * arg[0]
+        elif kind in ("slice", "index"):
+            x = x[_where(kind, arg, x.ndim)]
         else:
             raise AssertionError(kind)
-    return out
+    return x
 
 
-def _vjp_by_hand(chain, x, g):
+def _np_value(chain, x):
+    return _apply(chain, np.asarray(x))
+
+
+def _fits(chain, shape):
+    """Whether each slice and index of ``chain`` lies inside what it gets (a view never clips)."""
+    x = np.zeros(shape, np.int8)
+    for step in chain:
+        kind, *arg = step
+        if kind in ("slice", "index"):
+            if x.ndim == 0:
+                return False
+            n = x.shape[arg[-1] % x.ndim]
+            if kind == "index" and not -n <= arg[0] < n:
+                return False
+            if kind == "slice":
+                start = arg[0] + n if arg[0] < 0 else arg[0]
+                stop = n if arg[1] is None else arg[1] + n if arg[1] < 0 else arg[1]
+                if not 0 <= start < stop <= n:
+                    return False
+        x = _apply([step], x)
+    return True
+
+
+def _vjp_by_hand(chain, x, g, xp=jnp):
     """The cotangent of the buffer ``x`` for a cotangent ``g`` of ``chain(x)``, by hand.
 
     Each step pulled back in reverse order: a transpose transposes back, a reshape
-    reshapes to the shape it got, a cast casts back to the dtype it got, a scale scales.
+    reshapes to the shape it got, a cast casts back to the dtype it got, a scale
+    scales, a slice or an index puts the cotangent into its part of zeros of the
+    shape it got. ``xp``: ``jnp`` or ``np``, the library the cotangents are in.
     """
     inputs = []  # (shape, dtype) each step received
-    shape, dtype = np.shape(x), np.asarray(x).dtype
-    for kind, *arg in chain:
-        inputs.append((shape, dtype))
-        if kind == "T":
-            shape = shape[::-1]
-        elif kind == "reshape":
-            shape = np.empty(shape, np.int8).reshape(arg).shape
-        elif kind == "astype":
-            dtype = np.dtype(arg[0])
-    g = jnp.asarray(g)
+    y = np.zeros(np.shape(x), np.asarray(x).dtype)
+    for step in chain:
+        inputs.append((y.shape, y.dtype))
+        y = _apply([step], y)
+    g = xp.asarray(g)
     for (kind, *arg), (shape, dtype) in zip(reversed(chain), reversed(inputs)):
         if kind == "T":
-            g = jnp.transpose(g)
+            g = g.transpose()
         elif kind == "reshape":
-            g = jnp.reshape(g, shape)
+            g = g.reshape(shape)
         elif kind == "astype":
             g = g.astype(dtype)
         elif kind == "scale":
             g = g * arg[0]
+        elif xp is np:  # slice, index
+            out = np.zeros(shape, g.dtype)
+            out[_where(kind, arg, len(shape))] = g
+            g = out
+        else:
+            g = jnp.zeros(shape, g.dtype).at[_where(kind, arg, len(shape))].set(g)
     return g
 
 
@@ -159,7 +206,11 @@ def tied_trees(draw):
             if target[: len(n)] != n and all(p in earlier for p in leaves if p[: len(n)] == n)
         ]
         ref = draw(hs.sampled_from(earlier + subtrees))
-        table[target] = (ref, draw(hs.sampled_from(TRANSFORMS)))
+        # a chain whose slices and indices fit every leaf it is applied to
+        value = _resolve(tree, table, ref, [])
+        shapes = [leaf[2].shape for leaf in jax.tree.leaves(value, is_leaf=_is_leaf)]
+        fitting = [c for c in TRANSFORMS if all(_fits(c, shape) for shape in shapes)]
+        table[target] = (ref, draw(hs.sampled_from(fitting)))
     canonical = tree
     positions = node_paths(leaves)
     for target, (ref, chain) in table.items():
@@ -171,36 +222,39 @@ def tied_trees(draw):
         for k in range(len(target) - 1, 0, -1):
             p = target[:k] + written
             assume(not any(p[:m] in table for m in range(1, len(p) + 1)))
-        canonical = _set(
-            canonical, target, st.Tied(written, _st_chain(chain))
-        )
+        canonical = _set(canonical, target, st.Tied(written, _st_chain(chain)))
     return tree, canonical, table
+
+
+def _is_leaf(x):
+    return isinstance(x, tuple)
+
+
+def _resolve(tree, table, path, chain):
+    """The value at ``path`` followed by ``chain``: ``(buffer path, whole chain, NumPy value)``
+    at each leaf, by plain recursion over the table."""
+    if path in table:
+        ref, c = table[path]
+        return _resolve(tree, table, ref, c + chain)
+    node = _get(tree, path)
+    if isinstance(node, dict):
+        return {k: _resolve(tree, table, path + (k,), chain) for k in node}
+    if isinstance(node, list):
+        return [_resolve(tree, table, path + (str(i),), chain) for i in range(len(node))]
+    return (path, chain, _np_value(chain, node))
 
 
 def _reference(tree, table):
     """Materialize by recursion over the generated table (NumPy values); also list each view."""
     views = []  # (target leaf path, buffer path, chain)
 
-    def value(path, chain):
-        if path in table:
-            ref, c = table[path]
-            return value(ref, c + chain)
-        node = _get(tree, path)
-        if isinstance(node, dict):
-            return {k: value(path + (k,), chain) for k in node}
-        if isinstance(node, list):
-            return [value(path + (str(i),), chain) for i in range(len(node))]
-        return (path, chain, _np_value(chain, node))
-
     def build(path):
         if path in table:
             ref, c = table[path]
-            v = value(ref, list(c))
-            for kp, (bpath, chain, _) in jax.tree_util.tree_flatten_with_path(
-                v, is_leaf=lambda x: isinstance(x, tuple)
-            )[0]:
+            v = _resolve(tree, table, ref, list(c))
+            for kp, (bpath, chain, _) in jax.tree_util.tree_leaves_with_path(v, is_leaf=_is_leaf):
                 views.append((path + _names(kp), bpath, chain))
-            return jax.tree.map(lambda x: x[2], v, is_leaf=lambda x: isinstance(x, tuple))
+            return jax.tree.map(lambda x: x[2], v, is_leaf=_is_leaf)
         node = _get(tree, path)
         if isinstance(node, dict):
             return {k: build(path + (k,)) for k in node}
