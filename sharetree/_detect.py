@@ -34,12 +34,10 @@ def tie_identical(tree: Any) -> Any:
         {'a': array([1., 1.]), 'b': Tied('a'), 'c': array([1., 1.]), 'm': 1.0, 'n': 1.0}
     """
     first: dict[int, Path] = {}  # each array object's first position
-    ties: dict[Path, Tied] = {}
-    leaves = leaves_with_paths(tree, is_tied)
-    nodes = node_paths(p for p, _ in leaves)  # refs are scoped: see ref_to
-    for path, x in leaves:
+    ties: dict[Path, Tied] = {}  # refs from the root: tie writes each as scoped refs need it
+    for path, x in leaves_with_paths(tree, is_tied):
         if isinstance(x, (jax.Array, np.ndarray)) and first.setdefault(id(x), path) != path:
-            ties[path] = Tied(ref_to(first[id(x)], path, nodes))
+            ties[path] = Tied(first[id(x)])
     return tie(tree, ties, check=False) if ties else tree
 
 

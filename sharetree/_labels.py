@@ -96,13 +96,6 @@ def _apply_rules(
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return a is b or (type(a) is type(b) and bool(a == b))
-    except Exception:  # labels that do not compare (arrays): only the same object is the same
-        return False
-
-
 def _warn_on_views(
     tree: Any, pairs: list[tuple[str, Any]], given: dict[Path, Any], where: str, what: str
 ) -> None:
@@ -121,8 +114,11 @@ def _warn_on_views(
         if pattern is None or _matches(pattern, buffer) or buffer not in given:
             continue
         ours = given[buffer].spec if what == "sharding" else given[buffer]  # a NamedSharding's
-        if _same(ours, theirs):
-            continue
+        try:
+            if ours is theirs or (type(ours) is type(theirs) and bool(ours == theirs)):
+                continue
+        except Exception:  # labels that do not compare (arrays): only the same object is the same
+            pass
         tie = structure.ties[view.tie]
         found.setdefault(pattern, (buffer, []))[1].append(
             f"{path_str(view.path)!r} ({tie!r} at {path_str(view.tie)!r}) would get "

@@ -94,25 +94,17 @@ def check_view_value(out: Any, transform: Transform) -> Any:
     """``out`` if it is one view value (an array, number, shape/dtype), else a :class:`TieError`."""
     if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
         return out
+    shown = repr(out) if len(repr(out)) <= 60 else repr(out)[:57] + "..."
     raise TieError(
-        f"{transform!r} returned {type(out).__name__} {_show_value(out)}, not an array. "
+        f"{transform!r} returned {type(out).__name__} {shown}, not an array. "
         f"Fix: return one array from {type(transform).__name__}.__call__ (a view is one "
         "leaf of the materialized tree; tie each part as a view of its own)."
     )
 
 
-def _show_value(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _transformable(x: Any) -> bool:
     """Whether a transform applies to ``x`` (an array, number, tracer or shape/dtype)."""
     return is_array_leaf(x) or hasattr(x, "shape")
-
-
-def _concrete_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
 
 
 class _Plan(NamedTuple):
@@ -151,10 +143,8 @@ def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]
     slot = {i: n for n, i in enumerate(plan.inputs)}
 
     def compute(buffers: tuple[Any, ...]) -> list[Any]:
-        out = []
-        for k, t in plan.batched:
-            out.append(_view(structure, k, t, buffers[slot[structure.expanded[k].buffer]]))
-        return out
+        inputs = (buffers[slot[structure.expanded[k].buffer]] for k, _ in plan.batched)
+        return [_view(structure, k, t, x) for (k, t), x in zip(plan.batched, inputs)]
 
     return jax.jit(compute)
 
@@ -177,7 +167,8 @@ def expand_leaves(
         apply is None
         and plan.batched
         and len(structure.views) >= _JIT_VIEWS_MIN
-        and all(_concrete_array(leaves[i]) for i in plan.inputs)
+        and all(isinstance(leaves[i], (np.ndarray, np.generic, jax.Array)) for i in plan.inputs)
+        and not any(isinstance(leaves[i], jax.core.Tracer) for i in plan.inputs)
     ):
         values = _eager_views(structure)(tuple(leaves[i] for i in plan.inputs))
         for (k, _), value in zip(plan.batched, values):
@@ -212,21 +203,18 @@ def _view(
         raise transform_error(structure, leaf, aval_of(x), e) from e
 
 
-def _by_path(structure: Structure, values: list[Any]) -> dict[Path, Any]:
-    return {leaf.path: x for leaf, x in zip(structure.expanded, values)}
-
-
 def expanded_by_path(tree: PyTree) -> dict[Path, Any]:
     """Path -> value of every leaf of the materialized tree."""
     leaves, structure = leaves_and_structure(tree)
-    return _by_path(structure, expand_leaves(structure, leaves))
+    return dict(zip((leaf.path for leaf in structure.expanded), expand_leaves(structure, leaves)))
 
 
 def abstract_expanded(tree: PyTree) -> dict[Path, Any]:
     """Path -> shape/dtype (or the leaf itself when not an array) of the materialized tree."""
     leaves, structure = leaves_and_structure(tree)
     avals = [x if (a := leaf_aval(x)) is None else a for x in leaves]
-    return _by_path(structure, expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a)))
+    values = expand_leaves(structure, avals, apply=lambda t, a: t.abstract(a))
+    return dict(zip((leaf.path for leaf in structure.expanded), values))
 
 
 def leaf_aval(x: Any) -> jax.ShapeDtypeStruct | None:

@@ -140,11 +140,8 @@ class _Resolver:
         t = self.tied_at[at]
         first = self._scope(at)
         if _overlap(first, at):
-            if first == at:
-                rel = "itself"
-            elif len(first) > len(at):
-                rel = "a path inside itself"
-            else:
+            rel = "itself" if first == at else "a path inside itself"
+            if len(first) < len(at):
                 rel = "a subtree that contains it"
             raise TieError(
                 f"Tied at {path_str(at)!r} refers to {path_str(first)!r}, {rel}: a view cannot "
@@ -155,7 +152,8 @@ class _Resolver:
         if ref not in self.nodes:
             if prefix in via:  # views that refer below each other in a loop
                 loop = [*via[via.index(prefix) :], prefix]
-                raise _cycle_error(loop, {p: self._own_hop(p) for p in loop})
+                own = {p: (self._scope(p), self.tied_at[p].ref) for p in loop}  # as written
+                raise _cycle_error(loop, {p: _Hop(r, w, (), r) for p, (r, w) in own.items()})
             raise self._missing(at, t, ref, prefix)
         self.hops[at] = _Hop(first, t.ref, tuple((p, self.tied_at[p]) for p in via[1:]), ref)
         # ``via`` lists the views outermost first: the value is via[0](via[1](...(x)))
@@ -177,11 +175,6 @@ class _Resolver:
             via.append(prefix)
             ref = inner + ref[len(prefix) :]
         return ref, prefix
-
-    def _own_hop(self, at: Path) -> _Hop:
-        """The ref of the ``Tied`` at ``at`` as written, before any view is followed."""
-        ref = self._scope(at)
-        return _Hop(ref, self.tied_at[at].ref, (), ref)
 
     def _scope(self, at: Path) -> Path:
         """The ref of the ``Tied`` at ``at`` from the innermost scope with it (``()`` meanwhile)."""

@@ -25,6 +25,16 @@ def test_tie_identical_leaves_equal_but_distinct_arrays_alone():
     assert st.tie_identical(tree) is tree
 
 
+def test_tie_identical_ref_shadowed_from_the_root():
+    # 'x/y/v' holds the array at 'x/w'; the root's 'w' is another array, so the ref is
+    # written from the scope 'x' (tie_identical used to hand tie a scoped ref it re-read)
+    a, b, c = np.zeros(3), np.arange(3.0), np.ones(3)
+    tree = {"w": a, "x": {"w": b, "y": {"v": b, "x": {"w": c}}}}
+    out = st.tie_identical(tree)
+    assert out["x"]["y"]["v"] == st.Tied("w")
+    assert st.materialize(out)["x"]["y"]["v"] is b
+
+
 def test_tie_identical_first_in_flatten_order_is_buffer():
     w = jnp.arange(3.0)
     out = st.tie_identical({"z": w, "a": w})
