@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._paths import Path, format_aval, leaves_with_paths, node_paths, path_key, path_str
-from sharetree._resolve import ref_to
+from sharetree._paths import Path, format_aval, leaves_with_paths, path_key, path_str
 from sharetree._tie import bit_equal, tie
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, Transform, check_transform, identity
@@ -121,9 +120,7 @@ def _comparable(x: Any, path: Path) -> bool:
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
-    leaves = leaves_with_paths(tree, is_tied)
-    nodes = node_paths(p for p, _ in leaves)  # refs are scoped: see ref_to
-    for path, x in leaves:
+    for path, x in leaves_with_paths(tree, is_tied):  # refs from the root, as tie takes them
         if not _comparable(x, path):
             continue
         a = np.asarray(x)
@@ -133,7 +130,7 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
         hits = [v for v in seen.get(_key(a, sample, atol), []) if _close(v.sample, sample, atol)]
         match = next((v for v in hits if _close(v.value, a, atol)), None)
         if match is not None:
-            found[path] = Tied(ref_to(match.path, path, nodes), match.transform)
+            found[path] = Tied(match.path, match.transform)
             continue
         for t in transforms:
             try:

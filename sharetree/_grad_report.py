@@ -10,8 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sharetree._errors import TieError
-from sharetree._materialize import _show_value
+from sharetree._errors import TieError, safe_repr
 from sharetree._paths import closest, key_str, plural
 from sharetree._tables import (
     _CELL,
@@ -79,7 +78,7 @@ def _host(x: Any, where: str) -> np.ndarray:
         ) from None
     if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.number)):
         raise TieError(
-            f"grad_report: the contribution of {where} is {a.dtype} {_show_value(a)}, not a "
+            f"grad_report: the contribution of {where} is {a.dtype} {safe_repr(a, 60)}, not a "
             "numeric array. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
         )
     return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64).ravel()

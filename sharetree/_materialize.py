@@ -11,7 +11,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, safe_repr
 from sharetree._paths import Path, aval_of, flattening, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, identity
@@ -94,9 +94,8 @@ def check_view_value(out: Any, transform: Transform) -> Any:
     """``out`` if it is one view value (an array, number, shape/dtype), else a :class:`TieError`."""
     if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
         return out
-    shown = repr(out) if len(repr(out)) <= 60 else repr(out)[:57] + "..."
     raise TieError(
-        f"{transform!r} returned {type(out).__name__} {shown}, not an array. "
+        f"{transform!r} returned {type(out).__name__} {safe_repr(out, 60)}, not an array. "
         f"Fix: return one array from {type(transform).__name__}.__call__ (a view is one "
         "leaf of the materialized tree; tie each part as a view of its own)."
     )

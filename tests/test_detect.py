@@ -35,6 +35,19 @@ def test_tie_identical_ref_shadowed_from_the_root():
     assert st.materialize(out)["x"]["y"]["v"] is b
 
 
+def test_find_ties_refs_are_from_the_root_so_tie_takes_them_where_a_ref_is_shadowed():
+    # 'x/y/v' equals the array at 'x/w'; the root's 'w' and 'x/y/x/w' are others
+    a, b, c = np.zeros(3), np.arange(3.0), np.ones(3)
+    tree = {"w": a, "x": {"w": b, "y": {"v": b.copy(), "x": {"w": c}}}}
+    found = st.find_ties(tree)
+    assert found == {"x/y/v": st.Tied("x/w")}  # the buffer's path, as tie's targets are written
+    out = st.tie(tree, found)
+    np.testing.assert_array_equal(st.materialize(out)["x"]["y"]["v"], b)
+    # a buffer that no ref written at the view can name: tie says which key is in the way
+    with pytest.raises(st.TieError, match=r"cannot tie 'sub/v' to 'a'.*'sub/a' is found there"):
+        st.tie(t := {"a": b, "sub": {"a": c, "v": b.copy()}}, st.find_ties(t))
+
+
 def test_tie_identical_first_in_flatten_order_is_buffer():
     w = jnp.arange(3.0)
     out = st.tie_identical({"z": w, "a": w})
