@@ -296,8 +296,11 @@ def test_ties_found_by_position_are_written_so_that_the_scoped_lookup_finds_thei
     tree = {"m": {"m": {"v": z}, "v": x, "w": x}, "w": y}
     tied = st.tie_identical(tree)
     assert st.materialize(tied)["m"]["w"] is x and tied["m"]["w"] == st.Tied("v")
-    found = st.find_ties({"m": {"m": {"v": z}, "v": x, "w": x.copy()}, "w": y})
-    assert found == {"m/w": st.Tied("v")}
+    copied = {"m": {"m": {"v": z}, "v": x, "w": x.copy()}, "w": y}
+    found = st.find_ties(copied)  # refs from the root, as tie's targets; tie scopes them
+    assert found == {"m/w": st.Tied("m/v")}
+    out = st.tie(copied, found)
+    assert out["m"]["w"] == st.Tied("v") and st.materialize(out)["m"]["w"] is x
     # no spelling can name the root's "a" from inside "sub", which has its own "a"
     with pytest.raises(st.TieError, match=r"cannot tie 'sub/v' to 'a'.*'sub/a' is found there"):
         st.tie_identical({"a": x, "sub": {"a": y, "v": x}})
