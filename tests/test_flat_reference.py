@@ -39,6 +39,7 @@ import re as re_module
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as hs
 from jax.flatten_util import ravel_pytree
@@ -372,28 +373,11 @@ LOWERED_EXAMPLES = 50
 HOW = hs.sampled_from([("closed",), ("argument",), ("vmap",)])  # one way per small example
 
 
+@pytest.mark.parametrize("path", ["plain", "opaque", "grouped", "fused"])
 @settings(max_examples=LOWERED_EXAMPLES)
-@given(lowered("plain"), HOW)
-def test_plain_split_equals_ravel_pytree_with_views_by_hand(example, how):
-    _run("plain", *example, how)
-
-
-@settings(max_examples=LOWERED_EXAMPLES)
-@given(lowered("opaque"), HOW)
-def test_opaque_offsets_equal_ravel_pytree_with_views_by_hand(example, how):
-    _run("opaque", *example, how)
-
-
-@settings(max_examples=LOWERED_EXAMPLES)
-@given(lowered("grouped"), HOW)
-def test_grouped_tangent_equals_ravel_pytree_with_views_by_hand(example, how):
-    _run("grouped", *example, how)
-
-
-@settings(max_examples=LOWERED_EXAMPLES)
-@given(lowered("fused"), HOW)
-def test_fused_groups_equal_ravel_pytree_with_views_by_hand(example, how):
-    _run("fused", *example, how)
+@given(data=hs.data(), how=HOW)
+def test_each_path_at_drawn_thresholds_equals_ravel_pytree_with_views_by_hand(path, data, how):
+    _run(path, *data.draw(lowered(path), label="thresholds, case"), how)
 
 
 # sharetree's own thresholds: (first, last buffer count, examples) per path; the bounds
