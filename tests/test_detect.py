@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st_h
 
@@ -173,7 +174,7 @@ def _reference_find_ties(sd, transforms, atol):
     return found
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(
     picks=st_h.lists(st_h.tuples(st_h.integers(0, 3), st_h.integers(0, 2)), min_size=1, max_size=8),
     atol=st_h.sampled_from([0.0, 1e-3]),

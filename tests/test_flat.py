@@ -462,18 +462,6 @@ def test_many_buffers_gradient_is_assembled_in_two_levels():
     assert not _NO_PADDING & set(prims)
 
 
-def test_hundreds_of_buffers_gradient_is_assembled_in_groups_of_8():
-    # from 256 buffers on the first level groups 8 buffers (XLA:CPU fuses such a
-    # concatenate with its producers)
-    flat, re = _reference_checks(_tied_layers(148, seed=4), _sum_of_sines, 1e-5, False)
-    n = len(re.sizes)
-    assert n >= _flat._FUSED_GROUPS_MIN
-    prims = _primitives(jax.make_jaxpr(jax.grad(lambda v: _sum_of_sines(re(v))))(flat).jaxpr)
-    # + 1: the plain split's concatenate in the other platforms' branch (see above)
-    assert prims.count("concatenate") == -(-n // 8) + 1 + 1 and "optimization_barrier" in prims
-    assert not _NO_PADDING & set(prims)
-
-
 def test_vmap_of_restructure_compiles_to_dynamic_slices_not_gathers():
     tree = _tied_layers(20, seed=8, dim=3)
     flat, re = st.destructure(tree)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from test_properties import (
     F32_ATOL,
@@ -47,7 +48,7 @@ def _by_use_reference(tree, canonical, table):
     return ref, views
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(tied_trees())
 def test_each_use_equals_the_untied_gradient_pulled_back_and_they_sum_to_jax_grad(case):
     tree, canonical, table = case
@@ -69,7 +70,7 @@ def test_each_use_equals_the_untied_gradient_pulled_back_and_they_sum_to_jax_gra
         np.testing.assert_allclose(total, g, rtol=rtol, atol=atol)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(tied_trees())
 def test_under_jit_equals_eager(case):
     tree, canonical, table = case

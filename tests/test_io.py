@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import given, reject, settings
 from hypothesis import strategies as hs
 from safetensors import safe_open
@@ -279,7 +280,7 @@ trees = hs.recursive(
 )
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(tree=trees, data=hs.data())
 def test_roundtrip_property(tmp_path_factory, tree, data) -> None:
     # tie some later array leaves to earlier arrays of the same shape (identity) or
@@ -909,7 +910,7 @@ def _trees(leaf: Any) -> Any:
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     tree=_trees(
         hs.sampled_from([np.float32(1.5), 3, "s", None]).map(

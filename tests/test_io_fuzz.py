@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as hs
 from safetensors import safe_open
@@ -299,7 +300,7 @@ def no_imports(monkeypatch: Any, tmp_path: Any) -> Any:
 
 
 @settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -376,7 +377,7 @@ def _dump(value: Any) -> str:
 
 
 @settings(
-    max_examples=100,
+    max_examples=examples(100),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

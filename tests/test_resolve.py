@@ -5,6 +5,7 @@ import hypothesis.strategies as st_h
 import jax
 import numpy as np
 import pytest
+from _examples import examples
 
 import sharetree as st
 from sharetree._resolve import Leaf, ViewLeaf, structure_of
@@ -219,7 +220,7 @@ def _shifted(tree, by):
 @hypothesis.given(
     _tied_trees(), st_h.sampled_from(_KEYS + ["params"]), st_h.sampled_from(_KEYS + ["state"])
 )
-@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.settings(max_examples=examples(150), deadline=None)
 def test_wrapping_a_tied_tree_in_a_dict_with_colliding_keys_never_changes_its_ties(
     tree, key, outer_key
 ):

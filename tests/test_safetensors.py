@@ -8,6 +8,7 @@ import stat
 import ml_dtypes
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from safetensors.numpy import save_file
@@ -147,7 +148,7 @@ def test_atomic_write_refuses_a_read_only_file_as_open_would(tmp_path, monkeypat
 _READ_DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "int4", "bool"]
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(data=hs.data())
 def test_tensor_parts_equal_numpy_slices(tmp_path_factory, data) -> None:
     """``Tensor.read(index)`` of any part, stored or transposed, is NumPy's slice of the array."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st_h
 from jax.sharding import AbstractMesh, NamedSharding
@@ -227,7 +228,7 @@ def test_shardings_by_path_rejects_what_is_not_a_mesh() -> None:
 AXES = {"data": 2, "model": 4}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     shape=st_h.lists(st_h.integers(1, 12), min_size=0, max_size=3),
     entries=st_h.lists(

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
@@ -235,7 +236,7 @@ def _rtol(parts):
     return (len(parts) + 1) * eps
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(valid_chains(), hs.integers(0, 2**32 - 1))
 def test_normal_form_computes_the_same_values(chain_and_start, seed):
     start, steps = chain_and_start
@@ -270,7 +271,7 @@ def test_normal_form_computes_the_same_values(chain_and_start, seed):
     assert normal.abstract(aval) == jax.eval_shape(normal, aval)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(valid_chains(max_parts=8), hs.integers(0, 8), hs.integers(0, 2**32 - 1))
 def test_groupings_agree(chain_and_start, k, seed):
     start, steps = chain_and_start
@@ -307,7 +308,7 @@ def test_groupings_agree(chain_and_start, k, seed):
             assert other == whole and hash(other) == hash(whole) and repr(other) == repr(whole)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(valid_chains(with_names=True), hs.integers(0, 2**32 - 1))
 def test_capabilities_of_a_chain_are_those_of_its_parts(chain_names, seed):
     start, steps, kinds, names = chain_names

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from test_properties import _assert_trees_equal, _get, _names, _reference, _set, tied_trees
@@ -26,7 +27,7 @@ def _ties(tree):
     }
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(tied_trees(), hs.data())
 def test_untie_then_tie_is_the_identity(case, data):
     tree, canonical, table = case

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from jax.sharding import AbstractMesh
@@ -43,7 +44,7 @@ def loss_by_hand(embed):
 # --- building: Python semantics, refused when built --------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     shape=hs.lists(hs.integers(1, 5), min_size=1, max_size=3),
     data=hs.data(),
