@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from sharetree._display import format_bytes, summary
-from sharetree._errors import TieError
+from sharetree._errors import TieError, one_line
 from sharetree._foreign import metadata_ties
 from sharetree._format import KEY_LIBRARY, KEY_VERSION
 from sharetree._io import PathOrStr, _Builder, save
 from sharetree._materialize import leaves_and_structure
 from sharetree._report import SharingGraph
-from sharetree._safetensors import Reader, file_path, one_line
+from sharetree._safetensors import Reader, file_path
 from sharetree._tables import _more, check_max_rows
 from sharetree._transforms import describe_transform, is_described
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TieError", "TieTypeError", "safe_repr"]
+__all__ = ["TieError", "TieTypeError", "one_line", "safe_repr"]
 
 
 class TieError(ValueError):
@@ -23,6 +23,11 @@ class TieTypeError(TieError, TypeError):
         >>> issubclass(st.TieTypeError, TypeError), issubclass(st.TieTypeError, st.TieError)
         (True, True)
     """
+
+
+def one_line(e: BaseException) -> str:
+    """``TypeName: message`` of an exception on one line (for messages quoting a library)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def safe_repr(x: object, limit: int = 80) -> str:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, safe_repr
+from sharetree._errors import TieError, one_line, safe_repr
 from sharetree._foreign import load_foreign
 from sharetree._format import (
     FORMAT_VERSION,
@@ -41,7 +41,6 @@ from sharetree._safetensors import (
     _only,
     atomic_write,
     file_path,
-    one_line,
     read_tree,
     unique_pairs,
 )

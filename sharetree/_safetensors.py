@@ -21,22 +21,22 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Sharding
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, one_line
 from sharetree._paths import Path, leaves_with_paths, path_str
+from sharetree._sharding import check_fits
 from sharetree._tied import is_tied
 
 __all__ = [
     "NATIVE_CODES",
     "DuplicateKey",
+    "HOST_FIX",
     "Pending",
     "Reader",
     "Tensor",
     "TensorInfo",
-    "check_fits",
     "read_tree",
     "atomic_write",
     "file_path",
-    "one_line",
     "unique_pairs",
 ]
 
@@ -52,11 +52,6 @@ NATIVE_CODES = {
 _CODES = {
     **NATIVE_CODES, "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }  # fmt: skip
-
-
-def one_line(e: BaseException) -> str:
-    """``TypeName: message`` of an exception on one line (for messages quoting a library)."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def file_path(path: Any, verb: str) -> str:
@@ -205,6 +200,9 @@ def _part_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
 
 
+HOST_FIX = "or pass None to keep the buffer on the host"
+"""The end of the fix of a sharding that does not fit its buffer, in ``load``."""
+
 _MAX_HEADER = 100 << 20
 """The largest header any safetensors reader takes (a larger one is refused by the library)."""
 
@@ -318,7 +316,7 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
                     f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
                     "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
                 )
-            check_fits(path_str(p), got[p].shape, s)
+            check_fits(f"load: the sharding at {path_str(p)!r}", got[p].shape, s, HOST_FIX)
     leaves = [
         x if not isinstance(x, Pending) else x.place(want[p]) if p in want else x.read()
         for p, x in got.items()
@@ -342,29 +340,6 @@ def _refill(x: Any, leaves: Iterator[Any]) -> Any:
 def _only(paths: Any, other: Any) -> Any:
     """The first five of ``paths`` not in ``other``, sorted and shown (``'none'`` if none)."""
     return sorted(map(path_str, set(paths) - set(other)))[:5] or "none"
-
-
-def check_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
-    """A :class:`TieError` unless ``sharding`` splits ``shape`` into equal shards."""
-    try:
-        if (rank := getattr(sharding, "check_compatible_aval", None)) is not None:
-            rank(shape)  # more spec entries than the array has axes
-        sharding.shard_shape(shape)
-        return
-    except (ValueError, IndexError) as e:  # IndivisibleError (a ValueError), a rank
-        reason = one_line(e)
-    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    if mesh is not None and spec is not None:
-        axes = ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items())
-        on = f"PartitionSpec{tuple(spec)} on the mesh axes {{{axes}}}"
-    else:
-        on = repr(sharding)
-    raise TieError(
-        f"load: the sharding at {where!r} does not fit its buffer of shape {tuple(shape)}: "
-        f"{on} ({reason}). Every sharded dimension must be split into equal shards. Fix: "
-        "shard that dimension over mesh axes whose sizes divide it (or not at all), or pass "
-        "None to keep the buffer on the host."
-    )
 
 
 def _serialize_file(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,14 +9,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, one_line
 from sharetree._labels import _apply_rules, _rules
 from sharetree._paths import Path, aval_of, path_str
 
-__all__ = ["shardings_by_path"]
+__all__ = ["shardings_by_path", "check_fits"]
 
 _WHERE = "shardings_by_path"
 _EXAMPLE = "{'embed/*': P('model', None), '*': P()}"
+_FIT_FIX = "or write a more specific pattern before this one (P() replicates)"
 
 
 def _spec_of(value: Any, pattern: str) -> PartitionSpec:
@@ -31,46 +31,29 @@ def _spec_of(value: Any, pattern: str) -> PartitionSpec:
     )
 
 
-def _axes(entry: Any) -> tuple[Any, ...]:
-    """The mesh axis names of one PartitionSpec entry (``None``, a name or a tuple of names)."""
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+def check_fits(where: str, shape: tuple[int, ...], sharding: Any, fix: str) -> None:
+    """A :class:`TieError` (``where`` first) unless ``sharding`` splits ``shape`` into equal shards.
 
-
-def _check(path: Path, shape: tuple[int, ...], spec: PartitionSpec, rule: str, mesh: Any) -> None:
-    where = f"{_WHERE}: {path_str(path)!r} (shape {tuple(shape)}, rule {rule!r} -> {spec})"
-    if len(spec) > len(shape):
-        raise TieError(
-            f"{where}: the spec has {len(spec)} entries but the array has {len(shape)} "
-            f"dimension(s). Fix: give at most {len(shape)} entries (P() replicates), or write "
-            "a more specific pattern before this one."
-        )
-    sizes = dict(mesh.shape)
-    named = [a for entry in spec for a in _axes(entry)]
-    twice = sorted({repr(a) for a in named if named.count(a) > 1})
-    if twice:
-        raise TieError(
-            f"{where}: mesh axis {', '.join(twice)} is used for more than one dimension; each "
-            "mesh axis can split one dimension only. Fix: name it once (P('data', None), "
-            "P(('data', 'model'), None))."
-        )
-    for dim, axes in enumerate(map(_axes, spec)):
-        for axis in axes:
-            if axis not in sizes:
-                raise TieError(
-                    f"{where}: mesh axis {axis!r} does not exist; the mesh has axes "
-                    f"{tuple(sizes)} (sizes {tuple(sizes.values())}). Fix: name one of "
-                    f"{tuple(sizes)}, or build the mesh with an axis {axis!r}."
-                )
-        size = math.prod(sizes[a] for a in axes)
-        if size > 1 and shape[dim] % size:
-            names = axes[0] if len(axes) == 1 else axes
-            raise TieError(
-                f"{where}: dimension {dim} has size {shape[dim]}, which mesh axis {names!r} of "
-                f"size {size} does not divide. Fix: pad the dimension to a multiple of {size}, "
-                "shard another dimension, or replicate it (None in the spec)."
-            )
+    JAX checks it; its reason is quoted, with ``fix`` after the shared one.
+    """
+    try:
+        if (rank := getattr(sharding, "check_compatible_aval", None)) is not None:
+            rank(shape)  # more spec entries than the array has axes
+        sharding.shard_shape(shape)
+        return
+    except (ValueError, IndexError) as e:  # IndivisibleError (a ValueError), a rank
+        reason = one_line(e)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None:
+        axes = ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items())
+        on = f"PartitionSpec{tuple(spec)} on the mesh axes {{{axes}}}"
+    else:
+        on = repr(sharding)
+    raise TieError(
+        f"{where} does not fit its buffer of shape {tuple(shape)}: {on} ({reason}). Every "
+        "sharded dimension must be split into equal shards. Fix: shard that dimension over "
+        f"mesh axes whose sizes divide it (or not at all), {fix}."
+    )
 
 
 def shardings_by_path(
@@ -124,13 +107,18 @@ def shardings_by_path(
                 f"of the patterns {[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
                 f"{path_str(path)!r} or '*'), or pass default=P()."
             )
-        _check(path, aval.shape, spec, pattern, mesh)
+        where = f"{_WHERE}: the sharding of rule {pattern!r} at {path_str(path)!r}"
         try:
-            return NamedSharding(mesh, spec)
-        except (ValueError, TypeError) as e:  # JAX's own checks of a spec against the mesh
+            sharding = NamedSharding(mesh, spec)
+        except Exception as e:  # JAX's checks of the spec against the mesh (DuplicateSpecError)
+            sizes = ", ".join(f"{a!r}: {n}" for a, n in dict(mesh.shape).items())
             raise TieError(
-                f"{_WHERE}: {path_str(path)!r} (rule {pattern!r} -> {spec}): JAX rejects this "
-                f"spec on the mesh: {e} Fix: write a spec this mesh accepts for the rule."
+                f"{where} (shape {tuple(aval.shape)}): JAX rejects {spec} on the mesh axes "
+                f"{{{sizes}}} ({one_line(e)}). Fix: write a spec the mesh accepts: only its axes, "
+                "each for one dimension at most (P('data', None), P(('data', 'model'), None)), "
+                "or build the mesh with the axis named."
             ) from e
+        check_fits(where, aval.shape, sharding, _FIT_FIX)
+        return sharding
 
     return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True, what="sharding")
