@@ -416,7 +416,7 @@ def test_boxed_tie_matches_lm1b_logits_via_embedding_values_and_gradients():
             )
         },
     )
-    variables = model.init(jax.random.key(1), TOKENS)
+    variables = jax.jit(model.init)(jax.random.key(1), TOKENS)
     params = variables["params"]
     bias = params["decoder"]["logitdense"]["bias"]
     params["decoder"]["logitdense"]["bias"] = bias.replace(value=jnp.zeros_like(bias.value))
@@ -436,8 +436,8 @@ def test_boxed_tie_matches_lm1b_logits_via_embedding_values_and_gradients():
             logits = apply({"params": p}, TOKENS)
             return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS).mean()
 
-        g = jax.grad(lambda p: loss(model.apply, p))(params)
-        g_ref = jax.grad(lambda p: loss(ref_model.apply, p))(ref)
+        g = jax.jit(jax.grad(lambda p: loss(model.apply, p)))(params)
+        g_ref = jax.jit(jax.grad(lambda p: loss(ref_model.apply, p)))(ref)
     assert g["decoder"]["logitdense"]["kernel"] == params["decoder"]["logitdense"]["kernel"]
     np.testing.assert_allclose(  # both uses of the table summed into one gradient
         g["decoder"]["Embed_0"]["embedding"].value,
