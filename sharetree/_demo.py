@@ -102,7 +102,8 @@ def evaluate(params: Any, windows: np.ndarray, cfg: Config) -> float:
     total = 0.0
     for w in windows:
         logits = _window_logits(cfg, params, w[:-1])  # log-probabilities: minus logsumexp
-        total -= (logits[np.arange(len(w) - 1), w[1:]] - np.logaddexp.reduce(logits, -1)).mean()
+        norm = np.logaddexp.reduce(logits, axis=-1, keepdims=True)[:, 0]
+        total -= (logits[np.arange(len(w) - 1), w[1:]] - norm).mean()
     return total / len(windows)
 
 
