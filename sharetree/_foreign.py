@@ -20,15 +20,14 @@ from sharetree._materialize import abstract_expanded, leaves_and_structure
 from sharetree._paths import closest
 from sharetree._safetensors import (
     _CODES,
-    HOST_FIX,
     DuplicateKey,
     Pending,
     Reader,
     Tensor,
+    check_load_fits,
     read_tree,
     unique_pairs,
 )
-from sharetree._sharding import check_fits
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, identity
@@ -291,7 +290,7 @@ def _compare(
                 raise TieError(f"load {label} with ties: {e}") from None
             continue
         view = t(buffer)  # on the devices of the buffer (eager ops run where their inputs are)
-        check_fits(f"load: the sharding at {name!r}", view.shape, view.sharding, HOST_FIX)
+        check_load_fits(name, view.shape, view.sharding)
         copy = copies[name].place(view.sharding)
         with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does
             worst, bad = (float(x.addressable_data(0)) for x in _differ(copy, view, atol))

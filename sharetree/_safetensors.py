@@ -29,7 +29,7 @@ from sharetree._tied import is_tied
 __all__ = [
     "NATIVE_CODES",
     "DuplicateKey",
-    "HOST_FIX",
+    "check_load_fits",
     "Pending",
     "Reader",
     "Tensor",
@@ -200,9 +200,6 @@ def _part_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
 
 
-HOST_FIX = "or pass None to keep the buffer on the host"
-"""The end of the fix of a sharding that does not fit its buffer, in ``load``."""
-
 _MAX_HEADER = 100 << 20
 """The largest header any safetensors reader takes (a larger one is refused by the library)."""
 
@@ -316,7 +313,7 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
                     f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
                     "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
                 )
-            check_fits(f"load: the sharding at {path_str(p)!r}", got[p].shape, s, HOST_FIX)
+            check_load_fits(path_str(p), got[p].shape, s)
     leaves = [
         x if not isinstance(x, Pending) else x.place(want[p]) if p in want else x.read()
         for p, x in got.items()
@@ -335,6 +332,12 @@ def _refill(x: Any, leaves: Iterator[Any]) -> Any:
         return next(leaves)
     children, node = jtu.tree_flatten(x, is_leaf=lambda y: y is not x)
     return jtu.tree_unflatten(node, [_refill(c, leaves) for c in children])
+
+
+def check_load_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
+    """:func:`check_fits` for ``load``'s sharding of the buffer at ``where``."""
+    fix = "or pass None to keep the buffer on the host"
+    check_fits(f"load: the sharding at {where!r}", shape, sharding, fix)
 
 
 def _only(paths: Any, other: Any) -> Any:

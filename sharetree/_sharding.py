@@ -31,6 +31,11 @@ def _spec_of(value: Any, pattern: str) -> PartitionSpec:
     )
 
 
+def _mesh_axes(mesh: Any) -> str:
+    """``{'data': 2, 'model': 4}``: a mesh's axis names and sizes, for a message."""
+    return "{" + ", ".join(f"{a!r}: {n}" for a, n in dict(mesh.shape).items()) + "}"
+
+
 def check_fits(where: str, shape: tuple[int, ...], sharding: Any, fix: str) -> None:
     """A :class:`TieError` (``where`` first) unless ``sharding`` splits ``shape`` into equal shards.
 
@@ -45,8 +50,7 @@ def check_fits(where: str, shape: tuple[int, ...], sharding: Any, fix: str) -> N
         reason = one_line(e)
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
     if mesh is not None and spec is not None:
-        axes = ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items())
-        on = f"PartitionSpec{tuple(spec)} on the mesh axes {{{axes}}}"
+        on = f"PartitionSpec{tuple(spec)} on the mesh axes {_mesh_axes(mesh)}"
     else:
         on = repr(sharding)
     raise TieError(
@@ -111,12 +115,11 @@ def shardings_by_path(
         try:
             sharding = NamedSharding(mesh, spec)
         except Exception as e:  # JAX's checks of the spec against the mesh (DuplicateSpecError)
-            sizes = ", ".join(f"{a!r}: {n}" for a, n in dict(mesh.shape).items())
             raise TieError(
                 f"{where} (shape {tuple(aval.shape)}): JAX rejects {spec} on the mesh axes "
-                f"{{{sizes}}} ({one_line(e)}). Fix: write a spec the mesh accepts: only its axes, "
-                "each for one dimension at most (P('data', None), P(('data', 'model'), None)), "
-                "or build the mesh with the axis named."
+                f"{_mesh_axes(mesh)} ({one_line(e)}). Fix: write a spec the mesh accepts: only "
+                "its axes, each for one dimension at most (P('data', None), P(('data', "
+                "'model'), None)), or build the mesh with the axis named."
             ) from e
         check_fits(where, aval.shape, sharding, _FIT_FIX)
         return sharding
