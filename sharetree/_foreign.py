@@ -30,7 +30,7 @@ from sharetree._safetensors import (
 )
 from sharetree._tie import tie
 from sharetree._tied import Tied
-from sharetree._transforms import Transform, identity
+from sharetree._transforms import Transform, chain, identity, transpose
 
 __all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -244,7 +244,13 @@ def _moved(x: Pending, back: Transform) -> Pending:
         return x
     n = len(x.shape)
     axes = back.axis_names(tuple(range(n)), jax.ShapeDtypeStruct(x.shape, x.dtype))
-    if isinstance(x, Tensor) and axes is not None and sorted(axes) == list(range(n)):
+    # read lazily only if ``back`` is exactly that permutation (a flip also keeps its axes)
+    if (
+        isinstance(x, Tensor)
+        and axes is not None
+        and sorted(axes) == list(range(n))
+        and chain(back, transpose(*np.argsort(axes).tolist())) == identity
+    ):
         rel = tuple(int(a) for a in axes)  # axis k of the ref is axis rel[k] of x
         shape = tuple(x.shape[a] for a in rel)
         perm = rel if x.axes is None else tuple(x.axes[a] for a in rel)
