@@ -21,9 +21,16 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, one_line
 from sharetree._materialize import leaf_aval, materialize
-from sharetree._paths import Path, TieMap, keypath_to_path, leaves_with_paths, path_str
+from sharetree._paths import (
+    Path,
+    TieMap,
+    format_aval,
+    keypath_to_path,
+    leaves_with_paths,
+    path_str,
+)
 from sharetree._resolve import _nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
@@ -78,7 +85,18 @@ def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, 
                 f"rebuilt from its buffer's box, so both must be the same kind of partition box. "
                 + _value_fix(target, t)
             )
-        names = _box_names(ref, t.transform)
+        try:
+            names = _box_names(ref, t.transform)
+        except Exception as e:  # the view does not fit its buffer
+            why = (
+                str(e)
+                if isinstance(e, TieError)
+                else f"{one_line(e)}. Fix: use a transform that fits it"
+            )
+            raise TieError(
+                f"{where}: the view {path_str(target)!r} ({t!r}): {t.transform!r} failed on the "
+                f"partition box {path_str(t.ref)!r} of {format_aval(leaf_aval(ref.value))}: {why}"
+            ) from e
         if names is None:
             raise TieError(
                 f"{where}: the tie {path_str(target)!r} -> {t!r} names partition boxes, but "

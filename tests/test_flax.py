@@ -497,6 +497,26 @@ def test_boxed_ties_that_would_shard_the_view_wrongly_are_errors_naming_the_valu
         tied(TwoDense(physical), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
 
 
+
+@pytest.mark.parametrize(
+    "t, why",
+    [
+        (st.index(EMB), rf"entry {EMB} is outside axis 0"),
+        (st.slice(0, EMB + 1) >> st.index(0), r"is outside it"),
+        (st.reshape(5), r"TypeError: cannot reshape"),
+    ],
+)
+def test_a_view_that_does_not_fit_its_boxed_buffer_is_an_error_naming_the_view(t, why):
+    # as for unboxed trees: the view's path, the transform, the buffer and the reason
+    with pytest.raises(
+        st.TieError,
+        match=rf"tied\(TwoDense\)\.init: the view 'b/kernel' .*failed on the partition box "
+        rf"'a/kernel' of float32\[{EMB}, {EMB}\]: .*{why}.*Fix:",
+    ):
+        tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", t)}).init(
+            jax.random.key(0), jnp.ones((1, EMB))
+        )
+
 def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
     model = tied(Lm1b(), HEAD_BOX_TIE)
     params = model.init(jax.random.key(0), TOKENS)["params"]
