@@ -309,6 +309,16 @@ def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
     return axis % len(shape)
 
 
+def _within(n: int, what: str) -> str:
+    """The fix for a slice or index outside an axis of size ``n`` (``what``: what fits it)."""
+    if n == 0:
+        return "refer to a buffer whose axis is not empty: this axis has no entries to view."
+    return (
+        f"pass {what} (negative indices count from the end), or refer to the buffer this view "
+        "was meant for."
+    )
+
+
 def _args_repr(values: Any) -> str:
     """A tuple of arguments as they were written in the call (bounded in length)."""
     text = _show.repr(list(values))[1:-1] if isinstance(values, tuple) else _show.repr(values)
@@ -664,8 +674,7 @@ class _Slice(_Moves, name="slice"):
                 f"{self!r} of a buffer of shape {tuple(shape)}: the range {self.start}:"
                 f"{'' if self.stop is None else self.stop} of axis {axis} (size {n}) is "
                 f"{'empty' if 0 <= start and stop <= n else 'outside it'}; a view never pads "
-                f"or clips. Fix: pass a range within 0:{n} (negative indices count from the "
-                "end), or refer to the buffer this view was meant for."
+                f"or clips. Fix: {_within(n, f'a range within 0:{n}')}"
             )
         return axis, start, stop
 
@@ -709,8 +718,7 @@ class _Index(_Moves, name="index"):
         if not -n <= self.i < n:
             raise TieError(
                 f"{self!r} of a buffer of shape {tuple(shape)}: entry {self.i} is outside axis "
-                f"{axis} (size {n}). Fix: pass an index between {-n} and {n - 1}, or refer to "
-                "the buffer this view was meant for."
+                f"{axis} (size {n}). Fix: {_within(n, f'an index between {-n} and {n - 1}')}"
             )
         return axis, self.i % n
 

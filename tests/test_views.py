@@ -132,6 +132,15 @@ def test_outside_the_buffer_is_a_tie_error_naming_the_view_shape_and_fix(t, what
         st.tie({"embed": EMBED, "head": np.zeros((2, 2))}, {"head": tree["head"]})
 
 
+
+@pytest.mark.parametrize("t", [st.index(0), st.index(-1), st.slice(0, 1), st.slice(-1, None)])
+def test_a_view_of_an_empty_axis_says_the_axis_is_empty_not_a_range_that_cannot_fit(t):
+    tree = {"embed": np.zeros((0, 3), np.float32), "head": st.Tied("embed", t)}
+    with pytest.raises(st.TieError, match=r"view 'head'.*\(size 0\).*Fix: refer to a buffer whose "
+                       r"axis is not empty") as info:
+        st.materialize(tree)
+    assert "0:0" not in str(info.value) and "between 0 and -1" not in str(info.value)
+
 # --- values and gradients ----------------------------------------------------------
 
 
