@@ -16,7 +16,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._format import KEY_VERSION
-from sharetree._materialize import abstract_expanded, leaves_and_structure
+from sharetree._materialize import _view, abstract_expanded, leaves_and_structure
 from sharetree._paths import closest
 from sharetree._safetensors import (
     _CODES,
@@ -281,7 +281,7 @@ def _compare(
 ) -> None:
     """Each copy the file holds against the view that replaces it (placed: on its devices)."""
     leaves, structure = leaves_and_structure(tree)
-    for leaf in structure.expanded:
+    for k, leaf in enumerate(structure.expanded):
         (name,) = leaf.path
         if name not in copies:
             continue
@@ -295,7 +295,10 @@ def _compare(
             except TieError as e:
                 raise TieError(f"load {label} with ties: {e}") from None
             continue
-        view = t(buffer)  # on the devices of the buffer (eager ops run where their inputs are)
+        try:  # on the devices of the buffer (eager ops run where their inputs are)
+            view = _view(structure, k, t, buffer)
+        except TieError as e:  # e.g. a slice across a sharded Explicit mesh axis
+            raise TieError(f"load {label} with ties: {e}") from e.__cause__
         check_load_fits(name, view.shape, view.sharding)
         copy = copies[name].place(view.sharding)
         with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does
@@ -329,8 +332,11 @@ def _differ(a: jax.Array, b: jax.Array, atol: float) -> tuple[jax.Array, jax.Arr
 
 
 def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
-    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them."""
-    return {k: v for k, v in metadata.items() if k not in names and v in names}
+    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them.
+
+    ``format`` is the framework (``"pt"``), never a tensor name, even if a tensor is named so.
+    """
+    return {k: v for k, v in metadata.items() if k != "format" and k not in names and v in names}
 
 
 def _tensor(reader: Reader, name: str) -> Tensor:

@@ -293,6 +293,15 @@ def test_save_model_metadata_is_honoured_without_asking(tmp_path) -> None:
     _assert_materializes_to(tree, sd)
 
 
+def test_the_format_entry_is_no_tie_even_beside_a_tensor_of_that_name(tmp_path) -> None:
+    # {"format": "pt"} names the framework; a tensor named "pt" does not make it a tie
+    sd = {"pt": np.zeros(2, np.float32), "w": np.ones(2, np.float32)}
+    save_file(sd, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning) as caught:
+        tree = load_ties(tmp_path / "m.safetensors")
+    assert sorted(tree) == ["pt", "w"] and "restored the ties" not in str(caught[0].message)
+
+
 def test_only_the_target_stored_moves_the_buffer_through_the_inverse(tmp_path) -> None:
     w = np.random.default_rng(3).normal(size=(4, 3, 2)).astype(np.float32)
     save_file({"dec": w}, str(tmp_path / "m.safetensors"))

@@ -279,6 +279,19 @@ try:
     st.materialize({"stack": S, "layer": st.Tied("stack", st.index(2))})
 except st.TieError as e:
     print(e)
+# a file other tools wrote, its two copies compared on the mesh: the same error, named by load
+import os, sys, tempfile, warnings
+from safetensors.numpy import save_file
+wte = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)  # a vocabulary padded to 12 rows
+path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+save_file({"wte.weight": wte, "lm_head.weight": wte[:10].copy()}, path)
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        st.load(path, ties={"lm_head.weight": st.Tied("wte.weight", st.slice(0, 10))},
+                shardings={"wte.weight": NamedSharding(mesh, P(("data", "model"), None))})
+except st.TieError as e:
+    print("LOAD", e)
 """
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
@@ -291,3 +304,6 @@ except st.TieError as e:
     assert "view 'layer'" in out and "ShardingTypeError" in out, out
     assert "Fix: reshard the buffer" in out and "jax.sharding.reshard" in out
     assert "Fix: use a transform that accepts" not in out
+    load = out[out.index("LOAD ") :]
+    assert "with ties: view 'lm_head.weight'" in load and "ShardingTypeError" in load, out
+    assert "Fix: reshard the buffer" in load
