@@ -9,7 +9,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, safe_repr
 from sharetree._materialize import (
     _transformable,
     abstract_expanded,
@@ -30,7 +30,7 @@ from sharetree._paths import (
     prefixes,
     to_path,
 )
-from sharetree._resolve import ref_to, structure_of
+from sharetree._resolve import _nodes_at, ref_to, structure_of
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import canonical_dtype, identity
 
@@ -150,8 +150,26 @@ def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
     return new
 
 
+def _skeleton(tree: Any) -> Any:
+    """The materialized tree's structure with ``0`` at every leaf."""
+    treedef = leaves_and_structure(tree)[1].expanded_treedef
+    return jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
+
+
+def _node_types(subtree: Any) -> list[tuple[type | None, int]]:
+    """The node types of ``subtree`` in one order (aux data, such as a box's names, left out)."""
+    stack, out = [jtu.tree_structure(subtree)], []
+    while stack:  # iterative: a deep tree recurses nowhere
+        node = stack.pop()
+        data = node.node_data()
+        out.append((None if data is None else data[0], node.num_nodes))
+        stack += node.children()
+    return out
+
+
 def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
     old, now = abstract_expanded(old_tree), abstract_expanded(new_tree)
+    skeletons = (_skeleton(old_tree), _skeleton(new_tree))
     for target, t in new.items():
         n = len(target)
         before = {p[n:]: v for p, v in old.items() if p[:n] == target}
@@ -161,6 +179,14 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
                 f"tie {path_str(target)!r} <- {t!r}: the view's structure differs from the value "
                 f"it replaces: the view is {_shape_of(after)}, the target is {_shape_of(before)}. "
                 "Fix: refer to a subtree of the same structure, or tie leaf by leaf."
+            )
+        was, view = (_nodes_at(x, target)[0] for x in skeletons)
+        if _node_types(was) != _node_types(view):  # other containers: a list for a dict, a None
+            raise TieError(
+                f"tie {path_str(target)!r} <- {t!r}: the view's structure differs from the value "
+                f"it replaces: the view is {safe_repr(jtu.tree_structure(view), 200)}, the target "
+                f"is {safe_repr(jtu.tree_structure(was), 200)}. Fix: refer to a subtree of the "
+                "same structure (containers and None leaves included), or tie leaf by leaf."
             )
         for rel, b in before.items():
             a = after[rel]

@@ -7,6 +7,9 @@ import pytest
 import sharetree as st
 
 
+A2 = np.ones(2, np.float32)
+
+
 def _untied():
     return {
         "enc": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)},
@@ -47,6 +50,24 @@ def test_check_structure_mismatch():
     with pytest.raises(st.TieError, match="structure"):
         st.tie(_untied(), {"dec": "enc/w"})
 
+
+
+@pytest.mark.parametrize(
+    "tree, view, target",
+    [
+        ({"src": {"0": A2, "1": A2}, "dst": [A2, A2]}, "{'0': *, '1': *}", "[*, *]"),  # same paths
+        ({"src": [A2, A2], "dst": (A2, A2)}, "[*, *]", "(*, *)"),
+        ({"src": {"w": A2, "n": None}, "dst": {"w": A2}}, "{'n': None, 'w': *}", "{'w': *}"),
+        ({"src": {"w": A2}, "dst": {"w": A2, "n": None}}, "{'w': *}", "{'n': None, 'w': *}"),
+    ],
+)
+def test_check_structure_mismatch_with_the_same_leaf_paths(tree, view, target):
+    # the containers would change under the user's feet: a dict for a list, a None more or less
+    with pytest.raises(st.TieError, match="structure") as info:
+        st.tie(tree, {"dst": "src"})
+    assert f"the view is PyTreeDef({view}), the target is PyTreeDef({target})" in str(info.value)
+    out = st.tie(tree, {"dst": "src"}, check=False)  # asked for: the view's structure
+    assert jax.tree.structure(st.materialize(out)["dst"]) == jax.tree.structure(tree["src"])
 
 def test_check_false_allows_a_different_shape():
     t = st.tie(_untied(), {"dec/w": "enc/w"}, check=False)
