@@ -11,7 +11,7 @@ import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._paths import Path, format_aval, leaves_with_paths, path_key, path_str
-from sharetree._tie import bit_equal, tie
+from sharetree._tie import bit_equal, check_atol, tie
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, Transform, check_transform, identity
 
@@ -65,11 +65,7 @@ def find_ties(
             "transforms=(st.identity, st.T)."
         )
     transforms = tuple(check_transform(t, "in find_ties") for t in transforms)
-    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
-        raise TieError(
-            f"find_ties: atol must be a number >= 0, got {atol!r}. Fix: pass 0.0 for "
-            "bit-exact matches or a small tolerance such as 1e-6."
-        )
+    atol = check_atol(atol, "find_ties")
     with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
         return _find_ties(tree, transforms, atol)
 

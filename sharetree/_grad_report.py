@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from html import escape
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError, safe_repr
@@ -76,7 +77,7 @@ def _host(x: Any, where: str) -> np.ndarray:
             f"({type(e).__name__}); a report needs values. Fix: call st.grad_report outside "
             "jit (the dict that st.grad_by_use returns under jit can be passed out of it)."
         ) from None
-    if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.number)):
+    if not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 too
         raise TieError(
             f"grad_report: the contribution of {where} is {a.dtype} {safe_repr(a, 60)}, not a "
             "numeric array. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, safe_repr
+from sharetree._errors import TieError, TieTypeError, safe_repr
 from sharetree._materialize import (
     _transformable,
     abstract_expanded,
@@ -34,7 +36,7 @@ from sharetree._resolve import _nodes_at, ref_to, structure_of
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import canonical_dtype, identity
 
-__all__ = ["tie", "tie_entries", "bit_equal"]
+__all__ = ["tie", "tie_entries", "bit_equal", "check_atol"]
 
 
 def _shape_of(positions: Mapping[Path, Any]) -> str:
@@ -84,6 +86,14 @@ def tie(
     """
     if not isinstance(ties, Mapping):
         raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
+    if not isinstance(check, (bool, np.bool_)):
+        raise TieTypeError(
+            f"tie: check must be True or False, found {type(check).__name__} "
+            f"{safe_repr(check, 40)}. Fix: leave it out (True: each view must match what it "
+            "replaces) or pass check=False."
+        )
+    if atol is not None:
+        atol = check_atol(atol, "tie")
     new = tie_entries(ties)
     for b in new:
         if (a := _under(b[:-1], new)) is not None:
@@ -199,6 +209,17 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
                 )
 
 
+def check_atol(atol: Any, where: str) -> float:
+    """``atol`` as a float if it is a real number >= 0 (NumPy's too), else the TieError."""
+    if isinstance(atol, (bool, np.bool_)) or not isinstance(atol, numbers.Real) or not atol >= 0:
+        raise TieError(
+            f"{where}: atol must be a number >= 0, got {type(atol).__name__} "
+            f"{safe_repr(atol, 40)}. Fix: pass 0.0 for bit-exact copies or a small tolerance "
+            "such as 1e-6."
+        )
+    return float(atol)
+
+
 def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
     return next((p for p in prefixes(path) if p in targets), None)
 
@@ -220,7 +241,7 @@ def _concrete(x: Any, where: str) -> np.ndarray:
 
 def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The elementwise ``|a - b|``, NaN equal to NaN; non-numbers are 0 or inf apart."""
-    if not all(x.dtype == np.bool_ or np.issubdtype(x.dtype, np.number) for x in (a, b)):
+    if not all(x.dtype == np.bool_ or jnp.issubdtype(x.dtype, jnp.number) for x in (a, b)):
         return np.where(a == b, 0.0, np.inf)
     wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
     x, y = a.astype(wide), b.astype(wide)
@@ -259,8 +280,6 @@ def _old_values(old_tree: Any, new: dict[Path, Tied]) -> dict[Path, Any]:
 
 
 def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: float) -> None:
-    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
-        raise TieError(f"tie: atol must be a number >= 0 or None, got {atol!r}.")
     old = _old_values(old_tree, new)
     leaves, structure = leaves_and_structure(new_tree)
     for leaf in structure.expanded:

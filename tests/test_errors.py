@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import sharetree as st
@@ -557,6 +558,20 @@ def test_55_keyword_of_the_wrong_type(tmp_path):
         describe(path, max_rows=0)
     with pytest.raises(st.TieError, match=r"summary: max_rows must be an int >= 1.*got float 1\.5"):
         st.summary({"a": W}, max_rows=1.5)
+    tree = {"a": np.arange(6.0), "b": np.arange(6.0)}  # not constant: find_ties compares them
+    for bad in (None, 0, "yes"):
+        with pytest.raises(st.TieTypeError, match=r"tie: check must be True or False, found"):
+            st.tie(tree, {"b": "a"}, check=bad)
+    for bad in (-1.0, float("nan"), "0", True, np.bool_(True), None):
+        with pytest.raises(st.TieError, match=r"find_ties: atol must be a number >= 0.*Fix:"):
+            st.find_ties(tree, atol=bad)
+    for bad in (-1.0, float("nan"), "0", True, 1j):
+        with pytest.raises(st.TieError, match=r"tie: atol must be a number >= 0.*Fix:"):
+            st.tie(tree, {"b": "a"}, atol=bad)
+    # NumPy's scalars are numbers
+    for good in (np.float32(0.5), np.int64(1), np.float16(2.0)):
+        assert st.tie(tree, {"b": "a"}, atol=good)["b"] == st.Tied("a")
+        assert st.find_ties(tree, atol=good) == {"b": st.Tied("a")}
 
 
 def test_56_header_too_large_for_readers(tmp_path):

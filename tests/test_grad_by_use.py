@@ -245,6 +245,24 @@ def test_report_numbers_equal_numpy():
     assert f"{norms['head']:.4g}" in text and "1 buffer with one use each: b" in text
 
 
+def test_report_of_bfloat16_parameters_equals_numpy_in_float64():
+    params = {
+        "embed": jnp.arange(6, dtype=jnp.bfloat16).reshape(3, 2),
+        "head": st.Tied("embed", st.T),
+    }
+
+    def loss(m):
+        return jnp.sum(m["embed"].astype(jnp.float32) ** 2) + jnp.sum(m["head"].astype(jnp.float32))
+
+    by_use = st.grad_by_use(loss)(params)
+    report = st.grad_report(by_use)
+    (buffer,) = report.buffers
+    uses = {u.path: u.norm for u in buffer.uses}
+    by_hand = 2 * np.arange(6.0).reshape(3, 2)  # d/de sum(e**2); the head's use is all ones
+    assert uses["embed"] == pytest.approx(np.linalg.norm(by_hand))
+    assert uses["head"] == pytest.approx(np.sqrt(6.0))
+
+
 def test_report_two_uses_that_fight():
     tree = {"embed": jnp.array([[1.0, 2.0]]), "head": st.Tied("embed", st.T)}
     report = st.grad_report(st.grad_by_use(lambda m: m["embed"].sum() - 3 * m["head"].sum())(tree))

@@ -6,7 +6,6 @@ import pytest
 
 import sharetree as st
 
-
 A2 = np.ones(2, np.float32)
 
 
@@ -51,7 +50,6 @@ def test_check_structure_mismatch():
         st.tie(_untied(), {"dec": "enc/w"})
 
 
-
 @pytest.mark.parametrize(
     "tree, view, target",
     [
@@ -68,6 +66,7 @@ def test_check_structure_mismatch_with_the_same_leaf_paths(tree, view, target):
     assert f"the view is PyTreeDef({view}), the target is PyTreeDef({target})" in str(info.value)
     out = st.tie(tree, {"dst": "src"}, check=False)  # asked for: the view's structure
     assert jax.tree.structure(st.materialize(out)["dst"]) == jax.tree.structure(tree["src"])
+
 
 def test_check_false_allows_a_different_shape():
     t = st.tie(_untied(), {"dec/w": "enc/w"}, check=False)
@@ -167,3 +166,12 @@ def test_a_ref_naming_a_node_that_holds_the_target_is_scoped():
     out = st.tie([inner], {("0", "1"): st.Tied("0")})
     assert out[0][1] == st.Tied("0")
     np.testing.assert_array_equal(st.materialize(out)[0][1], inner[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, np.float16])
+def test_atol_compares_bfloat16_and_float8_copies_by_their_values(dtype):
+    a = jnp.ones(4, dtype)
+    b = a.at[1].set(jnp.asarray(1.125, dtype))  # 0.125 apart in every one of these dtypes
+    assert st.tie({"a": a, "b": b}, {"b": "a"}, atol=0.2)["b"] == st.Tied("a")
+    with pytest.raises(st.TieError, match=r"differ by up to 0\.125 .*1 of 4 elements"):
+        st.tie({"a": a, "b": b}, {"b": "a"}, atol=0.1)
