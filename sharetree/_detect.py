@@ -89,15 +89,48 @@ def _sample(a: np.ndarray) -> np.ndarray:
     return a.flat[np.linspace(0, a.size - 1, _SAMPLES).astype(np.intp)]
 
 
+def _wide(a: np.ndarray) -> np.ndarray:
+    """``a`` in float64 (complex128 if complex): bfloat16, float8 and ints compare as numbers."""
+    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+
+
 def _close(x: np.ndarray, y: np.ndarray, atol: float) -> bool:
     if atol == 0.0:
         return bit_equal(x, y)
+    x, y = _wide(x), _wide(y)
     return x.shape == y.shape and bool(np.allclose(x, y, rtol=0.0, atol=atol, equal_nan=True))
 
 
 def _key(a: np.ndarray, sample: np.ndarray, atol: float) -> tuple[Any, ...]:
     """Where views that may equal ``a`` are kept: shape, dtype and, when bit-exact, the sample."""
     return a.shape, a.dtype, sample.tobytes() if atol == 0.0 else None
+
+
+class _Bucket:
+    """The views of one key, their samples stacked: one vectorized compare finds the near ones."""
+
+    def __init__(self) -> None:
+        self.views: list[_View] = []
+        self.samples: np.ndarray | None = None  # row k: views[k].sample, widened; grows by doubling
+
+    def add(self, view: _View) -> None:
+        row = _wide(view.sample)
+        if self.samples is None or len(self.views) == len(self.samples):
+            grown = np.empty((2 * len(self.views) + 1, row.size), row.dtype)
+            if self.samples is not None:
+                grown[: len(self.views)] = self.samples
+            self.samples = grown
+        self.samples[len(self.views)] = row
+        self.views.append(view)
+
+    def near(self, sample: np.ndarray, atol: float) -> list[_View]:
+        """The views whose samples are within ``atol`` of ``sample`` (all, when bit-exact)."""
+        if atol == 0.0 or self.samples is None:
+            return self.views  # the key holds the sample's bytes
+        rows, s = self.samples[: len(self.views)], _wide(sample)
+        with np.errstate(invalid="ignore"):
+            ok = (rows == s) | (np.abs(rows - s) <= atol) | (np.isnan(rows) & np.isnan(s))
+        return [self.views[k] for k in np.flatnonzero(ok.all(axis=1))]
 
 
 def _comparable(x: Any, path: Path) -> bool:
@@ -115,7 +148,7 @@ def _comparable(x: Any, path: Path) -> bool:
 
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
     found: dict[Path, Tied] = {}
-    seen: dict[tuple[Any, ...], list[_View]] = {}  # the views so far, by _key
+    seen: dict[tuple[Any, ...], _Bucket] = {}  # the views so far, by _key
     for path, x in leaves_with_paths(tree, is_tied):  # refs from the root, as tie takes them
         if not _comparable(x, path):
             continue
@@ -123,7 +156,8 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
         sample = _sample(a)
         if np.all(sample == sample[0]) and np.all(a == a.flat[0]):
             continue  # equal content means nothing for constant arrays (fresh biases)
-        hits = [v for v in seen.get(_key(a, sample, atol), []) if _close(v.sample, sample, atol)]
+        bucket = seen.get(_key(a, sample, atol))
+        hits = [] if bucket is None else bucket.near(sample, atol)
         match = next((v for v in hits if _close(v.value, a, atol)), None)
         if match is not None:
             found[path] = Tied(match.path, match.transform)
@@ -134,5 +168,5 @@ def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[
             except Exception:
                 continue  # t does not apply to a
             view = _View(path, t, value, _sample(value))
-            seen.setdefault(_key(value, view.sample, atol), []).append(view)
+            seen.setdefault(_key(value, view.sample, atol), _Bucket()).add(view)
     return {path_key(p): t for p, t in found.items()}

@@ -214,3 +214,23 @@ def test_find_ties_compares_numeric_arrays_only_and_never_traced_ones():
 def test_find_ties_transforms_must_be_a_sequence(bad):
     with pytest.raises(st.TieError, match=r"transforms=\.\.\.\): expected a sequence"):
         st.find_ties({"a": np.arange(3.0)}, bad)
+
+
+def test_find_ties_with_atol_compares_far_fewer_than_every_pair(monkeypatch):
+    # distinct leaves of one shape: the samples of a bucket are compared in one vectorized
+    # step per leaf, so no pair is compared one by one (there were n^2 / 2 compares: minutes
+    # at a few thousand leaves)
+    from sharetree import _detect
+
+    calls = []
+    real = _detect._close
+    monkeypatch.setattr(_detect, "_close", lambda x, y, atol: calls.append(1) or real(x, y, atol))
+    rng = np.random.default_rng(0)
+    tree = {f"l{i:03d}": rng.standard_normal(16).astype(np.float32) for i in range(500)}
+    tree["m"] = tree["l007"] + np.float32(1e-7)  # within atol of one leaf; and equal infinities
+    tree["inf"], tree["inf2"] = np.array([np.inf, 1.0, np.nan]), np.array([np.inf, 1.0, np.nan])
+    tree["bf"] = jnp.arange(4, dtype=jnp.bfloat16)
+    tree["bg"] = jnp.arange(4, dtype=jnp.bfloat16).at[2].add(jnp.bfloat16(0.0078125))
+    found = st.find_ties(tree, atol=1e-2)
+    assert found == {"bg": st.Tied("bf"), "inf2": st.Tied("inf"), "m": st.Tied("l007")}
+    assert len(calls) <= 10, len(calls)
