@@ -19,7 +19,7 @@ from sharetree._io import PathOrStr, _Builder, save
 from sharetree._materialize import leaves_and_structure
 from sharetree._report import SharingGraph
 from sharetree._safetensors import Reader, file_path
-from sharetree._tables import _more, check_max_rows
+from sharetree._tables import _more, check_max_rows, printable
 from sharetree._transforms import describe_transform, is_described
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
@@ -150,14 +150,14 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         infos = list(reader.infos.values())
         data = sum(info.nbytes for info in infos)
         ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
-        said = ", ".join(f"{_printable(k)} <- {_printable(v)}" for k, v in list(ties.items())[:5])
+        said = ", ".join(f"{printable(k)} <- {printable(v)}" for k, v in list(ties.items())[:5])
         head = (
             f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
             f"{KEY_VERSION!r} metadata): {len(infos):,} tensors, "
             f"{format_bytes(data)} of tensor data, "
             + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
         )
-        rows = [f"  {_printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
+        rows = [f"  {printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
         more = _more(len(infos), max_rows, "tensors")
         return "\n".join([head, *rows, *(["  " + more] if more else [])])
     builder = _Builder(reader, None)
@@ -168,16 +168,12 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         leaves, structure = leaves_and_structure(tree)
         graph = SharingGraph(structure, leaves)
         graph._uncalled = is_described  # st.fn views: named, never called
-        # the file's keys are in the tables: no character of theirs moves a terminal
-        text = "".join(
-            c if c.isprintable() or c == "\n" else repr(c)[1:-1]
-            for c in summary(graph, max_rows=max_rows)
-        )
+        text = summary(graph, max_rows=max_rows)  # the tables escape what moves a terminal
     except TieError as e:
         raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
     head = (
         f"{path}: {size:,} bytes, sharetree format {meta[KEY_VERSION]} "
-        f"(written by sharetree {_printable(meta.get(KEY_LIBRARY, '?'))})"
+        f"(written by sharetree {printable(meta.get(KEY_LIBRARY, '?'))})"
     )
     notes = []
     named = sum(is_described(v.transform) for v in graph.structure.views)
@@ -190,11 +186,6 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     if builder.keys:
         notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
     return "\n".join([head, text, *notes])
-
-
-def _printable(text: str) -> str:
-    """``text`` as it is when printable, else its ``repr`` (file content never moves a terminal)."""
-    return text if text.isprintable() else repr(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

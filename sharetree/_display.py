@@ -23,6 +23,7 @@ from sharetree._tables import (
     _svg,
     _table,
     check_max_rows,
+    printable,
 )
 from sharetree._tied import DISPLAY, Tied
 from sharetree._transforms import Transform, identity
@@ -403,7 +404,7 @@ def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> 
     ref = path_str(tied.ref)
     line = rp.siblings(rp.maybe_qualified_type_name(Tied), repr(tied).removeprefix("Tied"))
     node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
-    note = f"  # \u2192 view of {ref}{_via(tied.transform)}"
+    note = printable(f"  # \u2192 view of {ref}{_via(tied.transform)}")
     return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
 
 
@@ -420,8 +421,8 @@ class _Mark:
 
         inner = subtree_renderer(self.value, path=path)
         style = f"background-color:{self.color};border-radius:3px;"
-        badge = rp.custom_style(rp.text(self.badge), style)
-        notes = [rp.comment_color(rp.text(f"  # {self.note}"))] if self.note else []
+        badge = rp.custom_style(rp.text(printable(self.badge)), style)
+        notes = [rp.comment_color(rp.text(printable(f"  # {self.note}")))] if self.note else []
         return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
 
 

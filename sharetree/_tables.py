@@ -38,11 +38,22 @@ def _leaves_cell(n: int) -> str:
     return f"{n:,} leaf" if n == 1 else f"{n:,} leaves"
 
 
+def printable(text: str) -> str:
+    """``text`` with each character that would move a terminal (a newline, an escape) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], more: str = "") -> list[str]:
-    """The lines of a text table (indented, columns padded), then the ``more`` line if any."""
+    """The lines of a text table (indented, columns padded), then the ``more`` line if any.
+
+    A cell's newlines and control characters are escaped: a key cannot forge a line.
+    """
+    rows = [tuple(map(printable, r)) for r in rows]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     lines = [("  " + "  ".join(map(str.ljust, r, widths))).rstrip() for r in [header, *rows]]
-    return lines + (["  " + more] if more else [])
+    return lines + (["  " + printable(more)] if more else [])
 
 
 _CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e5e7eb;"

@@ -378,8 +378,15 @@ def test_inspect_of_a_pipe_does_not_block(tmp_path):
 
 def test_inspect_escapes_control_characters_of_the_file(tmp_path):
     path = tmp_path / "evil.safetensors"
-    st.save(path, {"\x1b[2Jw": np.ones(2, np.float32), "v\x07": st.Tied("\x1b[2Jw")})
+    forged = "n\nsharing graph: 0 buffers, 0 views"  # a newline must not forge a line
+    tree = {"\x1b[2Jw": np.ones(2, np.float32), "v\x07": st.Tied("\x1b[2Jw"), forged: np.ones(3)}
+    st.save(path, tree)
     done = _inspect_subprocess(path)
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout and "\x07" not in done.stdout
     assert "\\x1b[2Jw" in done.stdout and "v\\x07" in done.stdout
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("sharing graph")] == [
+        "sharing graph: 2 buffers, 1 view"
+    ]
+    assert any(line.startswith("  n\\nsharing graph: 0 buffers") for line in lines)
