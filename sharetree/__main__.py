@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from sharetree._display import format_bytes, summary
-from sharetree._errors import TieError, one_line
+from sharetree._errors import TieError, bounded, one_line
 from sharetree._foreign import metadata_ties
 from sharetree._format import KEY_LIBRARY, KEY_VERSION
 from sharetree._io import PathOrStr, _Builder, save
@@ -123,6 +123,7 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(text)
 
 
+@bounded
 def describe(path: PathOrStr, max_rows: int = 20) -> str:
     """What ``python -m sharetree inspect FILE`` prints, read without running code from the file.
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, one_line, safe_repr
+from sharetree._errors import TieError, bounded, one_line, safe_repr
 from sharetree._foreign import load_foreign
 from sharetree._format import (
     FORMAT_VERSION,
@@ -391,6 +391,7 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
     return {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
 
 
+@bounded
 def load(
     path: PathOrStr,
     like: Any = None,

@@ -168,7 +168,8 @@ def _skeleton(tree: Any) -> Any:
 
 def _node_types(subtree: Any) -> list[tuple[type | None, int]]:
     """The node types of ``subtree`` in one order (aux data, such as a box's names, left out)."""
-    stack, out = [jtu.tree_structure(subtree)], []
+    stack: list[Any] = [jtu.tree_structure(subtree)]  # PyTreeDefs (node_data: untyped in jaxlib)
+    out = []
     while stack:  # iterative: a deep tree recurses nowhere
         node = stack.pop()
         data = node.node_data()
@@ -211,7 +212,11 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
 
 def check_atol(atol: Any, where: str) -> float:
     """``atol`` as a float if it is a real number >= 0 (NumPy's too), else the TieError."""
-    if isinstance(atol, (bool, np.bool_)) or not isinstance(atol, numbers.Real) or not atol >= 0:
+    if (
+        isinstance(atol, (bool, np.bool_))
+        or not isinstance(atol, numbers.Real)
+        or not float(atol) >= 0
+    ):
         raise TieError(
             f"{where}: atol must be a number >= 0, got {type(atol).__name__} "
             f"{safe_repr(atol, 40)}. Fix: pass 0.0 for bit-exact copies or a small tolerance "

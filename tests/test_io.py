@@ -1509,3 +1509,20 @@ def test_a_transform_whose_repr_or_spec_raises_is_a_tie_error_on_save(tmp_path) 
         st.save(path, {"w": w, "v": st.Tied("w", SpecRaises())})
     assert "its spec() raised AttributeError: no spec here. Fix:" in str(e.value)
     assert not os.path.exists(path)
+
+
+def test_a_files_huge_key_is_not_echoed_whole(tmp_path) -> None:
+    # a key of 200,000 characters in a bad graph: the message keeps what failed and the fix
+    from sharetree.__main__ import describe
+
+    def edit(tensors, meta, structure) -> None:
+        structure["keys"][1] = "A" * 200_000  # the tie at 'v' is renamed...
+        structure["children"][1]["ref"] = ["nope"]  # ...and refers to nothing
+
+    bad = tampered(tmp_path, {"k": np.ones(2), "v": st.Tied("k")}, edit)
+    for read in (st.load, describe):
+        with pytest.raises(st.TieError) as info:
+            read(bad)
+        text = str(info.value)
+        assert len(text) <= 4100 and "characters cut" in text
+        assert text.startswith(("load: ", "inspect: ")) and "'nope'" in text and "Fix:" in text
