@@ -32,16 +32,26 @@ class _Parser(argparse.ArgumentParser):
         """Print ``message`` on one line of stderr and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
-    def add_count(self, flag: str, metavar: str, minimum: int, default: int, what: str) -> None:
-        """Add the option ``flag``: an integer of at least ``minimum`` (``what`` is its help)."""
+    def add_count(
+        self,
+        flag: str,
+        metavar: str,
+        minimum: int,
+        default: int,
+        what: str,
+        maximum: int = 2**31 - 1,
+    ) -> None:
+        """Add the option ``flag``: an integer in ``[minimum, maximum]`` (``what``: its help)."""
 
         def parse(text: str) -> int:
             try:
                 n = int(text)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-            if n < minimum:
-                raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r:.40}") from None
+            if not minimum <= n <= maximum:
+                raise argparse.ArgumentTypeError(
+                    f"must be from {minimum} to {maximum:,}, got {text:.40}"
+                )
             return n
 
         doc = f"{what} (default {default})"
@@ -64,7 +74,7 @@ def _parser() -> _Parser:
     )
     demo.add_count("--steps", "N", 1, 500, "training steps")
     demo.add_argument("--out", metavar="FILE", help="save the trained tree (.safetensors)")
-    demo.add_count("--seed", "S", 0, 0, "random seed")
+    demo.add_count("--seed", "S", 0, 0, "random seed", maximum=2**32 - 1)
     demo.add_count("--sample", "N", 0, 200, "characters to generate after training")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=functools.partial(_demo, demo))  # its errors name the command
