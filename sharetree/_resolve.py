@@ -194,7 +194,9 @@ class _Resolver:
         head = f"Tied at {path_str(at)!r}: ref {path_str(t.ref)!r}"
         if ref != t.ref:
             head += f" (followed through views to {path_str(ref)!r})"
-        if prefix in self.buffer_paths:
+        joined = "/".join(ref)
+        split = next((p for p in self.nodes if "/".join(p) == joined and p != ref), None)
+        if prefix in self.buffer_paths and split is None:
             return TieError(
                 f"{head} goes below the leaf {path_str(prefix)!r}, which has no children. "
                 f"Fix: refer to {path_str(prefix)!r} itself and select with a transform (st.fn)."
@@ -206,8 +208,6 @@ class _Resolver:
                 "Fix: point the ref at a leaf or a subtree that holds arrays."
             )
         hint = closest(path_str(ref), (path_str(p) for p in self.nodes if p != at))
-        joined = "/".join(ref)
-        split = next((p for p in self.nodes if "/".join(p) == joined and p != ref), None)
         if split is not None:  # the same text, but a key of the tree contains '/'
             hint = f"the tree has {split!r}, a key with '/' in it: write the ref as that tuple"
         return TieError(

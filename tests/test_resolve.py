@@ -113,6 +113,11 @@ def test_a_string_ref_to_a_key_with_a_slash_names_the_tuple():
     tree = {"a": {"b/c": np.ones(2)}, "d": st.Tied("a/b/c")}
     with pytest.raises(st.TieError, match=r"the tree has \('a', 'b/c'\), a key with '/' in it"):
         st.materialize(tree)
+    # also beside a leaf 'a', below which the string would otherwise point
+    tree = {"a": np.ones(2), "a/b": np.ones(2), "c": st.Tied("a/b")}
+    with pytest.raises(st.TieError, match=r"the tree has \('a/b',\), a key with '/' in it") as e:
+        st.materialize(tree)
+    assert "st.fn" not in str(e.value)
 
 
 # -- a tied tree nested in a bigger one keeps its ties ------------------------------
