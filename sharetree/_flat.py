@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._materialize import expand_leaves, leaves_and_structure
+from sharetree._materialize import expand_leaves, expanded_tree, leaves_and_structure
 from sharetree._paths import format_aval, path_str
 from sharetree._resolve import Structure
 from sharetree._transforms import canonical_dtype
@@ -198,8 +198,10 @@ class Restructure:
 
     def __call__(self, flat: Any) -> Any:
         """The materialized tree whose unique parameters are ``flat``."""
-        leaves = expand_leaves(self.structure, self._leaves(flat))
-        return jtu.tree_unflatten(self.structure.expanded_treedef, leaves)
+        leaves = self._leaves(flat)
+        return expanded_tree(
+            self.structure, leaves, expand_leaves(self.structure, leaves), "restructure"
+        )
 
     def canonical(self, flat: Any) -> Any:
         """The canonical tree (``Tied`` nodes kept) whose unique parameters are ``flat``."""

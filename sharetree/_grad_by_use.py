@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from sharetree._errors import TieError
-from sharetree._materialize import expand_leaves, leaf_aval, leaves_and_structure
+from sharetree._materialize import expand_leaves, expanded_tree, leaf_aval, leaves_and_structure
 from sharetree._paths import Path, format_aval, path_key, path_str
 from sharetree._transforms import identity
 
@@ -68,7 +68,7 @@ def grad_by_use(
         leaves, structure = leaves_and_structure(args[argnums])
 
         def on_materialized(flat: list[Any]) -> Any:
-            m = jax.tree_util.tree_unflatten(structure.expanded_treedef, flat)
+            m = expanded_tree(structure, leaves, flat, "grad_by_use")
             return fun(*args[:argnums], m, *args[argnums + 1 :], **kwargs)
 
         expanded = expand_leaves(structure, leaves)

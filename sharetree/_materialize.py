@@ -25,10 +25,36 @@ __all__ = [
     "leaf_aval",
     "transform_error",
     "check_view_value",
+    "expanded_tree",
+    "register_box_renamer",
+    "BOX_RENAMERS",
     "EAGER_PROGRAM_CACHE_SIZE",
 ]
 
 PyTree = Any
+
+BoxRenamer = Callable[[Structure, Sequence[Any], PyTree, str], PyTree]
+BOX_RENAMERS: list[BoxRenamer] = []
+"""``rename(structure, leaves, materialized, where)``: the materialized tree with each view
+that copies a buffer's Flax partition box carrying the view's axis names (``sharetree.flax``
+registers one; the core never imports Flax)."""
+
+
+def register_box_renamer(rename: BoxRenamer) -> None:
+    """Register a :data:`BOX_RENAMERS` entry (once)."""
+    if rename not in BOX_RENAMERS:
+        BOX_RENAMERS.append(rename)
+
+
+def expanded_tree(
+    structure: Structure, leaves: Sequence[Any], values: Sequence[Any], where: str
+) -> PyTree:
+    """The materialized tree of ``values`` (one per materialized leaf), boxes renamed."""
+    out = jtu.tree_unflatten(structure.expanded_treedef, values)
+    for rename in BOX_RENAMERS:
+        out = rename(structure, leaves, out, where)
+    return out
+
 
 _JIT_VIEWS_MIN = 16  # from this many views on, eager materialize computes them in one call
 EAGER_PROGRAM_CACHE_SIZE = 32  # how many structures keep that compiled call (least recent out)
@@ -55,7 +81,7 @@ def materialize(tree: PyTree) -> PyTree:
     leaves, structure = leaves_and_structure(tree)
     if not structure.ties:
         return tree
-    return jtu.tree_unflatten(structure.expanded_treedef, expand_leaves(structure, leaves))
+    return expanded_tree(structure, leaves, expand_leaves(structure, leaves), "materialize")
 
 
 def leaves_and_structure(tree: PyTree) -> tuple[list[Any], Structure]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import TieError
-from sharetree._materialize import expand_leaves, leaves_and_structure, materialize
+from sharetree._materialize import BOX_RENAMERS, expand_leaves, leaves_and_structure, materialize
 from sharetree._paths import (
     Path,
     PathLike,
@@ -29,24 +29,15 @@ from sharetree._resolve import Structure
 from sharetree._tied import is_tied
 from sharetree._transforms import Transform
 
-__all__ = ["untie", "untie_state", "register_box_renamer"]
+__all__ = ["untie", "untie_state"]
 
 PyTree = Any
-
-BoxRenamer = Callable[[PyTree, PyTree, str], PyTree]
-_BOX_RENAMERS: list[BoxRenamer] = []
-
-
-def register_box_renamer(rename: BoxRenamer) -> None:
-    """Register ``rename(canonical, expanded, where)``, giving untied boxes the view's names."""
-    if rename not in _BOX_RENAMERS:
-        _BOX_RENAMERS.append(rename)
 
 
 def _renamed(canonical: PyTree, expanded: PyTree, at: set[Path], where: str) -> PyTree:
     """``expanded`` through every registered box renamer; an untied Flax box needs one."""
     meta = sys.modules.get("flax.core.meta")  # a tree holds no Flax boxes unless Flax is loaded
-    if meta is not None and not _BOX_RENAMERS:
+    if meta is not None and not BOX_RENAMERS:
         is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
         for path, x in leaves_with_paths(expanded, is_box):
             if is_box(x) and any(p in at for p in prefixes(path)):
@@ -55,8 +46,9 @@ def _renamed(canonical: PyTree, expanded: PyTree, at: set[Path], where: str) -> 
                     "box, whose axis names only sharetree.flax can move to the view. "
                     f"Fix: import sharetree.flax before calling {where}."
                 )
-    for rename in _BOX_RENAMERS:
-        expanded = rename(canonical, expanded, where)
+    leaves, structure = leaves_and_structure(canonical)
+    for rename in BOX_RENAMERS:
+        expanded = rename(structure, leaves, expanded, where)
     return expanded
 
 

@@ -7,6 +7,7 @@ Importing it registers ``Tied`` with ``flax.serialization``. Import it explicitl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError, one_line
-from sharetree._materialize import leaf_aval, materialize
+from sharetree._materialize import leaf_aval, materialize, register_box_renamer
 from sharetree._paths import (
     Path,
     TieMap,
@@ -31,11 +32,10 @@ from sharetree._paths import (
     leaves_with_paths,
     path_str,
 )
-from sharetree._resolve import _nodes_at, structure_of
+from sharetree._resolve import STRUCTURE_CACHE_SIZE, Structure, ViewLeaf, _nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 from sharetree._transforms import Transform
-from sharetree._untie import register_box_renamer
 
 __all__ = ["TiedModule", "tied"]
 
@@ -132,28 +132,49 @@ def _with_params(variables: Any, params: Any) -> Any:
     return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
 
-def _rename_boxes(canonical: Any, materialized: Any, where: str) -> Any:
-    """``materialized`` with each box copied from a buffer renamed (also used by ``st.untie``)."""
-    structure = structure_of(jtu.tree_structure(canonical))
-    own = _boxes(canonical)  # boxes that hold a Tied value keep their own names
-    copied = _boxes(materialized)
-    fixed: dict[Path, Any] = {}
+@functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
+def _copied_boxes(structure: Structure) -> tuple[tuple[Path, Any, ViewLeaf], ...]:
+    """``(where, buffer's box, view)`` of each view that copies its buffer's partition box.
+
+    From the treedefs alone (a box's names are static), so once per structure; a box that
+    holds a ``Tied`` value keeps its own names.
+    """
+    own = _boxes(jtu.tree_unflatten(structure.treedef, [0] * structure.treedef.num_leaves))
+    if not own:
+        return ()
+    expanded = structure.expanded_treedef
+    copied = _boxes(jtu.tree_unflatten(expanded, [0] * expanded.num_leaves))
+    out = []
     for leaf in structure.views:
         at, source = leaf.path[:-1], structure.buffer_paths[leaf.buffer][:-1]
-        if at in own or at not in copied or source not in own:
-            continue
-        names = _box_names(own[source], leaf.transform)
+        if at not in own and at in copied and source in own:
+            out.append((at, own[source], leaf))
+    return tuple(out)
+
+
+def _rename_boxes(structure: Structure, leaves: Any, materialized: Any, where: str) -> Any:
+    """``materialized`` with each box copied from a buffer given the view's axis names.
+
+    Registered with the core: ``st.materialize``, ``restructure``, ``grad_by_use`` and
+    ``st.untie`` all call it.
+    """
+    fixed: dict[Path, Any] = {}
+    for at, box, leaf in _copied_boxes(structure):
+        aval = leaf_aval(leaves[leaf.buffer])
+        names = None if aval is None else leaf.transform.axis_names(tuple(box.names), aval)
         if names is None:
             raise TieError(
-                f"{where}: the view {path_str(leaf.path[:-1])!r} ({structure.ties[leaf.tie]!r} "
-                f"at {path_str(leaf.tie)!r}) copies the partition box of "
-                f"{path_str(source)!r}, but {leaf.transform!r} does not map its axes to axes of "
-                "the view. Fix: tie the box's 'value' leaf instead, so the view keeps a box "
-                "of its own."
+                f"{where}: the view {path_str(at)!r} ({structure.ties[leaf.tie]!r} at "
+                f"{path_str(leaf.tie)!r}) copies the partition box of "
+                f"{path_str(structure.buffer_paths[leaf.buffer][:-1])!r}, but "
+                f"{leaf.transform!r} does not map its axes to axes of the view. Fix: tie the "
+                "box's 'value' leaf instead, so the view keeps a box of its own."
             )
-        fixed[at] = copied[at].replace(names=names)
+        fixed[at] = names
+    if not fixed:
+        return materialized
     return jtu.tree_map_with_path(
-        lambda kp, x: fixed.get(keypath_to_path(kp), x),
+        lambda kp, x: x.replace(names=fixed[p]) if (p := keypath_to_path(kp)) in fixed else x,
         materialized,
         is_leaf=lambda x: isinstance(x, meta.AxisMetadata),
     )
@@ -239,8 +260,7 @@ class TiedModule:
         _check_variables(variables, where)
         if COLLECTION not in variables:
             return variables
-        canonical = variables[COLLECTION]
-        return _with_params(variables, _rename_boxes(canonical, materialize(canonical), where))
+        return _with_params(variables, materialize(variables[COLLECTION]))
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """Materialize ``variables["params"]`` and call ``module.apply``.

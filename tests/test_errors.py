@@ -725,11 +725,12 @@ def test_81_nnx_split_ties_among_the_filters():
 
 def test_82_untie_of_a_flax_box_without_sharetree_flax(monkeypatch):
     flax_nn = pytest.importorskip("flax.linen")
-    from sharetree import _untie
+    from sharetree import _materialize, _untie
 
     box = flax_nn.Partitioned(jnp.ones((2, 3)), names=("vocab", "embed"))
     params = {"embed": box, "head": st.Tied("embed", st.T)}
-    monkeypatch.setattr(_untie, "_BOX_RENAMERS", [])  # as if sharetree.flax were not imported
+    for module in (_materialize, _untie):  # as if sharetree.flax were not imported
+        monkeypatch.setattr(module, "BOX_RENAMERS", [])
     with pytest.raises(
         st.TieError, match=r"untie: the untied view 'head' is a copy of a Flax partition box.*"
         r"Fix: import sharetree.flax before calling untie"

@@ -378,6 +378,30 @@ def test_a_tie_naming_boxes_gives_the_view_the_targets_own_partition_names():
     assert _num_boxes(model.materialize(variables)["params"]) == _num_boxes({"decoder": untied})
 
 
+
+def test_every_materialized_view_of_a_box_carries_the_untied_models_names():
+    # st.materialize, restructure and the tree grad_by_use hands fun: each box copied from a
+    # buffer gets the names Flax gives that parameter in the untied model (not the buffer's)
+    untied = Lm1b().init(jax.random.key(0), TOKENS)["params"]
+    params = tied(Lm1b(), HEAD_BOX_TIE).init(jax.random.key(0), TOKENS)["params"]
+
+    def names(tree):
+        is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+        return {jax.tree_util.keystr(p): b.names for p, b in flat if is_box(b)}
+
+    want = names(untied)
+    flat, re = st.destructure(params)
+    seen = []
+
+    def loss(m):
+        seen.append(names(m))
+        return sum(jnp.sum(x) for x in jax.tree.leaves(m))
+
+    st.grad_by_use(loss)(params)
+    for got in (names(st.materialize(params)), names(re(flat)), seen[0]):
+        assert got == want
+
 def test_partition_specs_of_a_tied_boxed_tree_are_one_per_buffer_none_for_views():
     mesh = _mesh()
     params = tied(Lm1b(), HEAD_BOX_TIE).init(jax.random.key(0), TOKENS)["params"]
