@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -166,14 +167,22 @@ def _skeleton(tree: Any) -> Any:
     return jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
 
 
+_CONTAINERS = (dict, list, tuple, type(None), collections.OrderedDict, collections.defaultdict)
+
+
 def _node_types(subtree: Any) -> list[tuple[type | None, int]]:
-    """The node types of ``subtree`` in one order (aux data, such as a box's names, left out)."""
+    """The containers of ``subtree`` in one order: dict, list, tuple, None; other nodes as one.
+
+    Another node type is no mismatch: a Flax box or an NNX Variable of another kind is
+    rebuilt with the target's own (a ``BatchStat`` tied to a ``Param``).
+    """
     stack: list[Any] = [jtu.tree_structure(subtree)]  # PyTreeDefs (node_data: untyped in jaxlib)
     out = []
     while stack:  # iterative: a deep tree recurses nowhere
         node = stack.pop()
         data = node.node_data()
-        out.append((None if data is None else data[0], node.num_nodes))
+        kind = None if data is None else data[0] if data[0] in _CONTAINERS else object
+        out.append((kind, node.num_nodes))
         stack += node.children()
     return out
 

@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 from sharetree._errors import TieError
 from sharetree._materialize import materialize
 from sharetree._paths import Path, TieMap, closest, node_paths, path_str, prefixes
-from sharetree._resolve import structure_of
+from sharetree._resolve import _nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 
@@ -233,11 +233,24 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
         for a, o in aliases.items():
             found = structure.ties.get(a)
             if found != Tied(o):
+                held = _nodes_at(state, a)
+                what = (
+                    repr(found)
+                    if found is not None
+                    else (
+                        f"a {type(held[0]).__name__} (a materialized or untied state?)"
+                        if held
+                        else "nothing"
+                    )
+                )
                 raise TieError(
-                    f"sharetree.nnx.merge: state {i} at {path_str(a)!r} holds "
-                    f"{'nothing' if found is None else repr(found)}, but the model holds the "
-                    f"Variable at {path_str(o)!r} there too, so it must be Tied({path_str(o)!r}). "
-                    "Fix: keep the identity ties that split put in the state."
+                    f"sharetree.nnx.merge: state {i} at {path_str(a)!r} holds {what}, but the "
+                    f"model holds the Variable at {path_str(o)!r} there too, one object, so it "
+                    f"must be Tied({path_str(o)!r}). Fix: pass the state as split returned it, "
+                    "with its identity ties. (A Variable object the model holds twice has one "
+                    "value: its two uses cannot be told apart, so st.grad_by_use cannot split "
+                    "them; build the model with two Variables and tie them with split(model, "
+                    f"ties={{{path_str(a)!r}: {path_str(o)!r}}}) for gradients by use.)"
                 )
         flat = []
         for raw, x in _flat(materialize(state)):

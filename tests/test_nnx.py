@@ -147,6 +147,10 @@ def test_a_variable_shared_by_the_model_comes_out_as_an_identity_tie():
     with pytest.raises(st.TieError, match=r"must be Tied\('dec/kernel'\)"):
         wrong = st.tie(st.materialize(state), {"enc/kernel": "dec/bias"}, check=False)
         stnnx.merge(graphdef, wrong)
+    # gradients by use: fun gets the materialized state, whose two uses of the one Variable
+    # object merge cannot keep apart; the error says so and how to get them (two Variables)
+    with pytest.raises(st.TieError, match=r"holds a Param \(a materialized.*cannot split them"):
+        st.grad_by_use(loss)(state)
 
 
 def test_a_shared_submodule_gives_an_identity_tie_per_variable():
@@ -325,3 +329,21 @@ def test_split_takes_nnx_splits_positional_arguments():
     assert tied["dec"]["kernel"] == st.Tied("enc/kernel", st.T)
     with pytest.raises(st.TieError, match=r"a mapping .* among the filters.*ties=\{"):
         stnnx.split(model, TIES)
+
+
+def test_a_variable_tied_to_one_of_another_kind_keeps_its_own_kind_through_merge():
+    # a BatchStat tied to a Param: the state holds the tie, merge and the documented untie
+    # route (nnx.split of the merged model) give the BatchStat back, holding the Param's values
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+
+    model = M(nnx.Rngs(0))
+    graphdef, state = stnnx.split(model, ties={"bn/mean": st.Tied("lin/bias")})
+    assert state["bn"]["mean"] == st.Tied("lin/bias")
+    merged = stnnx.merge(graphdef, state)
+    assert type(merged.bn.mean) is nnx.BatchStat and type(merged.lin.bias) is nnx.Param
+    _, untied = nnx.split(merged)
+    assert type(untied["bn"]["mean"]) is nnx.BatchStat
+    np.testing.assert_array_equal(untied["bn"]["mean"][...], model.lin.bias[...])
