@@ -31,7 +31,7 @@ from typing import Any
 if __package__ in (None, ""):  # python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import design, hotpath, suite
+from benchmarks import design, hotpath, suite, views
 from benchmarks import lm as lm_mod
 from benchmarks import models as M
 from benchmarks.timing import compiler_options, fmt_seconds, loadavg, machine_info
@@ -129,6 +129,9 @@ def _run_suite(
         )
     say("hot path: destructure with a large static leaf, unflattening Tied")
     add(hotpath.hotpath_section(3 if quick else 51, 2**20 if quick else hotpath.BIG_STATIC_BYTES))
+    dims = views.Dims.quick() if quick else views.Dims()
+    say(f"views into part of a buffer vs whole-buffer views ({dims})")
+    add(views.views_section(dims, compile_repeats or (1 if quick else 5), 3 if quick else 51))
     for n in eager_tree_sizes:
         if n in sizes:
             continue

@@ -27,7 +27,7 @@ pytest.importorskip("optax")
 
 from benchmarks import models as M  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
-from benchmarks import suite  # noqa: E402
+from benchmarks import suite, views  # noqa: E402
 
 SIZE = 16  # materialized leaves: 8 layers, 2 of them tied
 EAGER = 40
@@ -53,6 +53,7 @@ def test_every_section_ran_and_every_check_passed(results):
         "design: distinct kernels",
         "transformer LM",
         "hot path",
+        "views",
     }
     # every check is asserted as it is made (a failed one raises, see the next test), so
     # what is left to check is that each section made the checks it should have
@@ -61,6 +62,17 @@ def test_every_section_ran_and_every_check_passed(results):
         assert checks[section], f"section {section!r} checked nothing"
     assert len(checks["jit(grad)"]) >= 2 * 6  # loss and gradient of every method
 
+
+
+def test_partial_and_whole_buffer_views_agree_with_the_views_by_hand(results):
+    checks = {c["check"] for c in _checks(results, "views")}
+    for model in ("partial views (slice, index)", "whole-buffer views (T)"):
+        for method in (views.ST, views.RAVEL):
+            assert f"{model}: {method}: gradient == floor's" in checks
+        for measure in ("jvp", "hvp", "vmap"):
+            assert f"{model}: {measure}: sharetree == ravel_pytree" in checks
+    targets = {t["target"] for t in results["targets"] if t.get("label") == "views"}
+    assert "views: sharetree/ravel_pytree hvp: partial / whole-buffer views" in targets
 
 def test_a_method_with_a_wrong_gradient_fails_the_suite(monkeypatch):
     # the suite's own check must catch a method whose loss is right and gradient wrong
