@@ -16,8 +16,11 @@ hand in the loss (the floor), and ``ravel_pytree`` of that plain tree:
 For each, reverse mode (``jit(grad)``: compile and run), forward mode
 (``jvp``), a Hessian-vector product and ``vmap`` of the loss over 16 vectors
 are timed for sharetree's ``restructure`` (closed over) against
-``ravel_pytree``, side by side in interleaved rounds. The targets compare the
-two models' ratios: partial views cost what whole-buffer views cost.
+``ravel_pytree``, side by side in interleaved rounds. The targets: with partial
+views, sharetree costs what ``ravel_pytree`` with the views by hand costs (at most
+1.1x), as with whole-buffer views; the two models' ratios are recorded side by side
+(a ratio of ratios, for information: the whole-buffer model has 15 buffers, so
+``restructure`` cuts it at opaque offsets, and the partial one 3).
 ``python -m benchmarks.views`` runs this section alone and writes
 ``benchmarks/results/<date>-views.json``.
 """
@@ -226,10 +229,9 @@ def views_section(dims: Dims, compile_repeats: int, rounds: int) -> Section:
     sec.info["ratios (sharetree / ravel_pytree)"] = got
     for measure in got[partial.name]:
         p, w = got[partial.name][measure], got[whole.name][measure]
+        sec.target(f"views (partial): {measure}: sharetree / ravel_pytree", p, "<=", 1.1)
         name = f"views: sharetree/ravel_pytree {measure}: partial / whole-buffer views"
-        sec.target(name, p / w, "<=", 1.1)
-        name = f"views (partial): {measure}: sharetree / ravel_pytree"
-        sec.target(name, p, "<=", 1.1, applies=False)
+        sec.target(name, p / w, "<=", 1.1, applies=False)
     for row in sec.rows:
         row["label"] = "views"
     for t in sec.targets:

@@ -72,6 +72,7 @@ def test_partial_and_whole_buffer_views_agree_with_the_views_by_hand(results):
         for measure in ("jvp", "hvp", "vmap"):
             assert f"{model}: {measure}: sharetree == ravel_pytree" in checks
     targets = {t["target"] for t in results["targets"] if t.get("label") == "views"}
+    assert "views (partial): hvp: sharetree / ravel_pytree" in targets
     assert "views: sharetree/ravel_pytree hvp: partial / whole-buffer views" in targets
 
 def test_a_method_with_a_wrong_gradient_fails_the_suite(monkeypatch):
