@@ -17,7 +17,7 @@ import numpy as np
 from sharetree._errors import TieError
 from sharetree._format import KEY_VERSION
 from sharetree._materialize import _view, abstract_expanded, leaves_and_structure
-from sharetree._paths import closest
+from sharetree._paths import closest, format_aval
 from sharetree._safetensors import (
     _CODES,
     DuplicateKey,
@@ -28,9 +28,9 @@ from sharetree._safetensors import (
     read_tree,
     unique_pairs,
 )
-from sharetree._tie import tie
+from sharetree._tie import _abs_diff, bit_equal, tie
 from sharetree._tied import Tied
-from sharetree._transforms import Transform, chain, identity, transpose
+from sharetree._transforms import Transform, canonical_dtype, chain, identity, transpose
 
 __all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -231,10 +231,19 @@ def _apply_ties(
         if dropped not in asked and not reversed_:
             tree[dropped] = Tied((kept,))  # the file's own tie, unless ties= says otherwise
     try:
-        out = tie(tree, compare, check=True)
-        abstract_expanded(out)  # every view computes (shapes of absent targets included)
+        out = tie(tree, compare, check=False)
+        views = abstract_expanded(out)  # every view computes (shapes of absent targets included)
     except TieError as e:
         raise TieError(f"load {label} with ties: {e}") from None
+    for (k,), t in compare.items():  # each view must be what the file holds there
+        held, view = jax.ShapeDtypeStruct(tree[k].shape, tree[k].dtype), views[(k,)]
+        if (held.shape, canonical_dtype(held.dtype)) != (view.shape, canonical_dtype(view.dtype)):
+            raise TieError(
+                f"load {label} with ties: tie {k!r} <- {t!r}: the file holds {k!r} as "
+                f"{format_aval(held)}, but the view is {format_aval(view)}. Fix: tie through a "
+                f"transform that gives {format_aval(held)} (st.T, st.astype, st.slice, ...), or "
+                f"load without this tie, keeping {k!r} as a buffer of its own."
+            )
     return dict(sorted(out.items())), copies
 
 
@@ -287,22 +296,25 @@ def _compare(
             continue
         buffer, t = leaves[leaf.buffer], leaf.transform or identity
         (ref,) = structure.buffer_paths[leaf.buffer]
-        if not isinstance(buffer, jax.Array):  # on the host: as st.tie compares
-            pair = {ref: buffer, name: copies[name].read()}
-            try:
-                one: dict[tuple[str, ...], Tied] = {(name,): Tied((ref,), t)}
-                tie(pair, one, check=False, atol=atol)
-            except TieError as e:
-                raise TieError(f"load {label} with ties: {e}") from None
-            continue
+        on_host = not isinstance(buffer, jax.Array)
         try:  # on the devices of the buffer (eager ops run where their inputs are)
-            view = _view(structure, k, t, buffer)
+            with jax.enable_x64(on_host):  # a float64 file compared in float64, as st.tie does
+                view = _view(structure, k, t, buffer)
         except TieError as e:  # e.g. a slice across a sharded Explicit mesh axis
             raise TieError(f"load {label} with ties: {e}") from e.__cause__
-        check_load_fits(name, view.shape, view.sharding)
-        copy = copies[name].place(view.sharding)
-        with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does
-            worst, bad = (float(x.addressable_data(0)) for x in _differ(copy, view, atol))
+        worst: float
+        bad: float
+        if on_host:  # as st.tie compares
+            held = copies[name].read()
+            same = bit_equal(held, np.asarray(view))
+            d = np.zeros(0) if same else _abs_diff(held, np.asarray(view))
+            worst, bad, size = float(d.max(initial=0.0)), int(np.count_nonzero(d > atol)), d.size
+        else:
+            check_load_fits(name, view.shape, view.sharding)
+            copy = copies[name].place(view.sharding)
+            with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does
+                worst, bad = (float(x.addressable_data(0)) for x in _differ(copy, view, atol))
+            size = copy.size
         if worst > atol:
             seen = repr(ref) if t == identity else f"{t!r} of {ref!r}"
             other = (
@@ -314,7 +326,7 @@ def _compare(
             raise TieError(
                 f"load {label} with ties: tie {name!r} <- {asked[name]!r}: the two copies "
                 f"differ: {name!r} and {seen} differ by up to {worst:.6g} (max abs difference; "
-                f"{int(bad)} of {copy.size} elements above atol={atol}), so they are not one "
+                f"{int(bad)} of {size} elements above atol={atol}), so they are not one "
                 f"tied weight. Fix: {other}; or raise atol to {worst:.3g} if the difference "
                 "is rounding; or load without ties."
             )

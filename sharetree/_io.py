@@ -417,7 +417,7 @@ def load(
             no file holds; without one, such nodes load as dicts (a warning).
         ties: ``{target: ref}`` for a file not written by sharetree.
         atol: with ``ties``, how far a present target may differ from its ref
-            (default: not at all, bit for bit).
+            (default: not at all; ``-0.0`` equals ``0.0``, NaN equals NaN).
         functions: ``{"module:qualname": function}`` for ``st.fn`` transforms.
         shardings: a tree of ``jax.sharding.Sharding`` with the canonical
             structure (``Tied`` positions ignored, ``None``: on the host).
@@ -509,10 +509,10 @@ class _Builder:
     def run(self) -> Any:
         version, where = self.meta[KEY_VERSION], f"{self.verb}: {self.path!r}"
         of_tree = f"{self.verb}: the {KEY_TREE!r} metadata of {self.path!r}"
-        if not (version.isascii() and version.isdigit() and len(version) < 10):
+        if not (version.isascii() and version.isdigit() and len(version) < 10) or not int(version):
             raise TieError(
                 f"{where} has a malformed format version {_shown(version)}; expected a decimal "
-                f"integer such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
+                f"integer from 1, such as {str(FORMAT_VERSION)!r}. {_RESAVE}"
             )
         self.version = int(version)
         if self.version > FORMAT_VERSION:

@@ -73,7 +73,8 @@ def tie(
         check: require each view to have the shape and dtype (and, for a
             subtree, the structure) of the value it replaces.
         atol: ``None``: drop the replaced values unseen. A number: require
-            ``|replaced value - view| <= atol`` elementwise (``0.0``: bit-exact).
+            ``|replaced value - view| <= atol`` elementwise (``0.0``: equal values;
+            ``-0.0`` equals ``0.0``, NaN equals NaN).
 
     Raises:
         TieError: a missing target, overlapping targets, a bad graph, a
@@ -228,7 +229,7 @@ def check_atol(atol: Any, where: str) -> float:
     ):
         raise TieError(
             f"{where}: atol must be a number >= 0, got {type(atol).__name__} "
-            f"{safe_repr(atol, 40)}. Fix: pass 0.0 for bit-exact copies or a small tolerance "
+            f"{safe_repr(atol, 40)}. Fix: pass 0.0 for equal copies or a small tolerance "
             "such as 1e-6."
         )
     return float(atol)

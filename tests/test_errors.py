@@ -492,8 +492,16 @@ def test_46_load_tied_copies_differ(tmp_path):
 
     path = tmp_path / "m.safetensors"
     save_file({"a": np.arange(4.0), "b": np.arange(4.0) + 0.5}, str(path))
-    with pytest.raises(st.TieError, match=r"'b' and 'a' differ by up to 0\.5.*choose which"):
+    msg = r"'b' and 'a' differ by up to 0\.5.*Fix: to keep 'b' instead, tie the other way round"
+    with pytest.raises(st.TieError, match=msg):
         _load_ties(path, {"b": "a"})
+    # another dtype or shape: a fix that load takes (no check=False, no st.tie), the file's aval
+    save_file({"a": np.arange(4.0), "b": np.arange(4.0, dtype=np.float16)}, str(path))
+    msg = r"holds 'b' as float16\[4\], but the view is float64\[4\]\. Fix: tie through"
+    with pytest.raises(st.TieError, match=msg) as info:
+        _load_ties(path, {"b": "a"})
+    for wrong in ("check=False", "st.tie", "without atol"):
+        assert wrong not in str(info.value)
 
 
 def test_47_directory_not_a_checkpoint(tmp_path):

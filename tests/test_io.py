@@ -576,9 +576,11 @@ def test_newer_format_version(tmp_path) -> None:
 
 
 def test_malformed_format_version(tmp_path) -> None:
-    bad = tampered(tmp_path, TIED, lambda t, m, s: m.update({"sharetree.format_version": "one"}))
-    with pytest.raises(st.TieError, match="malformed format version 'one'"):
-        st.load(bad)
+    for version in ("one", "0", "000"):  # versions start at 1
+        edit = lambda t, m, s, v=version: m.update({"sharetree.format_version": v})  # noqa: E731
+        bad = tampered(tmp_path, TIED, edit)
+        with pytest.raises(st.TieError, match=f"malformed format version '{version}'; expected"):
+            st.load(bad)
 
 
 def test_unknown_transform_name(tmp_path) -> None:
@@ -806,7 +808,7 @@ def test_describe_a_foreign_file_and_problems(tmp_path) -> None:
     assert text.splitlines()[1:] == ["  a  F64[3]", "  b  F32[2, 2]"]
     save_file({"evil\x1b[2J\nname": np.ones(1)}, str(path))
     text = describe(path)  # a name from the file never moves the terminal
-    assert text.count("\n") == 1 and "'evil\\x1b[2J\\nname'" in text and "\x1b" not in text
+    assert text.count("\n") == 1 and "evil\\x1b[2J\\nname" in text and "\x1b" not in text
     for bad, match in [
         (tmp_path / "missing.safetensors", "cannot read"),
         (tmp_path, "is a directory"),
