@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from sharetree._paths import PathLike, path_key, path_str, to_path
-from sharetree._transforms import Transform, check_transform, identity
+from sharetree._transforms import Transform, check_transform, identity, transform_from_spec
 
 __all__ = ["Tied", "is_tied", "DISPLAY"]
 
@@ -81,3 +82,22 @@ def is_tied(x: Any) -> bool:
 # The aux data is the Tied itself: validated when made and immutable, so unflattening (per Tied
 # at every tree map) gives it back as it is.
 jax.tree_util.register_pytree_node(Tied, lambda t: ((), t), lambda t, _: t)
+
+
+
+def _tied_to_bytes(t: Tied) -> bytes:
+    return json.dumps({"ref": list(t.ref), "transform": t.transform.spec()}).encode()
+
+
+def _tied_from_bytes(data: bytes) -> Tied:  # a spec is read back, never imported or called
+    node = json.loads(data)
+    return Tied(tuple(node["ref"]), transform_from_spec(node["transform"]))
+
+
+# jax.export.Exported.serialize of a function taking or returning a canonical tree
+jax.export.register_pytree_node_serialization(
+    Tied,
+    serialized_name="sharetree.Tied",
+    serialize_auxdata=_tied_to_bytes,
+    deserialize_auxdata=_tied_from_bytes,
+)
