@@ -30,7 +30,14 @@ from sharetree._safetensors import (
 )
 from sharetree._tie import _abs_diff, bit_equal, tie
 from sharetree._tied import Tied
-from sharetree._transforms import Transform, canonical_dtype, chain, identity, transpose
+from sharetree._transforms import (
+    Transform,
+    canonical_dtype,
+    chain,
+    identity,
+    transpose,
+    view_axis_names,
+)
 
 __all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -252,7 +259,7 @@ def _moved(x: Pending, back: Transform) -> Pending:
     if back is identity:
         return x
     n = len(x.shape)
-    axes = back.axis_names(tuple(range(n)), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    axes = view_axis_names(back, tuple(range(n)), jax.ShapeDtypeStruct(x.shape, x.dtype))
     # read lazily only if ``back`` is exactly that permutation (a flip also keeps its axes)
     if (
         isinstance(x, Tensor)

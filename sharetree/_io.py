@@ -45,7 +45,13 @@ from sharetree._safetensors import (
     unique_pairs,
 )
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import _is_int, _is_real, transform_from_spec
+from sharetree._transforms import (
+    _is_int,
+    _is_real,
+    describe_transform,
+    is_described,
+    transform_from_spec,
+)
 
 __all__ = ["save", "load", "read_metadata", "FORMAT_VERSION", "MAX_DEPTH", "KEY_IMPLS"]
 
@@ -104,7 +110,18 @@ def _spec(x: Tied, path: Path) -> Any:
 
     why = bad(spec)
     if why is None:
-        return spec
+        try:  # what a file holds must read back as this transform (given its classes)
+            back = describe_transform(json.loads(json.dumps(spec, allow_nan=True)))
+        except TieError as e:
+            raise TieError(f"{where()}: its spec would not load: {e}") from None
+        if is_described(back) or back == x.transform:  # fn: its function is named, not read
+            return spec
+        raise TieError(
+            f"{where()}: its spec reads back as {safe_repr(back, 200)}, not as the transform "
+            "itself, so a file would hold another transform. Fix: give the class's fields "
+            "annotations that from_spec can resolve at module level (not local classes), "
+            "or define the class's spec() and from_spec()."
+        )
     items = spec.items() if isinstance(spec, dict) else []
     field = next(((k, v) for k, v in items if bad(v) is not None and isinstance(k, str)), None)
     what = (

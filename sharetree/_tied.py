@@ -84,7 +84,6 @@ def is_tied(x: Any) -> bool:
 jax.tree_util.register_pytree_node(Tied, lambda t: ((), t), lambda t, _: t)
 
 
-
 def _tied_to_bytes(t: Tied) -> bytes:
     return json.dumps({"ref": list(t.ref), "transform": t.transform.spec()}).encode()
 

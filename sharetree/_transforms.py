@@ -45,6 +45,7 @@ __all__ = [
     "describe_spec",
     "describe_transform",
     "is_described",
+    "view_axis_names",
 ]
 
 ArrayFn = Callable[[jax.Array], jax.Array]
@@ -94,13 +95,28 @@ class Transform:
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if cls.__module__ != __name__:  # a user's class
+            ours = (b for b in cls.__mro__[1:] if b.__module__ == __name__ and b is not Transform)
+            built_in = next(ours, None)
+            if built_in is not None:  # its fold, state_view, ... would not know the new __call__
+                raise TieTypeError(
+                    f"transform class {cls.__qualname__} subclasses the built-in "
+                    f"{built_in.__qualname__}, whose other methods (fold, inverse, ...) assume "
+                    "its own __call__. Fix: subclass st.Transform and define what you need."
+                )
         if name is None:
             return  # an abstract intermediate class: not readable from a spec
+        if not isinstance(name, str) or not name:
+            raise TieTypeError(
+                f"transform class {cls.__qualname__}: name= must be a non-empty str, found "
+                f"{type(name).__name__} {name!r:.40}. Fix: e.g. class {cls.__name__}"
+                f"(st.Transform, name='mylib_{cls.__name__.lower()}')."
+            )
         old = _REGISTRY.get(name, cls)
         if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise TypeError(
-                f"transform spec name {name!r} is already taken by {old.__qualname__}; "
-                "choose another name"
+            raise TieTypeError(
+                f"transform spec name {name!r} is already taken by {old.__qualname__}. "
+                "Fix: choose another name (e.g. prefixed with your package's)."
             )
         cls.spec_name = name
         _REGISTRY[name] = cls
@@ -189,7 +205,7 @@ class Transform:
 def _fields(cls: type[Transform]) -> tuple[str, ...]:
     """The spec fields of a transform class: its dataclass fields."""
     if not dataclasses.is_dataclass(cls):
-        raise TypeError(
+        raise TieTypeError(
             f"transform {cls.__qualname__} is not a dataclass, so it has no fields to write "
             "to a spec. Fix: decorate it with @dataclasses.dataclass(frozen=True)."
         )
@@ -924,13 +940,36 @@ def chain(*parts: Transform) -> Transform:
     for p in parts:
         for t in parts_of(check_transform(p)):
             while out and t != identity and (folded := out[-1].fold(t)) is not None:
+                if not isinstance(folded, Transform) or isinstance(folded, _Chain):
+                    raise TieTypeError(
+                        f"{type(out[-1]).__qualname__}.fold({t!r}) returned "
+                        f"{type(folded).__name__} {_show.repr(folded)}; fold gives one transform "
+                        "that is not a chain, or None. Fix: return None where the two do not "
+                        "fold into one."
+                    )
                 out.pop()
-                t = folded
+                t = check_transform(folded, "returned by fold")
             if t != identity:
                 out.append(t)
     if len(out) < 2:
         return out[0] if out else identity
     return _Chain(tuple(out))
+
+
+def view_axis_names(t: Transform, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+    """``t.axis_names(names, aval)``, checked: a tuple of one name per axis of the view, or None."""
+    out = t.axis_names(tuple(names), aval)
+    if out is None:
+        return None
+    view = t.abstract(aval)
+    if not isinstance(out, (tuple, list)) or len(out) != len(view.shape):
+        raise TieError(
+            f"{t!r}.axis_names gave {_show.repr(out)} for a view of shape {tuple(view.shape)} "
+            f"of a buffer of shape {tuple(aval.shape)} named {tuple(names)}; it gives one "
+            "name per axis of the view, or None. Fix: return a tuple of len(view.shape) names, "
+            "or None where the view's axes are not the buffer's."
+        )
+    return tuple(out)
 
 
 def parts_of(t: Transform) -> tuple[Transform, ...]:

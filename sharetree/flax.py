@@ -35,7 +35,7 @@ from sharetree._paths import (
 from sharetree._resolve import STRUCTURE_CACHE_SIZE, Structure, ViewLeaf, _nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
-from sharetree._transforms import Transform
+from sharetree._transforms import Transform, view_axis_names
 
 __all__ = ["TiedModule", "tied"]
 
@@ -55,7 +55,7 @@ def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
 def _box_names(box: Any, t: Transform) -> tuple[Any, ...] | None:
     """Partition names of ``t``'s view of the boxed buffer; ``None`` if its axes are unknown."""
     aval = leaf_aval(box.value)
-    return None if aval is None else t.axis_names(tuple(box.names), aval)
+    return None if aval is None else view_axis_names(t, box.names, aval)
 
 
 def _boxes(tree: Any) -> dict[Path, Any]:
@@ -161,7 +161,7 @@ def _rename_boxes(structure: Structure, leaves: Any, materialized: Any, where: s
     fixed: dict[Path, Any] = {}
     for at, box, leaf in _copied_boxes(structure):
         aval = leaf_aval(leaves[leaf.buffer])
-        names = None if aval is None else leaf.transform.axis_names(tuple(box.names), aval)
+        names = None if aval is None else view_axis_names(leaf.transform, box.names, aval)
         if names is None:
             raise TieError(
                 f"{where}: the view {path_str(at)!r} ({structure.ties[leaf.tie]!r} at "

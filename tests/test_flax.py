@@ -1,5 +1,7 @@
 """sharetree.flax: linen ``tied(module, ties)`` against linen's own tying (``nn.Embed.attend``)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -611,3 +613,25 @@ def test_flax_serialization_keeps_ties_and_refuses_an_untied_state_for_a_tie():
     match = r"params/head/kernel' holds an array of shape \(16, 19\)"
     with pytest.raises(st.TieError, match=match):
         serialization.from_bytes(variables, serialization.to_bytes(untied))
+
+
+@dataclasses.dataclass(frozen=True)
+class _NamesTooMany(st.Transform, name="test_flax_names_too_many"):
+    """A transpose whose axis_names gives one name too many (a user's bug)."""
+
+    def __call__(self, x):
+        return jnp.transpose(x)
+
+    def axis_names(self, names, aval):
+        return (*reversed(names), "extra")
+
+
+def test_a_user_axis_names_of_the_wrong_length_is_an_error_naming_it():
+    with pytest.raises(
+        st.TieError,
+        match=r"'b/kernel'.*axis_names gave \('mlp', 'embed', 'extra'\) for a view of shape "
+        r"\(16, 16\).*Fix: return a tuple of len\(view.shape\) names",
+    ):
+        tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", _NamesTooMany())}, check=False).init(
+            jax.random.key(0), jnp.ones((1, EMB))
+        )

@@ -1474,7 +1474,14 @@ def test_a_user_transform_that_cannot_be_written_or_read_is_a_tie_error(tmp_path
     ):
         st.save(path, {"w": w, "v": st.Tied("w", CastTo())})
     assert not os.path.exists(path)
-    st.save(path, {"w": w, "v": st.Tied("w", Unreadable())})
+    with pytest.raises(st.TieError, match=r"save: the tie at 'v' .*would not load.*cannot read"):
+        st.save(path, {"w": w, "v": st.Tied("w", Unreadable())})  # what load would refuse
+    assert not os.path.exists(path)
+
+    def unreadable(tensors, meta, structure) -> None:  # as another process's class wrote it
+        structure["children"][structure["keys"].index("v")]["transform"] = Unreadable().spec()
+
+    path = tampered(tmp_path, {"w": w, "v": st.Tied("w", st.T)}, unreadable)
     with pytest.raises(st.TieError) as e:
         st.load(path)
     msg = str(e.value)

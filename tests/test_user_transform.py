@@ -287,3 +287,90 @@ def test_complex_and_transform_fields_round_trip_through_spec_and_a_file(t, tmp_
     loaded = st.load(path)
     assert loaded["v"] == st.Tied("w", t)
     np.testing.assert_allclose(st.materialize(loaded)["v"], t(w))
+
+
+def test_a_fold_must_give_one_transform_that_is_no_chain():
+    # a chain or a non-transform from fold would leave a chain inside a chain (a file that
+    # cannot load) or pass the value through; both are refused, naming the class and value
+    @dataclasses.dataclass(frozen=True)
+    class FoldsToChain(st.Transform, name="test_user_folds_to_chain"):
+        def __call__(self, x):
+            return x
+
+        def fold(self, after):
+            return st.T >> st.scale(2.0) if isinstance(after, FoldsToChain) else None
+
+    @dataclasses.dataclass(frozen=True)
+    class FoldsToText(st.Transform, name="test_user_folds_to_text"):
+        def __call__(self, x):
+            return x
+
+        def fold(self, after):
+            return "nope"
+
+    with pytest.raises(st.TieTypeError, match=r"FoldsToChain\.fold\(.*\) returned _Chain.*Fix"):
+        st.T >> FoldsToChain() >> FoldsToChain()
+    with pytest.raises(st.TieTypeError, match=r"FoldsToText\.fold\(T\) returned str 'nope'"):
+        st.chain(FoldsToText(), st.T)
+
+
+def test_classes_that_cannot_be_read_back_are_refused_when_defined_or_read():
+    with pytest.raises(st.TieTypeError, match=r"subclasses the built-in _Scale.*Fix: subclass"):
+
+        @dataclasses.dataclass(frozen=True)
+        class Clipped(type(st.scale(1.0)), name="test_user_clipped"):
+            def __call__(self, x):
+                return jnp.clip(x * self.c, -1, 1)
+
+    for bad in (3, ""):
+        with pytest.raises(st.TieTypeError, match=r"name= must be a non-empty str"):
+
+            class Named(st.Transform, name=bad):
+                pass
+
+    with pytest.raises(st.TieTypeError, match=r"'transpose' is already taken by _Transpose"):
+
+        class Clash(st.Transform, name="transpose"):
+            pass
+
+    class NotADataclass(st.Transform, name="test_user_not_a_dataclass"):
+        def __call__(self, x):
+            return x
+
+    with pytest.raises(st.TieError, match=r"is not a dataclass.*Fix: decorate it"):
+        st.transform_from_spec({"name": "test_user_not_a_dataclass"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrap(st.Transform, name="test_user_wrap"):
+    inner: st.Transform
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+def test_save_refuses_a_spec_that_would_not_read_back(tmp_path):
+    # nested deeper than a file may hold: refused by save, as load would refuse the file
+    deep = st.T
+    for _ in range(9):
+        deep = Wrap(deep)
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(st.TieError, match=r"save: the tie at 'v' .*would not load.*8 deep"):
+        st.save(path, {"w": A, "v": st.Tied("w", deep)})
+    assert not path.exists()
+    shallow = Wrap(Wrap(st.T))
+    st.save(path, {"w": A, "v": st.Tied("w", shallow)})
+    assert st.load(path)["v"] == st.Tied("w", shallow)
+
+    # a field whose annotation from_spec cannot resolve (a name only a function has) would read
+    # back as its raw JSON: refused by save, naming both values
+    @dataclasses.dataclass(frozen=True)
+    class Unresolved(st.Transform, name="test_user_unresolved"):
+        inner: "typing.Optional[st.Transform]" = None  # noqa: F821
+        tag: "LocalOnly | None" = None  # noqa: F821
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    with pytest.raises(st.TieError, match=r"reads back as .*inner=\{'name': 'transpose'.*Fix"):
+        st.save(path, {"w": A, "v": st.Tied("w", Unresolved(st.T))})
