@@ -46,9 +46,37 @@ def _rules(rules: Any, where: str, value: str, example: str) -> list[tuple[str, 
     return items
 
 
-def _unused_error(pattern: str, tree: Any, leaf_paths: list[Path], fn: str) -> TieError:
-    ties = [(p, x) for p, x in leaves_with_paths(tree, is_tied) if is_tied(x)]
+def _glob(path: Path) -> str:
+    """A pattern matching exactly ``path`` (``[``, ``*`` and ``?`` of its keys escaped)."""
+    return "".join(f"[{c}]" if c in "[*?" else c for c in "/".join(path))
+
+
+def _unused_error(
+    pattern: str, pairs: list[tuple[str, Any]], tree: Any, leaf_paths: list[Path], fn: str
+) -> TieError:
+    hits = [p for p in leaf_paths if _matches(pattern, p)]
+    if hits:  # it matches, but an earlier rule matches each of those leaves first
+        first = next(q for q, _ in pairs if _matches(q, hits[0]))
+        return TieError(
+            f"{fn}: pattern {pattern!r} is never the first rule to match a leaf: the earlier "
+            f"pattern {first!r} matches {path_str(hits[0])!r}"
+            f"{f' (and {len(hits) - 1} more of its leaves)' if len(hits) > 1 else ''} first, "
+            "and each leaf gets its first matching rule. Fix: put the narrower rule before "
+            "the broader one, or drop it (or pass strict=False)."
+        )
+    try:
+        structure = structure_of(jtu.tree_structure(tree))
+        ties = [(p, structure.ties[p]) for p in structure.ties]
+        inside = [v for v in structure.views if _matches(pattern, v.path)]
+    except TieError:  # a bad graph is reported by materialize
+        ties, inside = [(p, x) for p, x in leaves_with_paths(tree, is_tied) if is_tied(x)], []
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
+    views += [
+        f"{path_str(v.path)!r} (in {structure.ties[v.tie]!r} at {path_str(v.tie)!r}, a view of "
+        f"{path_str(structure.buffer_paths[v.buffer])!r})"
+        for v in inside
+        if not _matches(pattern, v.tie)
+    ][:3]
     nodes = {"/".join(n) for n in node_paths(leaf_paths)} | {path_str(p) for p, _ in ties}
     why = (
         f"it names only tied position(s) {', '.join(views)}, which have no leaves: a view "
@@ -91,7 +119,7 @@ def _apply_rules(
         out = jtu.tree_map_with_path(one, tree)
     unused = [pattern for (pattern, _), ok in zip(pairs, used, strict=True) if not ok]
     if strict and unused:
-        raise _unused_error(unused[0], tree, list(given), where)
+        raise _unused_error(unused[0], pairs, tree, list(given), where)
     _warn_on_views(tree, pairs, given, where, what)
     return out
 
@@ -165,7 +193,7 @@ def label_by_path(
             raise TieError(
                 f"label_by_path: leaf {path_str(path)!r} matches none of the patterns "
                 f"{[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
-                f"{path_str(path)!r} or '*'), or pass default=..."
+                f"{_glob(path)!r} or '*'), or pass default=..."
             )
         return default if rule is None else rule[1]
 

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharetree._errors import TieError, one_line
-from sharetree._labels import _apply_rules, _rules
+from sharetree._labels import _apply_rules, _glob, _rules
 from sharetree._paths import Path, aval_of, path_str
 
 __all__ = ["shardings_by_path", "check_fits"]
@@ -109,7 +109,7 @@ def shardings_by_path(
             raise TieError(
                 f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))}) matches none "
                 f"of the patterns {[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
-                f"{path_str(path)!r} or '*'), or pass default=P()."
+                f"{_glob(path)!r} or '*'), or pass default=P()."
             )
         where = f"{_WHERE}: the sharding of rule {pattern!r} at {path_str(path)!r}"
         try:

@@ -49,6 +49,8 @@ for name, argv in tiny.items():
 print("=== docs", flush=True)
 blocks = re.findall(r"```python\n(.*?)```", open(doc).read(), re.S)
 namespace = {}
+import warnings
+warnings.filterwarnings("error", category=UserWarning)  # a page's examples warn about nothing
 try:
     for code in blocks:  # in order, one namespace: later blocks reuse earlier names
         exec(compile(code, doc, "exec"), namespace)

@@ -1,6 +1,7 @@
 """label_by_path / mask_by_path: label and mask trees for optax, built from path patterns."""
 
 import fnmatch
+import re
 
 import jax
 import numpy as np
@@ -173,3 +174,27 @@ def test_labels_and_shardings_warn_only_when_the_view_would_get_another_value():
         st.mask_by_path(tree, ["*kernel", "embed/*"])
         st.shardings_by_path(tree, mesh, {"head": P(), "*": P()}, strict=False)  # the same spec
         st.shardings_by_path(tree, mesh, {"embed": P("model", None), "*": P()})
+
+
+def test_strict_errors_say_why_a_rule_is_unused():
+    p = {"enc": {"w": np.ones((5, 3)), "b": np.zeros(3)}, "dec": {"b": np.zeros(5)}}
+    # shadowed: it matches leaves, but an earlier rule matches them first
+    with pytest.raises(
+        st.TieError,
+        match=r"pattern 'enc' is never the first rule.*'\*' matches "
+        r"'enc/b' \(and 1 more of its leaves\) first.*Fix: put the narrower",
+    ):
+        st.label_by_path(p, [("*", "default"), ("enc", "encoder")])
+    # a path inside a subtree view: the view it names and its buffer
+    tied = {"l0": {"w": np.ones((2, 2)), "b": np.ones(2)}, "l1": st.Tied("l0"), "o": np.ones(1)}
+    with pytest.raises(st.TieError, match=r"'l1/w' \(in Tied\('l0'\) at 'l1', a view of 'l0/w'\)"):
+        st.mask_by_path(tied, "l1/w")
+
+
+def test_the_pattern_a_missing_label_suggests_matches_that_leaf():
+    # keys with '/' and fnmatch's brackets: the suggested pattern is escaped, and it works
+    tree = {"a/b": {"c": np.ones(1)}, "w[0]": np.ones(1)}
+    for leaf, pattern in ((("a/b", "c"), "a/b/c"), (("w[0]",), "w[[]0]")):
+        with pytest.raises(st.TieError, match=re.escape(f"(e.g. {pattern!r} or '*')")):
+            st.label_by_path({leaf[0]: tree[leaf[0]]}, {"zzz": 1}, strict=False)
+    assert st.label_by_path(tree, {"a/b/c": "x", "w[[]0]": "y"}) == {"a/b": {"c": "x"}, "w[0]": "y"}
