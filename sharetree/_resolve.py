@@ -313,6 +313,34 @@ def _nodes_at(tree: Any, path: Path) -> list[Any]:
     return [x for kp, x in flat if len(kp) == n and keypath_to_path(kp) == path]
 
 
+def _check_no_static_ties(treedef: Any) -> None:
+    """A TieError for a ``Tied`` in a node's aux data (an ``eqx.field(static=True)``)."""
+    nodes: list[Any] = [treedef]  # PyTreeDefs (node_data: untyped in jaxlib)
+    while nodes:  # iterative: a deep tree recurses nowhere
+        node = nodes.pop()
+        data = node.node_data()
+        if data is not None and data[0] is not Tied:
+            values, depth = [data[1]], 0
+            while values and depth < 5:  # aux data: a few levels of tuples, lists and dicts
+                found = next((v for v in values if isinstance(v, Tied)), None)
+                if found is not None:
+                    raise TieError(
+                        f"{found!r} is held in the static (aux) data of a "
+                        f"{data[0].__qualname__} node, such as an eqx.field(static=True), "
+                        "where materialize never sees it: the field would keep the Tied "
+                        "instead of its value. Fix: make that field a pytree child (not "
+                        "static), or keep the tie out of static fields."
+                    )
+                values = [
+                    w
+                    for v in values
+                    if isinstance(v, (tuple, list, dict))
+                    for w in (v.values() if isinstance(v, dict) else v)
+                ]
+                depth += 1
+        nodes += node.children()
+
+
 @functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
 def structure_of(treedef: Any) -> Structure:
     """Resolve the sharing graph of a canonical treedef (cached).
@@ -326,6 +354,7 @@ def structure_of(treedef: Any) -> Structure:
             f"the root of the tree is {placeholder!r}: a tie must sit inside a tree, "
             "next to the buffer it refers to. Fix: call materialize on the enclosing tree."
         )
+    _check_no_static_ties(treedef)
     res = _Resolver(placeholder)
     for at in res.tied_at:
         res.resolve(at)

@@ -155,3 +155,23 @@ def test_tying_a_missing_attribute_path_names_the_closest_one():
     assert "'dec/wieght'" in str(e.value) and "'dec/weight'" in str(e.value)
     with pytest.raises(st.TieError, match=r"float32\[3, 6\].*float32\[6, 3\]"):
         st.tie(AE(jax.random.key(4)), {"dec/weight": "enc/weight"})
+
+
+def test_a_tie_in_a_static_field_is_an_error_not_a_field_that_keeps_the_tie():
+    # a static field is aux data: materialize never sees it, so the module would hold the
+    # Tied itself where the value belongs
+    class Static(eqx.Module):
+        w: jax.Array
+        v: object = eqx.field(static=True)
+
+    m = Static(jnp.ones(2), st.Tied("w"))
+    for call in (st.materialize, st.canonicalize, st.destructure):
+        with pytest.raises(
+            st.TieError,
+            match=r"Tied\('w'\) is held in the static .* of a "
+            r"test_a_tie.*Static node.*Fix: make that field a pytree child",
+        ):
+            call(m)
+    # nested in a static tuple too
+    with pytest.raises(st.TieError, match=r"static"):
+        st.materialize(Static(jnp.ones(2), ("x", (st.Tied("w"),))))

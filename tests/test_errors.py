@@ -744,3 +744,14 @@ def test_82_untie_of_a_flax_box_without_sharetree_flax(monkeypatch):
         r"Fix: import sharetree.flax before calling untie"
     ):
         st.untie(params)
+
+
+def test_83_tied_in_static_data():
+    eqx = pytest.importorskip("equinox")
+
+    class Holder(eqx.Module):
+        w: jax.Array
+        v: object = eqx.field(static=True)
+
+    with pytest.raises(st.TieError, match=r"Tied\('w'\) is held in the static .*Holder node.*Fix"):
+        st.materialize(Holder(W, st.Tied("w")))
