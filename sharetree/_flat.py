@@ -320,7 +320,7 @@ _dtype = operator.attrgetter("dtype")
 
 
 def _flat_dtype(dtypes: set[np.dtype]) -> np.dtype:
-    """The promoted dtype of the buffers; 8-bit floats (which JAX never promotes) as float32."""
+    """The buffers' promoted dtype; 8-bit floats among others (JAX never promotes them): float32."""
     if len(dtypes) > 1:  # float8 and float4 values are exact in float32
         dtypes = {np.dtype(np.float32) if d.itemsize == 1 else d for d in dtypes}
     return canonical_dtype(jnp.result_type(*dtypes))
