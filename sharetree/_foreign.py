@@ -314,8 +314,9 @@ def _compare(
         if on_host:  # as st.tie compares
             held = copies[name].read()
             same = bit_equal(held, np.asarray(view))
-            d = np.zeros(0) if same else _abs_diff(held, np.asarray(view))
-            worst, bad, size = float(d.max(initial=0.0)), int(np.count_nonzero(d > atol)), d.size
+            d: np.ndarray = np.zeros(0) if same else _abs_diff(held, np.asarray(view))
+            worst = float(d.max()) if d.size else 0.0
+            bad, size = int(np.count_nonzero(d > atol)), d.size
         else:
             check_load_fits(name, view.shape, view.sharding)
             copy = copies[name].place(view.sharding)

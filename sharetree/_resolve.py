@@ -313,6 +313,17 @@ def _nodes_at(tree: Any, path: Path) -> list[Any]:
     return [x for kp, x in flat if len(kp) == n and keypath_to_path(kp) == path]
 
 
+def _parts(v: Any) -> Any:
+    """The values inside a piece of aux data: a tuple's, list's, dict's or dataclass's."""
+    if isinstance(v, (tuple, list)):
+        return v
+    if isinstance(v, dict):
+        return v.values()
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # Equinox's flattened fields
+        return [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+    return ()
+
+
 def _check_no_static_ties(treedef: Any) -> None:
     """A TieError for a ``Tied`` in a node's aux data (an ``eqx.field(static=True)``)."""
     nodes: list[Any] = [treedef]  # PyTreeDefs (node_data: untyped in jaxlib)
@@ -321,7 +332,7 @@ def _check_no_static_ties(treedef: Any) -> None:
         data = node.node_data()
         if data is not None and data[0] is not Tied:
             values, depth = [data[1]], 0
-            while values and depth < 5:  # aux data: a few levels of tuples, lists and dicts
+            while values and depth < 8:  # aux data: a few levels of tuples, lists and dicts
                 found = next((v for v in values if isinstance(v, Tied)), None)
                 if found is not None:
                     raise TieError(
@@ -331,12 +342,7 @@ def _check_no_static_ties(treedef: Any) -> None:
                         "instead of its value. Fix: make that field a pytree child (not "
                         "static), or keep the tie out of static fields."
                     )
-                values = [
-                    w
-                    for v in values
-                    if isinstance(v, (tuple, list, dict))
-                    for w in (v.values() if isinstance(v, dict) else v)
-                ]
+                values = [w for v in values for w in _parts(v)]
                 depth += 1
         nodes += node.children()
 
