@@ -28,11 +28,10 @@ from sharetree._safetensors import (
     read_tree,
     unique_pairs,
 )
-from sharetree._tie import _abs_diff, bit_equal, tie
+from sharetree._tie import _abs_diff, _kind, bit_equal, tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
     Transform,
-    canonical_dtype,
     chain,
     identity,
     transpose,
@@ -244,7 +243,7 @@ def _apply_ties(
         raise TieError(f"load {label} with ties: {e}") from None
     for (k,), t in compare.items():  # each view must be what the file holds there
         held, view = jax.ShapeDtypeStruct(tree[k].shape, tree[k].dtype), views[(k,)]
-        if (held.shape, canonical_dtype(held.dtype)) != (view.shape, canonical_dtype(view.dtype)):
+        if _kind(held) != _kind(view):
             raise TieError(
                 f"load {label} with ties: tie {k!r} <- {t!r}: the file holds {k!r} as "
                 f"{format_aval(held)}, but the view is {format_aval(view)}. Fix: tie through a "
@@ -312,9 +311,9 @@ def _compare(
         worst: float
         bad: float
         if on_host:  # as st.tie compares
-            held = copies[name].read()
-            same = bit_equal(held, np.asarray(view))
-            d: np.ndarray = np.zeros(0) if same else _abs_diff(held, np.asarray(view))
+            held, computed = copies[name].read(), np.asarray(view)
+            same = bit_equal(held, computed)
+            d: np.ndarray = np.zeros(0) if same else _abs_diff(held, computed)
             worst = float(d.max()) if d.size else 0.0
             bad, size = int(np.count_nonzero(d > atol)), d.size
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
@@ -23,7 +23,16 @@ from sharetree._paths import (
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
 
-__all__ = ["Leaf", "ViewLeaf", "Structure", "structure_of", "ref_to", "STRUCTURE_CACHE_SIZE"]
+__all__ = [
+    "Leaf",
+    "ViewLeaf",
+    "Structure",
+    "structure_of",
+    "ref_to",
+    "skeleton",
+    "treedef_nodes",
+    "STRUCTURE_CACHE_SIZE",
+]
 
 STRUCTURE_CACHE_SIZE = 512  # how many resolved treedefs structure_of keeps (least recent out)
 
@@ -324,11 +333,26 @@ def _parts(v: Any) -> Any:
     return ()
 
 
+def treedef_nodes(treedef: Any) -> Iterator[Any]:
+    """Every node of ``treedef`` in one fixed order, without recursion (deep trees are fine).
+
+    Each is a PyTreeDef (``node_data`` and ``children`` are untyped in jaxlib).
+    """
+    nodes: list[Any] = [treedef]
+    while nodes:
+        node = nodes.pop()
+        yield node
+        nodes += node.children()
+
+
+def skeleton(treedef: Any) -> Any:
+    """The tree of ``treedef`` with ``0`` at every leaf (its nodes, aux data and key paths)."""
+    return jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
+
+
 def _check_no_static_ties(treedef: Any) -> None:
     """A TieError for a ``Tied`` in a node's aux data (an ``eqx.field(static=True)``)."""
-    nodes: list[Any] = [treedef]  # PyTreeDefs (node_data: untyped in jaxlib)
-    while nodes:  # iterative: a deep tree recurses nowhere
-        node = nodes.pop()
+    for node in treedef_nodes(treedef):
         data = node.node_data()
         if data is not None and data[0] is not Tied:
             values, depth = [data[1]], 0
@@ -344,7 +368,6 @@ def _check_no_static_ties(treedef: Any) -> None:
                     )
                 values = [w for v in values for w in _parts(v)]
                 depth += 1
-        nodes += node.children()
 
 
 @functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)

@@ -33,7 +33,7 @@ from sharetree._paths import (
     prefixes,
     to_path,
 )
-from sharetree._resolve import _nodes_at, ref_to, structure_of
+from sharetree._resolve import _nodes_at, ref_to, skeleton, structure_of, treedef_nodes
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import canonical_dtype, identity
 
@@ -162,12 +162,6 @@ def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
     return new
 
 
-def _skeleton(tree: Any) -> Any:
-    """The materialized tree's structure with ``0`` at every leaf."""
-    treedef = leaves_and_structure(tree)[1].expanded_treedef
-    return jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
-
-
 _CONTAINERS = (dict, list, tuple, type(None), collections.OrderedDict, collections.defaultdict)
 
 
@@ -177,20 +171,19 @@ def _node_types(subtree: Any) -> list[tuple[type | None, int]]:
     Another node type is no mismatch: a Flax box or an NNX Variable of another kind is
     rebuilt with the target's own (a ``BatchStat`` tied to a ``Param``).
     """
-    stack: list[Any] = [jtu.tree_structure(subtree)]  # PyTreeDefs (node_data: untyped in jaxlib)
     out = []
-    while stack:  # iterative: a deep tree recurses nowhere
-        node = stack.pop()
+    for node in treedef_nodes(jtu.tree_structure(subtree)):
         data = node.node_data()
         kind = None if data is None else data[0] if data[0] in _CONTAINERS else object
         out.append((kind, node.num_nodes))
-        stack += node.children()
     return out
 
 
 def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
     old, now = abstract_expanded(old_tree), abstract_expanded(new_tree)
-    skeletons = (_skeleton(old_tree), _skeleton(new_tree))
+    skeletons = [
+        skeleton(leaves_and_structure(x)[1].expanded_treedef) for x in (old_tree, new_tree)
+    ]
     for target, t in new.items():
         n = len(target)
         before = {p[n:]: v for p, v in old.items() if p[:n] == target}

@@ -32,7 +32,14 @@ from sharetree._paths import (
     leaves_with_paths,
     path_str,
 )
-from sharetree._resolve import STRUCTURE_CACHE_SIZE, Structure, ViewLeaf, _nodes_at, structure_of
+from sharetree._resolve import (
+    STRUCTURE_CACHE_SIZE,
+    Structure,
+    ViewLeaf,
+    _nodes_at,
+    skeleton,
+    structure_of,
+)
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, view_axis_names
@@ -139,11 +146,10 @@ def _copied_boxes(structure: Structure) -> tuple[tuple[Path, Any, ViewLeaf], ...
     From the treedefs alone (a box's names are static), so once per structure; a box that
     holds a ``Tied`` value keeps its own names.
     """
-    own = _boxes(jtu.tree_unflatten(structure.treedef, [0] * structure.treedef.num_leaves))
+    own = _boxes(skeleton(structure.treedef))
     if not own:
         return ()
-    expanded = structure.expanded_treedef
-    copied = _boxes(jtu.tree_unflatten(expanded, [0] * expanded.num_leaves))
+    copied = _boxes(skeleton(structure.expanded_treedef))
     out = []
     for leaf in structure.views:
         at, source = leaf.path[:-1], structure.buffer_paths[leaf.buffer][:-1]

@@ -234,15 +234,9 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
             found = structure.ties.get(a)
             if found != Tied(o):
                 held = _nodes_at(state, a)
-                what = (
-                    repr(found)
-                    if found is not None
-                    else (
-                        f"a {type(held[0]).__name__} (a materialized or untied state?)"
-                        if held
-                        else "nothing"
-                    )
-                )
+                what = "nothing" if found is None else repr(found)
+                if found is None and held:
+                    what = f"a {type(held[0]).__name__} (a materialized or untied state?)"
                 raise TieError(
                     f"sharetree.nnx.merge: state {i} at {path_str(a)!r} holds {what}, but the "
                     f"model holds the Variable at {path_str(o)!r} there too, one object, so it "
