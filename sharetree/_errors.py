@@ -1,15 +1,59 @@
-"""The exception types of sharetree: TieError, and TieTypeError for arguments of a wrong type."""
+"""Every sharetree error is built here: its class, its code and the shape of its message.
+
+A message names where (the function and the key path(s)), what was expected, what was
+found and a fix, and carries a code: its row in ``docs/errors.md``, where the "why" lives.
+Call sites never format a whole sentence or pick an exception class themselves:
+
+>>> from sharetree._errors import error, wrong_type
+>>> e = error("E5", "tie target 'dec/w'", "does not exist in the tree",
+...           found="'dec/W', 'enc/w'", fix="use the path as key paths name it")
+>>> print(e)
+[E5] tie target 'dec/w' does not exist in the tree; found 'dec/W', 'enc/w'. Fix: use the path
+as key paths name it. See https://sharetree.github.io/sharetree/errors/#e5
+>>> type(wrong_type("E55", "tie: check=", "True or False", "yes")).__name__
+'TieTypeError'
+
+Context is added to an error in flight with :func:`add_context` (a PEP 678 note): its class,
+code and chain survive.
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-__all__ = ["TieError", "TieTypeError", "one_line", "safe_repr", "bounded"]
+import numpy as np
+
+__all__ = [
+    "DOCS",
+    "FIXES",
+    "TieError",
+    "TieTypeError",
+    "add_context",
+    "bounded",
+    "check_bool",
+    "check_mapping",
+    "error",
+    "one_line",
+    "short",
+    "wrong_type",
+]
+
+DOCS = "https://sharetree.github.io/sharetree/errors/"
+"""The errors page; each code is an anchor on it (``#e7`` for ``E7``)."""
 
 MAX_MESSAGE = 4000
 """The longest message of a function that reads a file (a key of the file may be any length)."""
+
+FIXES: Mapping[str, str] = {
+    "outside_jit": "call it outside jit, grad and vmap, on concrete arrays",
+    "tuple_ref": "write the ref as a tuple of keys, e.g. ('a/b', 0)",
+    "functions": 'pass the function in, e.g. functions={"mylib.ops:softcap": softcap}',
+    "resave": "save the tree again with st.save",
+    "keyword": "leave the keyword out for its default",
+}
+"""Fixes that several errors share, by name (``fix=FIXES["outside_jit"]``)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -17,11 +61,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 class TieError(ValueError):
     """A bad tie, graph or input; each message names the path(s), expected, found and a fix.
 
+    ``code`` is the error's row in the errors page (``"E7"``); it also opens the message.
+
     Example:
         >>> import sharetree as st
         >>> issubclass(st.TieError, ValueError)
         True
     """
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class TieTypeError(TieError, TypeError):
@@ -34,18 +84,97 @@ class TieTypeError(TieError, TypeError):
     """
 
 
+def _message(
+    code: str, where: str, problem: str, expected: str | None, found: str | None, fix: str
+) -> str:
+    text = f"[{code}] {where}" + (f" {problem}" if problem else "")
+    facts = [f"expected {expected}" if expected else "", f"found {found}" if found else ""]
+    facts_text = ", ".join(f for f in facts if f)
+    if facts_text:
+        text += ("; " if problem else ": ") + facts_text
+    text = text.rstrip(".") + "."
+    if fix:
+        text += f" Fix: {fix.rstrip('.')}."
+    return f"{text} See {DOCS}#{code.lower()}"
+
+
+def error(
+    code: str,
+    where: str,
+    problem: str = "",
+    *,
+    expected: str | None = None,
+    found: str | None = None,
+    fix: str = "",
+) -> TieError:
+    """The :class:`TieError` of row ``code``: where, the problem, expected, found, the fix.
+
+    Args:
+        code: the row of ``docs/errors.md`` (``"E7"``, ``"E1b"``).
+        where: the function and the path(s), e.g. ``"tie 'dec/w' <- 'enc/w'"``.
+        problem: what is wrong, in a few words (``"overlaps 'dec'"``).
+        expected: what was expected there.
+        found: what was found instead.
+        fix: what to do.
+
+    Returns:
+        The error, to ``raise``.
+    """
+    return TieError(_message(code, where, problem, expected, found, fix), code=code)
+
+
+def wrong_type(code: str, where: str, expected: str, value: Any, fix: str = "") -> TieTypeError:
+    """The :class:`TieTypeError` of row ``code`` for ``value``, which is not ``expected``.
+
+    The message shows the value's type and a short repr of it.
+    """
+    found = f"{type(value).__name__} {short(value, 40)}"
+    return TieTypeError(_message(code, where, "", expected, found, fix), code=code)
+
+
+def check_bool(value: Any, code: str, where: str) -> bool:
+    """``value`` as a bool if it is one (NumPy's too), else the :func:`wrong_type` error.
+
+    >>> check_bool(1, "E55", "tie: check=")
+    Traceback (most recent call last):
+    sharetree._errors.TieTypeError: [E55] tie: check=: expected True or False, found int 1. ...
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise wrong_type(code, where, "True or False", value, FIXES["keyword"])
+
+
+def check_mapping(value: Any, code: str, where: str, expected: str, fix: str = "") -> Mapping:
+    """``value`` if it is a mapping, else the :func:`wrong_type` error naming ``expected``."""
+    if isinstance(value, Mapping):
+        return value
+    raise wrong_type(code, where, expected, value, fix)
+
+
+def add_context(e: BaseException, context: str) -> BaseException:
+    """``e`` with ``context`` added as a note (its class, code and chain stay); returns ``e``.
+
+    >>> e = add_context(TieError("[E1] ...", code="E1"), "while loading 'm.safetensors'")
+    >>> e.__notes__, e.code
+    (["while loading 'm.safetensors'"], 'E1')
+    """
+    e.add_note(context)
+    return e
+
+
 def one_line(e: BaseException) -> str:
     """``TypeName: message`` of an exception on one line (for messages quoting a library)."""
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-def safe_repr(x: object, limit: int = 80) -> str:
+def short(x: object, limit: int = 80) -> str:
     """``repr(x)`` cut to ``limit`` characters for a message; a repr that raises is named.
 
     Example:
-        >>> from sharetree._errors import safe_repr
-        >>> safe_repr(10**5000)
+        >>> short(10**5000)
         '<int whose repr raised ValueError>'
+        >>> short("x" * 100, 10)
+        "'xxxxxx..."
     """
     try:
         text = repr(x)
@@ -58,7 +187,8 @@ def bounded(f: F) -> F:
     """``f`` whose TieError messages are cut in the middle past ``MAX_MESSAGE`` characters.
 
     For the functions that read files: a message quotes the file's keys, which may be of any
-    length; its start (what failed, where) and end (the fix) are kept.
+    length; its start (the code, what failed, where) and end (the fix) are kept, and so are
+    its class and code.
     """
 
     @functools.wraps(f)
@@ -70,6 +200,9 @@ def bounded(f: F) -> F:
             if len(text) <= MAX_MESSAGE:
                 raise
             cut = f" ... ({len(text) - MAX_MESSAGE:,} characters cut) ... "
-            raise type(e)(text[:half] + cut + text[-half:]) from e
+            raise type(e)(text[:half] + cut + text[-half:], code=e.code) from e
 
     return call  # type: ignore[return-value]
+
+
+safe_repr = short  # the old name, while call sites move to short()
