@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _raises import message, raises
 
 import sharetree as st
 from sharetree import _transforms
-from sharetree._transforms import Transform, describe_spec
+from sharetree._transforms import REGISTRY, Transform, describe_spec
 
 X = np.arange(24.0, dtype=np.float32).reshape(2, 3, 4)
 FUNCTIONS = {"jax.numpy:flipud": jnp.flipud}
@@ -125,7 +126,7 @@ def test_fn_calls_its_function_with_a_jax_array():
 
 
 def test_fn_spec_needs_importable_function():
-    with pytest.raises(st.TieError, match="cannot be written"):
+    with raises("E102", "fn(", "<lambda>"):
         st.fn(lambda x: x).spec()
 
 
@@ -133,10 +134,19 @@ def test_fn_spec_needs_importable_function():
 
 
 @pytest.mark.parametrize(
-    "bad", [None, np.ones(2, np.float16), 3, 2.5, object(), "nope", "O", "U3", "i4,f8", "M8[ns]"]
+    "bad", [None, np.ones(2, np.float16), 3, 2.5, object()], ids=lambda v: type(v).__name__
 )
+def test_astype_of_what_is_no_dtype_is_a_type_error(bad):
+    with raises(
+        "E73", "astype(", type(bad).__name__, "st.astype(jnp.bfloat16)", cls=st.TieTypeError
+    ):
+        st.astype(bad)
+
+
+@pytest.mark.parametrize("bad", ["nope", "O", "U3", "i4,f8", "M8[ns]"])
 def test_astype_rejects_what_is_not_a_numeric_dtype(bad):
-    with pytest.raises(st.TieError, match=r"astype\(.*the dtype argument.*expected a boolean or"):
+    code = "E13b" if bad == "nope" else "E18"  # no dtype at all, or one JAX cannot compute with
+    with raises(code, f"astype({bad!r})", "st.astype(jnp.bfloat16)"):
         st.astype(bad)
 
 
@@ -148,35 +158,42 @@ def test_astype_accepts_the_documented_forms():
 
 
 @pytest.mark.parametrize(
-    "bad",
-    [math.nan, math.inf, -math.inf, np.float32("nan"), complex(1, math.inf), 10**400],
+    "bad, found",
+    [
+        (math.nan, "nan"),
+        (math.inf, "inf"),
+        (-math.inf, "-inf"),
+        (np.float32("nan"), "nan"),
+        (complex(1, math.inf), "(1+infj)"),
+        (10**400, "inf"),
+    ],
     ids=repr,
 )
-def test_scale_rejects_non_finite(bad):
-    with pytest.raises(st.TieError, match=r"scale\(.*expected a finite number"):
+def test_scale_rejects_non_finite(bad, found):
+    with raises("E19", "scale(", f"found {found}."):
         st.scale(bad)
 
 
 @pytest.mark.parametrize("bad", ["2", True, np.bool_(False), None, [2.0], np.ones(2)], ids=repr)
 def test_scale_rejects_non_numbers(bad):
-    with pytest.raises(st.TieError, match="finite Python or NumPy number"):
+    with raises("E73", "scale(c)", f"found {type(bad).__name__}", cls=st.TieTypeError):
         st.scale(bad)
 
 
 @pytest.mark.parametrize(
-    "make, match",
+    "make, code, facts",
     [
-        (lambda: st.transpose(0, 0), "permutation"),
-        (lambda: st.transpose(0, 2), "permutation"),
-        (lambda: st.transpose(1, -3), "permutation"),
-        (lambda: st.transpose(True, False), "integers"),
-        (lambda: st.reshape(-1, -1), "at most one -1"),
-        (lambda: st.reshape(2, -2), "sizes >= 0"),
-        (lambda: st.reshape(2.0, 3), "integers"),
+        (lambda: st.transpose(0, 0), "E22", ["transpose(0, 0)", "0..1", "[0, 0]"]),
+        (lambda: st.transpose(0, 2), "E22", ["0..1", "[0, 2]"]),
+        (lambda: st.transpose(1, -3), "E22", ["0..1", "[1, -3]"]),
+        (lambda: st.transpose(True, False), "E73", ["transpose(True, False)", "bool True"]),
+        (lambda: st.reshape(-1, -1), "E22", ["reshape(-1, -1)", "at most one -1", "[-1, -1]"]),
+        (lambda: st.reshape(2, -2), "E22", ["sizes >= 0", "[2, -2]"]),
+        (lambda: st.reshape(2.0, 3), "E73", ["reshape(2.0, 3)", "float 2.0"]),
     ],
 )
-def test_meaningless_axes_and_sizes(make, match):
-    with pytest.raises(st.TieError, match=match):
+def test_meaningless_axes_and_sizes(make, code, facts):
+    with raises(code, *facts, cls=st.TieTypeError if code == "E73" else st.TieError):
         make()
 
 
@@ -189,7 +206,8 @@ def test_rank_mismatch_stays_an_error_when_the_view_is_computed():
 
 
 def test_every_registered_transform_has_a_factory_and_spec_names():
-    builtin = {n for n, c in _transforms._REGISTRY.items() if c.__module__ == _transforms.__name__}
+    package = _transforms.__name__ + "."
+    builtin = {n for n, c in REGISTRY.items() if c.__module__.startswith(package)}
     assert builtin == {
         "identity",
         "transpose",
@@ -201,7 +219,7 @@ def test_every_registered_transform_has_a_factory_and_spec_names():
         "index",
         "chain",
     }
-    for name, cls in _transforms._REGISTRY.items():
+    for name, cls in REGISTRY.items():
         assert cls.spec_name == name
     specs = {t.spec()["name"] for t in ALL}
     assert specs == builtin  # ALL covers every registered transform
@@ -224,7 +242,7 @@ def flip_transform():
             return jnp.flip(jnp.asarray(x), self.axis)
 
     yield Flip
-    del _transforms._REGISTRY["test_flip"]
+    del REGISTRY["test_flip"]
 
 
 def test_a_new_transform_is_one_class(flip_transform):
@@ -233,22 +251,19 @@ def test_a_new_transform_is_one_class(flip_transform):
     assert st.transform_from_spec(t.spec()) == t
     assert describe_spec(t.spec()) == "T >> " + repr(flip_transform(0))
     np.testing.assert_array_equal(t(X[0]), np.flip(X[0].T, 0))
-    with pytest.raises(st.TieError, match=r"known in this process: .*test_flip"):
+    with raises("E17", "'flop'", "test_flip"):
         st.transform_from_spec({"name": "flop"})
-    with pytest.raises(st.TieError, match=r"st\.test_flip"):
+    with raises("E13", "st.test_flip", cls=st.TieTypeError):
         st.Tied("a", 3)
-    with pytest.raises(
-        st.TieError,
-        match=r"field 'axis' of 'test_flip' should be an integer, found str '0' "
-        r"\(TypeError: Flip\(axis\) takes an integer, got '0'\)",
-    ):
+    flip = "'axis' (an integer)"  # its field_docs
+    with raises("E74", flip, "TypeError: Flip(axis) takes an integer, got '0'"):
         st.transform_from_spec({"name": "test_flip", "axis": "0"})
-    with pytest.raises(st.TieError, match=r"the field 'axis' is missing.*'axis' \(an integer\)"):
+    with raises("E20", "the field 'axis'", flip):
         st.transform_from_spec({"name": "test_flip"})
 
 
 def test_registry_refuses_a_taken_name_and_a_class_that_is_no_dataclass():
-    with pytest.raises(TypeError, match="'scale' is already taken"):
+    with raises("E100", "Other", "'scale'", "_Scale", cls=st.TieTypeError):
 
         class Other(Transform, name="scale"):
             pass
@@ -258,71 +273,76 @@ def test_registry_refuses_a_taken_name_and_a_class_that_is_no_dataclass():
             return x
 
     try:
-        with pytest.raises(TypeError, match="NoFields is not a dataclass.*@dataclasses"):
+        with raises("E100", "NoFields", "@dataclasses.dataclass(frozen=True)", cls=st.TieTypeError):
             NoFields().spec()
     finally:
-        del _transforms._REGISTRY["test_no_fields"]
-    assert _transforms._REGISTRY["scale"] is type(st.scale(1.0))
+        del REGISTRY["test_no_fields"]
+    assert REGISTRY["scale"] is type(st.scale(1.0))
 
 
 def test_unknown_name_lists_the_known_ones():
-    known = ", ".join(sorted(_transforms._REGISTRY))  # the built-ins, and any defined by users
+    known = ", ".join(sorted(REGISTRY))  # the built-ins, and any defined by users
     assert "astype, chain, fn, identity, index, reshape, scale, slice, transpose" in ", ".join(
-        n for n in sorted(_transforms._REGISTRY) if not n.startswith(("doc_", "test_"))
+        n for n in sorted(REGISTRY) if not n.startswith(("doc_", "test_"))
     )
-    with pytest.raises(
-        st.TieError,
-        match=rf"unknown transform name 'rot90'; known in this process: {known}\. Fix: if it "
-        r"is a transform of your own, import \(or define\) the class registered as 'rot90'",
-    ):
+    own = "import (or define) the class registered as 'rot90'"
+    with raises("E17", "unknown transform name 'rot90'", known, own):
         st.transform_from_spec({"name": "rot90"})
 
 
+RESHAPE = "the fields of 'reshape': 'shape'"
+
+
 @pytest.mark.parametrize(
-    "spec, match",
+    "spec, code, facts",
     [
-        ({"name": "reshape"}, r"the field 'shape' is missing"),
-        ({"name": "transpose"}, r"the field 'axes' is missing"),
-        ({"name": "reshape", "shape": [2, 3], "order": "F"}, r"the field 'order' is not one of"),
-        ({"name": "identity", "x": 1}, r"the field 'x' is not one of its fields.*are: none"),
-        ({"name": "reshape", "shape": "23"}, r"field 'shape' of 'reshape' should be a list of int"),
-        ({"name": "reshape", "shape": [2.5]}, r"field 'shape'.*found list \[2\.5\]"),
-        ({"name": "reshape", "shape": [True]}, r"field 'shape'"),
-        ({"name": "reshape", "shape": [-1, -1]}, r"field 'shape'.*at most one -1"),
-        ({"name": "transpose", "axes": [0, 0]}, r"field 'axes'.*permutation"),
-        ({"name": "transpose", "axes": 1}, r"field 'axes'"),
-        ({"name": "astype", "dtype": None}, r"field 'dtype' of 'astype' should be a dtype name"),
-        ({"name": "astype", "dtype": "object"}, r"field 'dtype'.*cannot compute with"),
-        ({"name": "astype", "dtype": "nope"}, r"field 'dtype'"),
-        ({"name": "scale", "c": "2"}, r"field 'c' of 'scale' should be a finite number"),
-        ({"name": "scale", "c": float("nan")}, r"field 'c'.*expected a finite number"),
-        ({"name": "scale", "c": [1.0]}, r"field 'c'.*found list \[1\.0\]"),
-        ({"name": "scale", "c": [1.0, "x"]}, r"field 'c'"),
-        ({"name": "scale", "c": True}, r"field 'c'"),
-        ({"name": "fn", "function": 3}, r"field 'function' of 'fn' should be a 'module:qualname'"),
-        ({"name": "fn", "function": "os.system"}, r"field 'function'"),
-        ({"name": "fn", "function": "os:system; rm"}, r"field 'function'"),
-        ({"name": "chain", "parts": {"name": "T"}}, r"field 'parts' of 'chain' should be a list"),
-        ({"name": "chain", "parts": [{"name": "chain", "parts": []}]}, r"not chains"),
-        ({"name": "chain", "parts": [{"name": "reshape"}]}, r"the field 'shape' is missing"),
-        ({"name": 3}, r"unknown transform name 3"),
-        ({"name": ["a"]}, r"unknown transform name \['a'\]"),
-        ({"shape": [2]}, r"expected a dict with a 'name' field"),
-        ([("name", "T")], r"expected a dict with a 'name' field, found list"),
-        (None, r"expected a dict with a 'name' field, found NoneType"),
+        ({"name": "reshape"}, "E20", ["the field 'shape'", "a list of integers"]),
+        ({"name": "transpose"}, "E20", ["the field 'axes'"]),
+        ({"name": "reshape", "shape": [2, 3], "order": "F"}, "E20", ["the field 'order'"]),
+        ({"name": "identity", "x": 1}, "E20", ["the field 'x'", "'identity': none besides name"]),
+        (
+            {"name": "reshape", "shape": "23"},
+            "E73",
+            [f"{RESHAPE} (a list of integers)", "str '23'"],
+        ),
+        ({"name": "reshape", "shape": [2.5]}, "E73", ["'shape' (", "float 2.5"]),
+        ({"name": "reshape", "shape": [True]}, "E73", ["'shape' (", "bool True"]),
+        ({"name": "reshape", "shape": [-1, -1]}, "E22", ["'shape' (", "[-1, -1]"]),
+        ({"name": "transpose", "axes": [0, 0]}, "E22", ["'axes' (", "[0, 0]"]),
+        ({"name": "transpose", "axes": 1}, "E73", ["'axes' (", "int 1"]),
+        ({"name": "astype", "dtype": None}, "E73", ["'dtype' (", "a dtype name", "NoneType"]),
+        ({"name": "astype", "dtype": "object"}, "E18", ["'dtype' (", "found object"]),
+        ({"name": "astype", "dtype": "nope"}, "E13b", ["'dtype' (", "'nope'"]),
+        ({"name": "scale", "c": "2"}, "E73", ["'c' (", "a finite number", "str '2'"]),
+        ({"name": "scale", "c": float("nan")}, "E19", ["'c' (", "found nan"]),
+        ({"name": "scale", "c": [1.0]}, "E73", ["'c' (", "list [1.0]"]),
+        ({"name": "scale", "c": [1.0, "x"]}, "E73", ["'c' (", "[1.0, 'x']"]),
+        ({"name": "scale", "c": True}, "E73", ["'c' (", "bool True"]),
+        ({"name": "fn", "function": 3}, "E20", ["field 'function'", "'module:qualname'", "int 3"]),
+        ({"name": "fn", "function": "os.system"}, "E20", ["field 'function'", "'os.system'"]),
+        ({"name": "fn", "function": "os:system; rm"}, "E20", ["field 'function'"]),
+        ({"name": "chain", "parts": {"name": "T"}}, "E20", ["field 'parts'", "dict {'name'"]),
+        ({"name": "chain", "parts": [{"name": "chain", "parts": []}]}, "E20", ["not chains"]),
+        ({"name": "chain", "parts": [{"name": "reshape"}]}, "E20", ["the field 'shape'"]),
+        ({"name": 3}, "E17", ["unknown transform name 3"]),
+        ({"name": ["a"]}, "E17", ["unknown transform name ['a']"]),
+        ({"shape": [2]}, "E17", ["a dict with a 'name' field", "dict {'shape': [2]}"]),
+        ([("name", "T")], "E17", ["a dict with a 'name' field", "found list"]),
+        (None, "E17", ["a dict with a 'name' field", "found NoneType"]),
     ],
     ids=repr,
 )
-def test_malformed_specs_say_which_field(spec, match):
-    with pytest.raises(st.TieError, match=match):
+def test_malformed_specs_say_which_field(spec, code, facts):
+    kind = st.TieTypeError if code == "E73" else st.TieError  # a wrong type stays a TypeError
+    with raises(code, *facts, cls=kind):
         st.transform_from_spec(spec)
-    with pytest.raises(st.TieError, match=match):
+    with raises(code, *facts, cls=kind):
         describe_spec(spec)
 
 
 def test_malformed_spec_message_is_bounded():
     spec = {"name": "reshape", "shape": ["x" * 10_000] * 10_000}
-    with pytest.raises(st.TieError) as e:
+    with raises("E73", "reshape('xxx") as e:
         st.transform_from_spec(spec)
     assert len(str(e.value)) < 1000
 
@@ -354,11 +374,7 @@ def side_effect_module(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["sys:exit", "os:system", "builtins:exec", "builtins:eval"])
 def test_fn_spec_names_are_never_resolved(name):
     spec = {"name": "fn", "function": name}
-    with pytest.raises(
-        st.TieError,
-        match=rf"fn\({name}\): the function '{name}' is not among the functions passed in "
-        rf"\(no functions were given\).*Fix: .*st\.load\(path, functions=\{{'{name}': ",
-    ):
+    with raises("E21", f"fn({name})", "are none", f"st.load(path, functions={{'{name}': "):
         st.transform_from_spec(spec)
     assert describe_spec(spec) == f"fn({name})"
 
@@ -366,9 +382,9 @@ def test_fn_spec_names_are_never_resolved(name):
 def test_module_with_side_effect_is_not_imported(side_effect_module):
     name, marker = side_effect_module
     spec = {"name": "chain", "parts": [st.T.spec(), {"name": "fn", "function": f"{name}:f"}]}
-    with pytest.raises(st.TieError, match=rf"'{name}:f' is not among"):
+    with raises("E21", f"fn({name}:f)", "are none"):
         st.transform_from_spec(spec)
-    with pytest.raises(st.TieError, match=r"the functions given are 'other:g'"):
+    with raises("E21", f"fn({name}:f)", "are 'other:g'"):
         st.transform_from_spec(spec, functions={"other:g": jnp.flipud})
     assert describe_spec(spec) == f"T >> fn({name}:f)"
     assert name not in sys.modules and not marker.exists()
@@ -384,9 +400,9 @@ def test_module_with_side_effect_is_not_imported(side_effect_module):
 
 def test_functions_must_be_a_mapping_of_callables():
     spec = st.fn(jnp.flipud).spec()
-    with pytest.raises(st.TieError, match=r"functions\['jax.numpy:flipud'\].*takes a callable"):
+    with raises("E73", "functions['jax.numpy:flipud']", "str 'flipud'", cls=st.TieTypeError):
         st.transform_from_spec(spec, functions={"jax.numpy:flipud": "flipud"})
-    with pytest.raises(st.TieError, match="expected a mapping"):
+    with raises("E55", "functions=", "found list", cls=st.TieTypeError):
         st.transform_from_spec(spec, functions=[jnp.flipud])
 
 
@@ -407,7 +423,7 @@ def test_reading_specs_runs_no_import():
     try:
         restored = [st.transform_from_spec(spec, functions=FUNCTIONS) for spec in specs]
         described = [describe_spec(spec) for spec in [*specs, unknown]]
-        with pytest.raises(st.TieError):
+        with raises("E21", "fn(os:system)"):
             st.transform_from_spec(unknown, functions=FUNCTIONS)
     finally:
         builtins.__import__, importlib.import_module = real_import, real_import_module
@@ -419,16 +435,16 @@ def test_fn_that_returns_no_array_is_an_error_not_a_lost_leaf(out):
     # materialize would otherwise put None (a leaf dropped) or a tuple (leaves added) there
     tree = {"a": np.ones((2, 3)), "b": st.Tied("a", st.fn(lambda x: out))}
     for call in (st.materialize, lambda t: st.canonicalize(t).views, jax.jit(st.materialize)):
-        with pytest.raises(st.TieError, match=r"view 'b'.*fn\(.*\) returned .*, not an array"):
+        with raises("E66", "view 'b'", "fn(", f"found {type(out).__name__}"):
             call(tree)
 
 
 def test_bad_argument_messages_fit_the_transform_and_stay_short():
-    with pytest.raises(st.TieError, match=r"integer sizes, e\.g\. reshape\(2, 3\)"):
+    with raises("E73", "reshape(2.0)", "e.g. reshape(2, 3)", cls=st.TieTypeError):
         st.reshape(2.0)
-    with pytest.raises(st.TieError, match=r"integer axes, e\.g\. transpose\(1, 0\)"):
+    with raises("E73", "transpose('a')", "e.g. transpose(1, 0)", cls=st.TieTypeError):
         st.transpose("a")
-    with pytest.raises(st.TieError) as e:
+    with raises("E19", "scale(1000") as e:
         st.scale(10**400)
     assert len(str(e.value)) < 300
 
@@ -458,29 +474,24 @@ def test_slice_refuses_exactly_the_ranges_empty_for_every_buffer_and_suggests_va
 @pytest.mark.parametrize("t", [st.index(3), st.slice(0, 1), st.index(0, axis=-1)], ids=repr)
 def test_an_axis_transform_of_a_scalar_says_it_has_no_axes(t):
     stack = {"w": np.ones((4, 3, 2), np.float32), "n_heads": 3}
-    with pytest.raises(st.TieError) as e:
+    with raises("E71", "view 'extra/n_heads'", "a scalar (shape (), no axes)", "Fix:") as e:
         st.materialize({"stack": stack, "extra": st.Tied("stack", t)})
-    msg = str(e.value)
-    assert "view 'extra/n_heads'" in msg and "the buffer is a scalar (shape (), no axes)" in msg
-    assert "between 0 and -1" not in msg and "Fix:" in msg
-    with pytest.raises(st.TieError, match=r"scalar \(shape \(\), no axes\)"):
+    assert "between 0 and -1" not in message(e.value)
+    with raises("E71", repr(t), "a scalar (shape (), no axes)"):
         t(np.float32(2.0))
 
 
 def test_an_uncalled_transform_factory_is_told_to_call_it_with_a_working_example():
-    factories = [
-        getattr(st, n) for n in st.__all__ if _transforms._is_factory(getattr(st, n, None))
-    ]
+    factories = [getattr(st, n) for n in st.__all__ if _transforms.is_factory(getattr(st, n, None))]
     assert {f.__name__ for f in factories} >= {"slice", "index", "transpose", "reshape", "scale"}
     for f in factories:
-        with pytest.raises(st.TieError) as e:
+        with raises("E13", f"st.{f.__name__} makes a transform", cls=st.TieTypeError) as e:
             st.Tied("embed", f)
         msg = str(e.value)
-        assert f"st.{f.__name__} makes a transform: call it, e.g. st.{f.__name__}(" in msg
         assert "st.fn(...)" not in msg
-        example = re.search(r"e\.g\. (st\..*)\.$", msg).group(1)
+        example = re.search(r"e\.g\. (st\..*?)\. See ", msg).group(1)
         assert isinstance(eval(example, {"st": st, "jnp": jnp}), st.Transform), example
-    with pytest.raises(st.TieError, match=r"Roll is a transform class: pass an instance, Roll"):
+    with raises("E13", "Roll is a transform class", "Roll(...)", cls=st.TieTypeError):
 
         @dataclasses.dataclass(frozen=True)
         class Roll(st.Transform):
@@ -488,3 +499,38 @@ def test_an_uncalled_transform_factory_is_told_to_call_it_with_a_working_example
                 return jnp.roll(x, 1)
 
         st.Tied("embed", Roll)
+
+
+# pickle.dumps of the list below by sharetree before _transforms became a package (HEAD
+# f759f63): it names the classes as sharetree._transforms._Chain, ._Transpose, ._Scale, ...
+PICKLED_BEFORE_THE_SPLIT = (
+    b"\x80\x04\x95\xaa\x01\x00\x00\x00\x00\x00\x00]\x94(\x8c\x15sharetree._transforms\x94\x8c"
+    b"\x06_Chain\x94\x93\x94)\x81\x94}\x94\x8c\x05parts\x94h\x01\x8c\n_Transpose\x94\x93\x94)"
+    b"\x81\x94}\x94\x8c\x04axes\x94Nsbh\x01\x8c\x06_Scale\x94\x93\x94)\x81\x94}\x94(\x8c\x01c"
+    b"\x94G@\x00\x00\x00\x00\x00\x00\x00\x8c\x04kind\x94\x8c\x08builtins\x94\x8c\x05float\x94"
+    b"\x93\x94ub\x86\x94sbh\x01\x8c\x08_Reshape\x94\x93\x94)\x81\x94}\x94\x8c\x05shape\x94K"
+    b"\x02K\x03\x86\x94sbh\x01\x8c\x07_AsType\x94\x93\x94)\x81\x94}\x94\x8c\x05dtype\x94\x8c"
+    b"\x08bfloat16\x94sbh\x01\x8c\x06_Slice\x94\x93\x94)\x81\x94}\x94(\x8c\x05start\x94K\x00"
+    b"\x8c\x04stop\x94K\x01\x8c\x04axis\x94K\x00ubh\x01\x8c\x06_Index\x94\x93\x94)\x81\x94}"
+    b"\x94(\x8c\x01i\x94K\x01h(K\x00ubh\x01\x8c\x08identity\x94\x93\x94h\x08)\x81\x94}\x94h"
+    b"\x0bK\x01K\x00\x86\x94sbh\x01\x8c\x03_Fn\x94\x93\x94)\x81\x94}\x94\x8c\x08function\x94"
+    b"\x8c\x04math\x94\x8c\x04sqrt\x94\x93\x94sb\x8c\x0fsharetree._tied\x94\x8c\x04Tied\x94"
+    b"\x93\x94\x8c\x01a\x94\x8c\x01b\x94\x86\x94h\t\x86\x94R\x94e."
+)
+
+
+def test_pickles_written_before_the_split_load():
+    back = pickle.loads(PICKLED_BEFORE_THE_SPLIT)
+    assert back == [
+        st.T >> st.scale(2.0),
+        st.reshape(2, 3),
+        st.astype(jnp.bfloat16),
+        st.slice(0, 1),
+        st.index(1),
+        st.identity,
+        st.transpose(1, 0),
+        st.fn(math.sqrt),
+        st.Tied("a/b", st.T),
+    ]
+    assert back[5] is st.identity
+    assert pickle.loads(pickle.dumps(back)) == back

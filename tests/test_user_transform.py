@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _raises import message, raises
 
 import sharetree as st
 from sharetree import _transforms
@@ -85,9 +86,9 @@ def test_materialize_and_tie_compute_the_views_by_hand():
     # st.tie compares the copies a checkpoint stores twice
     untied = {"a": A, "b": np.roll(A, 1, 0)}
     assert st.tie(untied, {"b": st.Tied("a", Roll(1))}, atol=0.0)["b"] == st.Tied("a", Roll(1))
-    with pytest.raises(st.TieError, match=r"'b'.*the two copies differ"):
+    with raises("E46", "'b'", "Roll(shift=2, axis=0)"):
         st.tie(untied, {"b": st.Tied("a", Roll(2))}, atol=0.0)
-    with pytest.raises(TypeError, match="Roll takes integers"):
+    with pytest.raises(TypeError, match="Roll takes integers"):  # the class's own message
         Roll(1.5)
 
 
@@ -124,8 +125,10 @@ def test_save_load_summary_and_html_show_the_user_transform(tmp_path):
     np.testing.assert_array_equal(back["a"], A)
     assert st.transform_from_spec(Roll(-1, 1).spec()) == Roll(-1, 1)
     assert Roll(-1, 1).spec() == {"name": "test_user_roll", "shift": -1, "axis": 1}
-    with pytest.raises(st.TieError, match=r"fields of 'test_user_roll' do not build.*integers"):
+    with pytest.raises(st.TieTypeError) as info:  # its own error, the spec and fields noted
         st.transform_from_spec({"name": "test_user_roll", "shift": "1", "axis": 0})
+    for fact in ("Roll takes integers, got '1'", "'shift': '1'", "the fields of 'test_user_roll'"):
+        assert fact in message(info.value)
 
     text = st.summary(tree)
     assert re.search(r"b\s+a\s+Roll\(shift=1, axis=0\)\s+\(4, 3\)\s+float32", text), text
@@ -147,19 +150,19 @@ def test_untie_state_moves_moments_when_declared_and_names_the_fix_when_not():
     np.testing.assert_array_equal(new_state[0].nu["b"], np.roll(state[0].nu["a"], 1, 0))
 
     powered = {"a": A, "b": st.Tied("a", Power(3))}
-    with pytest.raises(
-        st.TieError, match=r"view 'b' is Power\(p=3\) of 'a'.*define its state_view\(\)"
-    ):
+    with raises("E25", "'b'", "Power(p=3)", "'a'", "state_view()"):
         st.untie_state(optax.adam(0.1).init(powered), powered)
 
 
 def test_no_module_outside_transforms_tests_a_transform_class_or_spec_name():
-    builtin = [c.__name__ for c in _transforms._REGISTRY.values() if c.__qualname__[0] == "_"]
+    builtin = [c.__name__ for c in _transforms.REGISTRY.values() if c.__qualname__[0] == "_"]
     pattern = re.compile(rf"\b({'|'.join(builtin)})\b|\bspec_name\b")
-    for f in pathlib.Path(_transforms.__file__).parent.glob("*.py"):
-        if f.name != "_transforms.py":
-            hits = [line for line in f.read_text().splitlines() if pattern.search(line)]
-            assert not hits, f"{f.name} dispatches on transform classes: {hits}"
+    package = pathlib.Path(_transforms.__file__).parent  # sharetree/_transforms/
+    modules = list(package.parent.glob("*.py"))  # the other modules of sharetree
+    assert modules and not any(f.is_relative_to(package) for f in modules)
+    for f in modules:
+        hits = [line for line in f.read_text().splitlines() if pattern.search(line)]
+        assert not hits, f"{f.name} dispatches on transform classes: {hits}"
 
 
 def test_a_foreign_file_moves_its_buffer_through_the_declared_inverse(tmp_path):
@@ -171,7 +174,7 @@ def test_a_foreign_file_moves_its_buffer_through_the_declared_inverse(tmp_path):
         warnings.simplefilter("ignore")
         sd = st.load(path, ties={"head": st.Tied("embed", st.transpose(1, 0))})
         np.testing.assert_array_equal(sd["embed"], A)
-        with pytest.raises(st.TieError, match=r"Roll\(shift=1, axis=0\) has no inverse"):
+        with raises("E45", "Roll(shift=1, axis=0)", "'head'", "'embed'"):
             st.load(path, ties={"head": st.Tied("embed", Roll(1))})
 
 
@@ -226,18 +229,17 @@ class ReturnsPair(st.Transform, name="test_user_returns_pair"):
 @pytest.mark.parametrize("bad", [ReturnsNone(), ReturnsPair()], ids=repr)
 def test_a_transform_returning_no_array_is_refused_wherever_views_are_computed(bad):
     tree = {"w": np.ones((2, 2), np.float32), "v": st.Tied("w", bad)}
-    name = re.escape(repr(bad))
-    msg = rf"(?s)view 'v' .*{name} returned (NoneType|tuple).*not an array.*Fix: return one array"
-    with pytest.raises(st.TieError, match=msg):
+    facts = [repr(bad), f"found {type(bad(np.ones(1))).__name__}"]
+    with raises("E66", "view 'v'", *facts):
         st.materialize(tree)
-    with pytest.raises(st.TieError, match=msg):
+    with raises("E66", "view 'v'", *facts):
         st.summary(tree)
-    with pytest.raises(st.TieError, match=msg):
+    with raises("E66", "view 'v'", *facts):
         jax.eval_shape(st.materialize, tree)
-    with pytest.raises(st.TieError, match=msg):
+    with raises("E66", "view 'v'", *facts):
         jax.jit(st.materialize)(tree)
     many = {"w": np.ones((2, 2), np.float32), **{f"v{i}": st.Tied("w", bad) for i in range(20)}}
-    with pytest.raises(st.TieError, match=msg.replace("'v'", "'v0'")):
+    with raises("E66", "view 'v0'", *facts):
         st.materialize(many)  # the batched eager path (one compiled call for many views)
 
 
@@ -308,14 +310,14 @@ def test_a_fold_must_give_one_transform_that_is_no_chain():
         def fold(self, after):
             return "nope"
 
-    with pytest.raises(st.TieTypeError, match=r"FoldsToChain\.fold\(.*\) returned _Chain.*Fix"):
+    with raises("E101", "FoldsToChain.fold(", "_Chain T >> scale(2.0)", cls=st.TieTypeError):
         st.T >> FoldsToChain() >> FoldsToChain()
-    with pytest.raises(st.TieTypeError, match=r"FoldsToText\.fold\(T\) returned str 'nope'"):
+    with raises("E101", "FoldsToText.fold(T)", "str 'nope'", cls=st.TieTypeError):
         st.chain(FoldsToText(), st.T)
 
 
 def test_classes_that_cannot_be_read_back_are_refused_when_defined_or_read():
-    with pytest.raises(st.TieTypeError, match=r"subclasses the built-in _Scale.*Fix: subclass"):
+    with raises("E100", "Clipped", "_Scale", "Fix: subclass st.Transform", cls=st.TieTypeError):
 
         @dataclasses.dataclass(frozen=True)
         class Clipped(type(st.scale(1.0)), name="test_user_clipped"):
@@ -323,12 +325,12 @@ def test_classes_that_cannot_be_read_back_are_refused_when_defined_or_read():
                 return jnp.clip(x * self.c, -1, 1)
 
     for bad in (3, ""):
-        with pytest.raises(st.TieTypeError, match=r"name= must be a non-empty str"):
+        with raises("E100", "Named: name=", "a non-empty str", repr(bad), cls=st.TieTypeError):
 
             class Named(st.Transform, name=bad):
                 pass
 
-    with pytest.raises(st.TieTypeError, match=r"'transpose' is already taken by _Transpose"):
+    with raises("E100", "Clash", "'transpose'", "_Transpose", cls=st.TieTypeError):
 
         class Clash(st.Transform, name="transpose"):
             pass
@@ -337,7 +339,7 @@ def test_classes_that_cannot_be_read_back_are_refused_when_defined_or_read():
         def __call__(self, x):
             return x
 
-    with pytest.raises(st.TieError, match=r"is not a dataclass.*Fix: decorate it"):
+    with raises("E100", "NotADataclass", "@dataclasses.dataclass(frozen=True)"):
         st.transform_from_spec({"name": "test_user_not_a_dataclass"})
 
 
@@ -355,15 +357,15 @@ def test_save_refuses_a_spec_that_would_not_read_back(tmp_path):
     for _ in range(9):
         deep = Wrap(deep)
     path = tmp_path / "m.safetensors"
-    with pytest.raises(st.TieError, match=r"save: the tie at 'v' .*would not load.*8 deep"):
+    with raises("E17", "save: the tie at 'v'", "more than 8 deep"):
         st.save(path, {"w": A, "v": st.Tied("w", deep)})
     assert not path.exists()
     shallow = Wrap(Wrap(st.T))
     st.save(path, {"w": A, "v": st.Tied("w", shallow)})
     assert st.load(path)["v"] == st.Tied("w", shallow)
 
-    # a field whose annotation from_spec cannot resolve (a name only a function has) would read
-    # back as its raw JSON: refused by save, naming both values
+    # a transform in a field reads back as a transform whatever the field's annotation says
+    # (here one that does not resolve), so it saves and loads
     @dataclasses.dataclass(frozen=True)
     class Unresolved(st.Transform, name="test_user_unresolved"):
         inner: "typing.Optional[st.Transform]" = None  # noqa: F821
@@ -372,5 +374,17 @@ def test_save_refuses_a_spec_that_would_not_read_back(tmp_path):
         def __call__(self, x):
             return self.inner(x)
 
-    with pytest.raises(st.TieError, match=r"reads back as .*inner=\{'name': 'transpose'.*Fix"):
-        st.save(path, {"w": A, "v": st.Tied("w", Unresolved(st.T))})
+    st.save(path, {"w": A, "v": st.Tied("w", Unresolved(st.T))})
+    assert st.load(path)["v"] == st.Tied("w", Unresolved(st.T))
+
+    # a complex number reads back as one only in a field annotated complex: elsewhere as the
+    # pair [real, imag], another transform, so save refuses it, naming what would be read
+    @dataclasses.dataclass(frozen=True)
+    class Untyped(st.Transform, name="test_user_untyped"):
+        z: object = 1j
+
+        def __call__(self, x):
+            return x * self.z
+
+    with raises("E125", "'v'", "Untyped(z=(0.0, 1.0))"):
+        st.save(path, {"w": A, "v": st.Tied("w", Untyped())})

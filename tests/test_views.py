@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from _examples import examples
+from _raises import message, raises
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from jax.sharding import AbstractMesh
@@ -74,26 +75,25 @@ def test_slice_and_index_are_numpy_indexing(shape, data):
 
 @pytest.mark.parametrize("start, stop", [(3, 3), (5, 2), (-1, -3), (-2, -2)])
 def test_empty_or_reversed_ranges_are_refused_when_built(start, stop):
-    with pytest.raises(st.TieError, match=rf"st\.slice\({start}, {stop}.*empty or reversed"):
+    with raises("E72", f"st.slice({start}, {stop}", f"range {start}:{stop}", "e.g. st.slice("):
         st.slice(start, stop)
 
 
 @pytest.mark.parametrize(
-    "make",
+    "make, facts",
     [
-        lambda: st.slice(0.5, 2),
-        lambda: st.slice(0, "2"),
-        lambda: st.slice(0, 2, axis=None),
-        lambda: st.slice(True, 2),
-        lambda: st.index(1.0),
-        lambda: st.index(1, axis="0"),
+        (lambda: st.slice(0.5, 2), ["st.slice(0.5, 2, axis=0): start", "float 0.5"]),
+        (lambda: st.slice(0, "2"), ["stop", "str '2'"]),
+        (lambda: st.slice(0, 2, axis=None), ["axis", "NoneType None"]),
+        (lambda: st.slice(True, 2), ["start", "bool True"]),
+        (lambda: st.index(1.0), ["st.index(1.0, axis=0): i", "float 1.0"]),
+        (lambda: st.index(1, axis="0"), ["axis", "str '0'"]),
     ],
 )
-def test_non_integers_are_type_errors(make):
-    with pytest.raises(TypeError, match=r"expected an integer .*Fix: pass integers"):
+def test_non_integers_are_type_errors(make, facts):
+    with raises("E73", *facts, "e.g. st.", cls=st.TieTypeError) as info:
         make()
-    with pytest.raises(st.TieTypeError):
-        make()
+    assert isinstance(info.value, TypeError)
 
 
 def test_reprs_and_spec_round_trip():
@@ -113,33 +113,33 @@ def test_reprs_and_spec_round_trip():
 @pytest.mark.parametrize(
     "t, what",
     [
-        (st.slice(0, 9), r"range 0:9 of axis 0 \(size 8\) is outside it"),
-        (st.slice(-9, None), r"range -9: of axis 0 \(size 8\) is outside it"),
-        (st.slice(6, -3), r"range 6:-3 of axis 0 \(size 8\) is empty"),
-        (st.index(8), r"entry 8 is outside axis 0 \(size 8\)"),
-        (st.index(-9), r"entry -9 is outside axis 0"),
-        (st.slice(0, 2, axis=2), r"needs axis 2, but the buffer has shape \(8, 3\) \(2 axes\)"),
-        (st.T >> st.index(0, axis=-3), r"needs axis -3"),
+        (st.slice(0, 9), ["range 0:9 of axis 0 (size 8) is outside it", "within 0:8"]),
+        (st.slice(-9, None), ["range -9: of axis 0 (size 8) is outside it"]),
+        (st.slice(6, -3), ["range 6:-3 of axis 0 (size 8) is empty"]),
+        (st.index(8), ["entry 8 is outside axis 0 (size 8)", "between -8 and 7"]),
+        (st.index(-9), ["entry -9 is outside axis 0"]),
+        (st.slice(0, 2, axis=2), ["needs axis 2", "shape (8, 3) (2 axes)", "between -2 and 1"]),
+        (st.T >> st.index(0, axis=-3), ["needs axis -3"]),
     ],
 )
 def test_outside_the_buffer_is_a_tie_error_naming_the_view_shape_and_fix(t, what):
     tree = {"embed": EMBED, "head": st.Tied("embed", t)}
     flat, re_ = st.destructure(tree)  # the views are computed by restructure
     for resolve in (st.materialize, lambda tr: st.canonicalize(tr).views, lambda _: re_(flat)):
-        with pytest.raises(st.TieError, match=rf"view 'head'.*float32\[8, 3\].*{what}.*Fix:"):
+        with raises("E71", "view 'head'", "float32[8, 3]", *what, "Fix:"):
             resolve(tree)
-    with pytest.raises(st.TieError, match=rf"'head'.*{what}"):
+    with raises("E71", "'head'", *what):
         st.tie({"embed": EMBED, "head": np.zeros((2, 2))}, {"head": tree["head"]})
-
 
 
 @pytest.mark.parametrize("t", [st.index(0), st.index(-1), st.slice(0, 1), st.slice(-1, None)])
 def test_a_view_of_an_empty_axis_says_the_axis_is_empty_not_a_range_that_cannot_fit(t):
     tree = {"embed": np.zeros((0, 3), np.float32), "head": st.Tied("embed", t)}
-    with pytest.raises(st.TieError, match=r"view 'head'.*\(size 0\).*Fix: refer to a buffer whose "
-                       r"axis is not empty") as info:
+    fix = "Fix: refer to a buffer whose axis is not empty"
+    with raises("E71", "view 'head'", "(size 0)", fix) as info:
         st.materialize(tree)
-    assert "0:0" not in str(info.value) and "between 0 and -1" not in str(info.value)
+    assert "0:0" not in message(info.value) and "between 0 and -1" not in message(info.value)
+
 
 # --- values and gradients ----------------------------------------------------------
 
@@ -378,7 +378,5 @@ def test_flax_partition_boxes_slice_keeps_the_names_index_drops_the_indexed_one(
     h = np.tanh(e[np.asarray(tokens)] @ s[0]) @ d
     by_hand = np.tanh(h @ s[1]) @ d @ e[:V].T
     np.testing.assert_allclose(model.apply(variables, tokens), by_hand, rtol=1e-5, atol=1e-6)
-    with pytest.raises(
-        st.TieError, match=r"'last'.*would carry the partition names \('embed', 'mlp'\)"
-    ):
+    with raises("E42", "'last'", "('embed', 'mlp')"):
         tied(Padded(last_names=("mlp", "embed")), ties).init(jax.random.key(0), tokens)

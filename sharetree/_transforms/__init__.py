@@ -1,0 +1,73 @@
+"""Transforms: hashable, value-equal, picklable functions from a buffer to a view.
+
+``protocol`` holds the base class, the registry of spec names and the chain normal form
+(with ``identity``, its unit); ``builtins`` the built-in transforms of whole arrays, ``views``
+those of part of a buffer (``slice``, ``index``); ``spec`` the reading of (untrusted) JSON
+specs and the stand-ins that describe a file's transforms.
+docs/ties_and_transforms.md describes each transform and how to write your own.
+"""
+
+from sharetree._transforms.builtins import (
+    T,
+    astype,
+    fn,
+    reshape,
+    scale,
+    transpose,
+)
+from sharetree._transforms.protocol import (
+    REGISTRY,
+    Names,
+    Transform,
+    canonical_dtype,
+    chain,
+    check_transform,
+    identity,
+    is_factory,
+    is_int,
+    is_real,
+    parts_of,
+    view_axis_names,
+)
+from sharetree._transforms.spec import (
+    describe_spec,
+    describe_transform,
+    is_described,
+    transform_from_spec,
+)
+from sharetree._transforms.views import index, slice
+
+# Pickles written before the split (sharetree/_transforms.py) name the built-in classes
+# here, as sharetree._transforms._Scale and so on: each old name stays bound to its class,
+# looked up by its registered spec name (the classes stay private to their modules).
+_Transpose, _Reshape, _AsType, _Scale, _Fn = (
+    REGISTRY[n] for n in ("transpose", "reshape", "astype", "scale", "fn")
+)
+_Slice, _Index, _Chain, _Identity = (REGISTRY[n] for n in ("slice", "index", "chain", "identity"))
+
+__all__ = [
+    "REGISTRY",
+    "Names",
+    "T",
+    "Transform",
+    "astype",
+    "canonical_dtype",
+    "chain",
+    "check_transform",
+    "describe_spec",
+    "describe_transform",
+    "fn",
+    "identity",
+    "index",
+    "is_described",
+    "is_factory",
+    "is_int",
+    "is_real",
+    "parts_of",
+    "reshape",
+    "scale",
+    "slice",
+    "transform_from_spec",
+    "transpose",
+    "view_axis_names",
+]
