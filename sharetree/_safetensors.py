@@ -13,7 +13,7 @@ import secrets
 import stat
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +21,20 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Sharding
 
-from sharetree._errors import TieError, one_line
+from sharetree._errors import error, one_line, short, wrong_type
 from sharetree._paths import Path, leaves_with_paths, path_str
 from sharetree._sharding import check_fits
 from sharetree._tied import is_tied
 
 __all__ = [
     "NATIVE_CODES",
+    "CODES",
+    "BufferLeaf",
     "DuplicateKey",
+    "PathOrStr",
     "check_load_fits",
+    "is_numeric",
+    "only_in",
     "Pending",
     "Reader",
     "Tensor",
@@ -49,26 +54,31 @@ NATIVE_CODES = {
 """safetensors dtype codes -> the dtype names ``st.save`` stores under their own code."""
 
 # every code the raw fallback reader knows: the native ones and float8 (which numpy lacks)
-_CODES = {
+CODES = {
     **NATIVE_CODES, "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }  # fmt: skip
 
 
+PathOrStr = Union[str, bytes, "os.PathLike[str]"]
+"""A file's path, as ``open`` takes it."""
+
+_RESAVE = "save the file again with st.save, or check that the path names the right file"
+
+
+def is_numeric(dtype: np.dtype) -> bool:
+    """Whether a file holds arrays of ``dtype``: numbers and booleans, ml_dtypes' types too."""
+    return dtype.kind in "biufc" or (dtype.kind == "V" and bool(jnp.issubdtype(dtype, jnp.number)))
+
+
 def file_path(path: Any, verb: str) -> str:
     """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``, else a :class:`TieError`."""
+    fix = "pass the file's path, e.g. 'model.safetensors'"
     try:
         text = os.fsdecode(path)
     except TypeError:
-        raise TieError(
-            f"{verb}: the path should be a str or os.PathLike (such as pathlib.Path), found "
-            f"{type(path).__name__} {path!r:.80}. Fix: pass the file's path, e.g. "
-            "'model.safetensors'."
-        ) from None
+        raise wrong_type("E49", f"{verb}: the path", "a str or os.PathLike", path, fix) from None
     if not text or "\0" in text:
-        raise TieError(
-            f"{verb}: the path {text!r:.80} is empty or holds a NUL character, so it names no "
-            "file. Fix: pass the file's path, e.g. 'model.safetensors'."
-        )
+        raise error("E49", f"{verb}: the path {short(text)}", "is empty or holds a NUL", fix=fix)
     return text
 
 
@@ -100,7 +110,7 @@ class TensorInfo(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes of its data (0 for a dtype code sharetree does not know)."""
-        name = _CODES.get(self.code)
+        name = CODES.get(self.code)
         return 0 if name is None else math.prod(self.shape) * jnp.dtype(name).itemsize
 
 
@@ -115,12 +125,10 @@ class Reader:
         from safetensors import safe_open
 
         self.path, self.verb = path, verb
+        where = f"{verb}: {path!r}"
         if os.path.exists(path) and not os.path.isfile(path):  # a pipe would block the read
-            raise TieError(
-                f"{verb}: {path!r} is not a regular file (it is a directory, a pipe or a "
-                "device), so it is not a safetensors file. Fix: give the path of a "
-                ".safetensors file."
-            )
+            what, fix = "is not a regular file (a directory, a pipe or a device)", "give a file"
+            raise error("E51", where, what, fix=f"{fix}, e.g. 'model.safetensors'")
         try:
             with open(path, "rb") as raw:  # for what the library does not say: duplicates, offsets
                 (n,) = struct.unpack("<Q", raw.read(8))
@@ -134,17 +142,11 @@ class Reader:
                 for name, h in sorted(self._header.items())
             }
         except DuplicateKey as e:  # the library keeps the last of two: a silent pick
-            raise TieError(
-                f"{verb}: the header of {path!r} names {e.key!r} twice (a tensor or a metadata "
-                "entry), so one of the two would be silently lost. The file is damaged or "
-                "was written by a broken tool. Fix: write the file again."
-            ) from None
+            what = f"its header names {short(e.key)} twice"
+            raise error("E52", where, what, fix="write the file again") from None
         except Exception as e:  # SafetensorError, OSError of a directory, ...
-            raise TieError(
-                f"{verb}: {path!r} is not a readable safetensors file ({one_line(e)}). "
-                "It may be empty, truncated or of another format. Fix: save it again with "
-                "st.save, or check that the path names the right file."
-            ) from e
+            what = f"is not a readable safetensors file ({one_line(e)})"
+            raise error("E120", where, what, fix=_RESAVE) from e
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every tensor as a NumPy array that owns its memory, in header order."""
@@ -163,13 +165,11 @@ class Reader:
         """
         info, stored = self.infos[name], view is None
         if view is None:
-            code = _CODES.get(info.code)
+            code = CODES.get(info.code)
             if code is None:
-                raise TieError(
-                    f"{self.verb}: tensor {name!r} of {self.path!r} has the dtype code "
-                    f"{info.code!r}, which sharetree cannot read (known: "
-                    f"{', '.join(_CODES)}). Fix: convert the file."
-                )
+                where = f"{self.verb}: the tensor {short(name)} of {self.path!r}"
+                what, known = f"has the dtype code {short(info.code)}", ", ".join(CODES)
+                raise error("E121", where, what, expected=known, fix="convert the file")
             view = (jnp.dtype(code), info.shape)
         dtype, shape = view
         index = tuple(slice(0, n) for n in shape) if index is None else index
@@ -188,11 +188,9 @@ class Reader:
             whole = np.memmap(self.path, dtype, "r", self._data_start + start, shape or (1,))
             return np.array(whole.reshape(shape)[index])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            why = f"{one_line(cause)}; " if cause is not None else ""
-            raise TieError(
-                f"{self.verb}: cannot read tensor {name!r} of {self.path!r} "
-                f"({why}{one_line(e)}). Fix: check the file is complete."
-            ) from e
+            why = f"cannot be read ({one_line(cause) + '; ' if cause else ''}{one_line(e)})"
+            where = f"{self.verb}: the tensor {short(name)} of {self.path!r}"
+            raise error("E120", where, why, fix="check that the file is complete") from e
 
 
 def _part_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -287,6 +285,29 @@ class Tensor(Pending):
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class BufferLeaf(Pending):
+    """A buffer of a file ``st.save`` wrote, not read yet: an array, NumPy scalar or typed keys."""
+
+    tensor: Tensor
+    shape: tuple[int, ...]
+    dtype: Any
+    scalar: bool = False  # a NumPy scalar (np.float32(1.0)) on the host
+    key: str | None = None  # typed PRNG keys of this implementation, from their key data
+
+    def _wrap(self, data: jax.Array) -> jax.Array:
+        return jax.random.wrap_key_data(data, impl=self.key)
+
+    def read(self) -> Any:
+        a = self.tensor.read()
+        if self.key is not None:
+            return self._wrap(jnp.asarray(a))
+        return a[()] if self.scalar else a
+
+    def place(self, sharding: Any) -> jax.Array:
+        return self.tensor.place(sharding, None if self.key is None else self._wrap)
+
+
 def read_tree(label: str, tree: Any, shardings: Any) -> Any:
     """``tree`` with every :class:`Pending` leaf read (each once, every sharding checked first)."""
     got = dict(leaves_with_paths(tree, is_tied))
@@ -298,21 +319,17 @@ def read_tree(label: str, tree: Any, shardings: Any) -> Any:
             )
         )
         buffers = [p for p, x in got.items() if isinstance(x, Pending)]
-        missing, extra = _only(buffers, want), _only(want, got)
+        missing, extra = only_in(buffers, want), only_in(want, got)
         if missing != "none" or extra != "none":
-            raise TieError(
-                f"load: shardings= does not match {label}: buffers without a sharding: "
-                f"{missing}; paths the file does not have: {extra}. "
-                "Fix: build shardings from the canonical tree, e.g. jax.tree.map(lambda x: "
-                "sharding, abstract_tree) (Tied positions are ignored)."
-            )
+            found = f"buffers without a sharding: {missing}; paths not in the file: {extra}"
+            fix = "build them from the tree: jax.tree.map(lambda x: sharding, abstract_tree)"
+            where = f"load: shardings= for {label}"
+            raise error("E35", where, "does not match its buffers", found=found, fix=fix)
         want = {p: want[p] for p in buffers if want[p] is not None and not is_tied(want[p])}
         for p, s in want.items():
             if not isinstance(s, Sharding):
-                raise TieError(
-                    f"load: shardings= at {path_str(p)!r} is {type(s).__name__} {s!r}, not a "
-                    "jax.sharding.Sharding. Fix: give a Sharding (or None to keep it on the host)."
-                )
+                where, expected = f"load: shardings= at {path_str(p)!r}", "a jax Sharding"
+                raise wrong_type("E35", where, expected, s, "give a Sharding, or None: the host")
             check_load_fits(path_str(p), got[p].shape, s)
     leaves = [
         x if not isinstance(x, Pending) else x.place(want[p]) if p in want else x.read()
@@ -337,10 +354,10 @@ def _refill(x: Any, leaves: Iterator[Any]) -> Any:
 def check_load_fits(where: str, shape: tuple[int, ...], sharding: Any) -> None:
     """:func:`check_fits` for ``load``'s sharding of the buffer at ``where``."""
     fix = "or pass None to keep the buffer on the host"
-    check_fits(f"load: the sharding at {where!r}", shape, sharding, fix)
+    check_fits(f"load: the sharding at {where!r}", shape, sharding, fix, code="E90")
 
 
-def _only(paths: Any, other: Any) -> Any:
+def only_in(paths: Any, other: Any) -> Any:
     """The first five of ``paths`` not in ``other``, sorted and shown (``'none'`` if none)."""
     return sorted(map(path_str, set(paths) - set(other)))[:5] or "none"
 

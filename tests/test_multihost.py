@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _multihost_launcher as launcher
 
 RTOL, ATOL = 1e-5, 1e-6
+pytestmark = pytest.mark.slow  # two clusters of 2 processes and one of 8 devices
 
 
 class Run:

@@ -1,0 +1,323 @@
+"""The untrusted ``sharetree.*`` metadata of a file, checked against a table of fields.
+
+A file's ``sharetree.tree`` is parsed by ``json.loads`` (an object naming a key twice
+is refused) and walked once: each node's fields are checked against :data:`FIELDS`
+(name, JSON type, required or not, a normaliser), then its kind's rule checks what
+spans fields (a buffer against the tensor the safetensors header describes), then the
+node is made: containers rebuilt, a buffer a lazy ``BufferLeaf``, a tie's transform
+made by the caller's ``resolve``. Nesting is bounded by ``MAX_DEPTH``. Nothing the
+file names is imported or called: type names stay text, and ``resolve``
+(``transform_from_spec`` with the caller's ``functions=``) calls nothing it is not
+given. Every problem is a :class:`TieError` naming the file, the node's path and the
+field. The format: "The file format" in ``docs/saving_and_scaling.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharetree._errors import FIXES, TieError, add_context, error, one_line, short
+from sharetree._format import (
+    FORMAT_VERSION,
+    KEY_IMPLS,
+    KEY_LIBRARY,
+    KEY_TREE,
+    KEY_VERSION,
+    MAX_DEPTH,
+)
+from sharetree._paths import Path, format_aval, path_str
+from sharetree._safetensors import (
+    NATIVE_CODES,
+    BufferLeaf,
+    DuplicateKey,
+    Reader,
+    Tensor,
+    is_numeric,
+    unique_pairs,
+)
+from sharetree._tied import Tied
+from sharetree._transforms import Transform
+
+__all__ = ["BAD", "FIELDS", "Field", "Header", "Unsaved", "read_header"]
+
+RESAVE = FIXES["resave"] + " (its tensors alone: safetensors.numpy.load_file(path))"
+
+
+class Field(NamedTuple):
+    """One field of a node of ``sharetree.tree``.
+
+    ``norm`` gives the value as the walk uses it, or :data:`BAD` for a value of the right
+    JSON type that is still not acceptable.
+    """
+
+    name: str
+    json: tuple[type, ...]  # the types json.loads gives for an acceptable value
+    want: str  # what it should be, as a message says
+    norm: Callable[[Any], Any] | None = None
+    required: bool = True
+
+
+BAD = object()
+"""What a normaliser gives for a value it does not accept."""
+
+
+def _accept(ok: Callable[[Any], bool]) -> Callable[[Any], Any]:
+    """A normaliser that keeps a value ``ok`` accepts."""
+    return lambda v: v if ok(v) else BAD
+
+
+def _dtype(v: str) -> Any:
+    """A numeric dtype's name as ``jnp.dtype`` reads it (``"float32"``, never ``"f4"``)."""
+    try:  # numpy parses more than names (a SyntaxError for some): identifiers only
+        d = np.dtype(jnp.dtype(v)) if v.isidentifier() else None
+    except TypeError:
+        d = None
+    return d if d is not None and d.name == v and is_numeric(d) else BAD
+
+
+def _sizes(v: list[Any]) -> Any:
+    """A shape: sizes >= 0 (json.loads' types: a bool is no int)."""
+    return tuple(v) if all(type(d) is int and d >= 0 for d in v) else BAD
+
+
+_REAL = (int, float)
+_VALUES: dict[str, Callable[[Any], bool]] = {
+    "bool": lambda v: type(v) is bool,
+    "int": lambda v: type(v) is int,
+    "float": lambda v: type(v) in _REAL,
+    "str": lambda v: type(v) is str,
+    "complex": lambda v: type(v) is list and len(v) == 2 and all(type(x) in _REAL for x in v),
+}
+"""The Python leaves a ``value`` node holds: its ``type`` and the check of its ``value``."""
+
+_TYPE = Field("type", (str,), "a type name (printable, at most 500 characters)",
+              _accept(lambda v: 0 < len(v) <= 500 and v.isprintable()))  # fmt: skip
+_KEYS = Field("keys", (list,), "a list of str or int keys",
+              _accept(lambda v: all(type(k) in (str, int) for k in v)))  # fmt: skip
+_CHILDREN = Field("children", (list,), "a list of nodes")
+
+FIELDS: dict[str, tuple[Field, ...]] = {
+    "none": (),
+    "list": (_CHILDREN,),
+    "tuple": (_CHILDREN,),
+    "dict": (_KEYS, _CHILDREN),
+    "odict": (_KEYS, _CHILDREN),
+    "node": (_TYPE, _KEYS, _CHILDREN),
+    "static": (_TYPE,),
+    "value": (
+        Field("type", (str,), ", ".join(_VALUES), _accept(lambda v: v in _VALUES)),
+        Field("value", (bool, int, float, str, list, dict, type(None)), "a value"),  # see value()
+    ),
+    "tied": (
+        Field("ref", (list,), "a non-empty list of str or int keys",
+              _accept(lambda v: v and all(type(k) in (str, int) for k in v))),
+        Field("up", (int,), f"an int from 0 to {MAX_DEPTH}, in a file of version 3",
+              _accept(lambda v: type(v) is int and 0 <= v <= MAX_DEPTH), required=False),
+        Field("transform", (dict,), "a transform spec (a JSON object)"),
+    ),
+    "buffer": (
+        Field("tensor", (str,), "a tensor name"),
+        Field("dtype", (str,), "a numeric dtype name", _dtype),
+        Field("shape", (list,), "a list of sizes >= 0", _sizes),
+        Field("raw", (bool,), "true or false"),
+        Field("scalar", (bool,), "true or false", required=False),
+        Field("key", (str, type(None)), f"one of {', '.join(KEY_IMPLS)}",
+              _accept(lambda v: v is None or v in KEY_IMPLS), required=False),
+    ),
+}  # fmt: skip
+"""Each node kind ``t`` and its fields (the table of "The file format"); others are ignored."""
+
+_KIND = Field("t", (str,), "a node kind")
+_UPGRADE = "upgrade sharetree (pip install -U sharetree)"
+_READS = f"format versions up to {FORMAT_VERSION}"
+_DEFAULTS = {"scalar": False, "key": None, "up": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsaved:
+    """A ``static`` node: a leaf no file holds (a function), taken from ``like`` by ``load``."""
+
+    kind: str
+
+    def __repr__(self) -> str:
+        return f"<unsaved {self.kind}>"
+
+
+class Header(NamedTuple):
+    """A file's checked ``sharetree.*`` metadata and the tree it describes."""
+
+    version: int
+    tree: Any  # containers rebuilt, ties resolved; buffers not read (BufferLeaf)
+    statics: list[tuple[Path, str]]  # Unsaved leaves: where, and their type names
+    generic: list[tuple[Path, str]]  # nodes of other types, rebuilt as dicts
+    keys: list[Path]  # buffers of typed PRNG keys
+
+
+def read_header(
+    reader: Reader, resolve: Callable[[Any], Transform], *, lazy: bool = True
+) -> Header:
+    """The checked ``sharetree.*`` metadata of ``reader``'s file and the tree it describes.
+
+    Each tie's transform is ``resolve(spec)`` (the caller decides what may be called);
+    each buffer a :class:`BufferLeaf` that reads its tensor when asked, or without
+    ``lazy`` the ``jax.ShapeDtypeStruct`` of its data. No tensor is read.
+    """
+    meta, where = reader.metadata, f"{reader.verb}: {reader.path!r}"
+    text, by = meta[KEY_VERSION], short(meta.get(KEY_LIBRARY, "?"), 40)
+    number = int(text) if text.isascii() and text.isdigit() and len(text) < 10 else 0
+    if number > FORMAT_VERSION:
+        problem = f"has format version {text} (by sharetree {by})"
+        raise error("E126", where, problem, expected=_READS, fix=_UPGRADE)
+    if number < 1 or KEY_TREE not in meta:
+        problem = f"has {KEY_VERSION} {short(text, 60)}" if number < 1 else f"has no {KEY_TREE!r}"
+        want = "an integer from 1" if number < 1 else None
+        raise error("E29", where, problem, expected=want, fix=RESAVE)
+    walk = _Walk(reader, number, resolve, lazy)
+    try:
+        tree = walk.node(json.loads(meta[KEY_TREE], object_pairs_hook=unique_pairs), ())
+    except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
+        problem = f"names the field {short(e.key, 60)} twice in one object"
+        raise error("E52", f"{where}: {KEY_TREE}", problem, fix=RESAVE) from None
+    except RecursionError:  # in the parser, or a value nested almost as deep, echoed
+        problem = f"is nested deeper than Python recurses (a file holds {MAX_DEPTH} levels)"
+        raise error("E30", f"{where}: {KEY_TREE}", problem, fix=RESAVE) from None
+    except TieError:
+        raise
+    except ValueError as e:
+        problem = f"is not valid JSON ({one_line(e)})"
+        raise error("E29", f"{where}: {KEY_TREE}", problem, fix=RESAVE) from e
+    unused = sorted(set(reader.infos) - walk.used)
+    if unused:
+        raise error("E127", where, "holds tensors its tree does not use", found=f"{unused[:5]}")
+    return Header(walk.version, tree, walk.statics, walk.generic, walk.keys)
+
+
+class _Walk:
+    """One walk over the nodes of a tree's JSON, each checked against :data:`FIELDS`."""
+
+    def __init__(
+        self, reader: Reader, version: int, resolve: Callable[[Any], Transform], lazy: bool
+    ) -> None:
+        self.where, self.reader = f"{reader.verb}: {reader.path!r}", reader
+        self.infos = reader.infos
+        self.version, self.resolve, self.lazy = version, resolve, lazy
+        self.used: set[str] = set()
+        self.statics: list[tuple[Path, str]] = []
+        self.generic: list[tuple[Path, str]] = []
+        self.keys: list[Path] = []
+
+    def at(self, path: Path, what: str = "") -> str:
+        """Where a message points: the file, the node's path and ``what`` (a field)."""
+        return f"{self.where}, node {short(path_str(path), 200)}{what and ', '}{what}"
+
+    def bad(self, path: Path, field: str, want: str, v: Any = None, found: str = "") -> TieError:
+        """The TieError for the field ``field`` of the node at ``path``: ``want``, not ``v``."""
+        found = found or f"{type(v).__name__} {short(v, 60)}"
+        return error("E29", self.at(path, field), expected=want, found=found, fix=RESAVE)
+
+    def field(self, node: dict[str, Any], path: Path, f: Field) -> Any:
+        """The value of the field ``f`` of ``node``, normalised."""
+        if f.name not in node and not f.required:
+            return _DEFAULTS[f.name]
+        v = node.get(f.name, BAD)
+        value = BAD if type(v) not in f.json else v if f.norm is None else f.norm(v)
+        if value is BAD:
+            found = "nothing (the field is missing)" if v is BAD else ""
+            raise self.bad(path, f"field {f.name!r}", f.want, v, found)
+        return value
+
+    def node(self, node: Any, path: Path) -> Any:
+        if len(path) > MAX_DEPTH:
+            where = f"{self.where}, node {path_str(path[:8])!r}/..."
+            raise error("E30", where, f"is nested deeper than {MAX_DEPTH} levels", fix=RESAVE)
+        if type(node) is not dict:
+            raise self.bad(path, "", "a JSON object", node)
+        t = self.field(node, path, _KIND)
+        if t not in FIELDS:
+            problem = f"has the unknown node kind {short(t, 60)}"
+            raise error("E126", self.at(path), problem, fix=_UPGRADE)
+        v = {f.name: self.field(node, path, f) for f in FIELDS[t]}
+        if t in ("static", "value", "tied", "buffer"):
+            return getattr(self, t)(v, path)
+        return None if t == "none" else self.container(t, v, path)
+
+    def container(self, t: str, v: dict[str, Any], path: Path) -> Any:
+        children = v["children"]
+        keys = v["keys"] if "keys" in v else list(range(len(children)))
+        if len(keys) != len(children) or len(set(map(str, keys))) != len(keys):
+            found = f"keys {short(keys, 60)} for {len(children)} children"
+            raise self.bad(path, "field 'keys'", "as many distinct keys as children", found=found)
+        if t == "dict" and len({type(k) for k in keys}) > 1:  # jax sorts a dict's keys
+            problem = "is a dict of str and int keys"
+            raise error("E31", self.at(path), problem, found=short(keys, 60), fix=RESAVE)
+        if t == "node":  # rebuilt as a dict keyed by its key names (load warns)
+            self.generic.append((path, v["type"]))
+        values = [self.node(c, (*path, str(k))) for k, c in zip(keys, children)]
+        if t in ("list", "tuple"):
+            return list(values) if t == "list" else tuple(values)
+        kind = collections.OrderedDict if t == "odict" else dict
+        return kind(zip(map(str, keys) if t == "node" else keys, values))
+
+    def static(self, v: dict[str, Any], path: Path) -> Unsaved:
+        self.statics.append((path, v["type"]))
+        return Unsaved(v["type"])
+
+    def value(self, v: dict[str, Any], path: Path) -> Any:
+        kind, value = v["type"], v["value"]
+        if not _VALUES[kind](value):
+            raise self.bad(path, "field 'value'", f"a {kind} value", value)
+        if kind == "complex":
+            return complex(*value)
+        return float(value) if kind == "float" else value
+
+    def tied(self, v: dict[str, Any], path: Path) -> Tied:
+        try:
+            if v["up"] is not None and self.version < 3:
+                found = f"'up' in a file of version {self.version}"
+                raise self.bad(path, "field 'up'", "no 'up' before format version 3", found=found)
+            return Tied(tuple(v["ref"]), self.resolve(v["transform"]), up=v["up"])
+        except TieError as e:  # a spec its class refuses, an fn not given: the file says where
+            add_context(e, self.at(path, "field 'transform'"))
+            raise
+
+    def buffer(self, v: dict[str, Any], path: Path) -> Any:
+        name, dtype, shape, raw, impl = v["tensor"], v["dtype"], v["shape"], v["raw"], v["key"]
+        if v["scalar"] and shape:
+            found = f"true for shape {list(shape)}"
+            raise self.bad(path, "field 'scalar'", "true for shape [] only", found=found)
+        if impl is not None and (self.version < 2 or dtype != np.uint32 or raw):
+            found = f"{impl!r} on {'raw ' * raw}{dtype} data in a file of version {self.version}"
+            want = "a key on uint32 data, format version 2"
+            raise self.bad(path, "field 'key'", want, found=found)
+        data = jax.ShapeDtypeStruct(shape, dtype)
+        want = f"uint8[{data.size * dtype.itemsize}]" if raw else format_aval(data)
+        info = self.infos.get(name)  # its dtype and shape as format_aval shows them
+        got = info and f"{NATIVE_CODES.get(info.code, info.code)}{list(info.shape)}"
+        if got != want or name in self.used:
+            found = "no such tensor" if got is None else "used twice" if got == want else got
+            expected = f"{want} (the bytes of {format_aval(data)})" if raw else want
+            at = self.at(path, f"tensor {short(name, 60)}")
+            raise error("E127", at, expected=expected, found=found, fix=RESAVE)
+        self.used.add(name)
+        aval = data
+        if impl is not None:
+            self.keys.append(path)
+            try:  # the key data's shape fits the implementation (a shape check: nothing runs)
+                aval = jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=impl), data)
+            except (ValueError, TypeError) as e:
+                found = f"{format_aval(data)} ({one_line(e)})"
+                want = f"key data that fits {impl} keys"
+                raise self.bad(path, "field 'key'", want, found=found) from e
+        if not self.lazy:
+            return data
+        tensor = Tensor(self.reader, name, data.shape, data.dtype, view=raw)
+        return BufferLeaf(tensor, aval.shape, aval.dtype, v["scalar"], impl)
