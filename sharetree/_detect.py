@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharetree._errors import TieError
-from sharetree._paths import Path, format_aval, leaves_with_paths, path_key, path_str
-from sharetree._tie import bit_equal, check_atol, tie
+from sharetree._compare import check_atol, close, concrete, near, wide
+from sharetree._errors import wrong_type
+from sharetree._paths import Path, leaves_with_paths, path_key, path_str
+from sharetree._tie import tie
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import T, Transform, check_transform, identity
 
@@ -59,10 +60,9 @@ def find_ties(
         {'head': Tied('embed', T)}
     """
     if isinstance(transforms, Transform) or not isinstance(transforms, Iterable):
-        raise TieError(
-            f"find_ties(transforms=...): expected a sequence of transforms, found "
-            f"{type(transforms).__name__} {transforms!r}. Fix: pass a list or tuple, e.g. "
-            "transforms=(st.identity, st.T)."
+        fix = "pass a list or tuple, e.g. transforms=(st.identity, st.T)"
+        raise wrong_type(
+            "E62", "find_ties: transforms=", "a sequence of transforms", transforms, fix
         )
     transforms = tuple(check_transform(t, "in find_ties") for t in transforms)
     atol = check_atol(atol, "find_ties")
@@ -89,18 +89,6 @@ def _sample(a: np.ndarray) -> np.ndarray:
     return a.flat[np.linspace(0, a.size - 1, _SAMPLES).astype(np.intp)]
 
 
-def _wide(a: np.ndarray) -> np.ndarray:
-    """``a`` in float64 (complex128 if complex): bfloat16, float8 and ints compare as numbers."""
-    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
-
-
-def _close(x: np.ndarray, y: np.ndarray, atol: float) -> bool:
-    if atol == 0.0:
-        return bit_equal(x, y)
-    x, y = _wide(x), _wide(y)
-    return x.shape == y.shape and bool(np.allclose(x, y, rtol=0.0, atol=atol, equal_nan=True))
-
-
 def _key(a: np.ndarray, sample: np.ndarray, atol: float) -> tuple[Any, ...]:
     """Where views that may equal ``a`` are kept: shape, dtype and, when bit-exact, the sample."""
     return a.shape, a.dtype, sample.tobytes() if atol == 0.0 else None
@@ -114,7 +102,7 @@ class _Bucket:
         self.samples: np.ndarray | None = None  # row k: views[k].sample, widened; grows by doubling
 
     def add(self, view: _View) -> None:
-        row = _wide(view.sample)
+        row = wide(view.sample)
         if self.samples is None or len(self.views) == len(self.samples):
             grown = np.empty((2 * len(self.views) + 1, row.size), row.dtype)
             if self.samples is not None:
@@ -127,38 +115,33 @@ class _Bucket:
         """The views whose samples are within ``atol`` of ``sample`` (all, when bit-exact)."""
         if atol == 0.0 or self.samples is None:
             return self.views  # the key holds the sample's bytes
-        rows, s = self.samples[: len(self.views)], _wide(sample)
-        with np.errstate(invalid="ignore"):
-            ok = (rows == s) | (np.abs(rows - s) <= atol) | (np.isnan(rows) & np.isnan(s))
-        return [self.views[k] for k in np.flatnonzero(ok.all(axis=1))]
+        return [self.views[k] for k in near(self.samples[: len(self.views)], sample, atol)]
 
 
-def _comparable(x: Any, path: Path) -> bool:
-    """Whether ``x`` is a numeric or boolean array of 2+ elements (PRNG keys, strings: no)."""
+def _comparable(x: Any) -> bool:
+    """Whether ``x`` is a numeric or boolean array of 2+ elements (PRNG keys, strings: no).
+
+    A traced one is, so that :func:`concrete` says it has no values.
+    """
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)) or np.size(x) <= 1:
         return False
-    if isinstance(x, jax.core.Tracer):
-        raise TieError(
-            f"find_ties: the leaf {path_str(path)!r} is traced ({format_aval(x)} under jit, "
-            "vmap or grad); finding ties compares values. Fix: call st.find_ties outside "
-            "jit on concrete arrays, and pass the result into the traced function."
-        )
-    return x.dtype == np.bool_ or bool(jnp.issubdtype(x.dtype, jnp.number))
+    traced = isinstance(x, jax.core.Tracer)
+    return traced or x.dtype == np.bool_ or bool(jnp.issubdtype(x.dtype, jnp.number))
 
 
 def _find_ties(tree: Any, transforms: Sequence[Transform], atol: float) -> dict[str | Path, Tied]:
     found: dict[Path, Tied] = {}
     seen: dict[tuple[Any, ...], _Bucket] = {}  # the views so far, by _key
     for path, x in leaves_with_paths(tree, is_tied):  # refs from the root, as tie takes them
-        if not _comparable(x, path):
+        if not _comparable(x):
             continue
-        a = np.asarray(x)
+        a = concrete(x, f"find_ties: the leaf {path_str(path)!r}")
         sample = _sample(a)
         if np.all(sample == sample[0]) and np.all(a == a.flat[0]):
             continue  # equal content means nothing for constant arrays (fresh biases)
         bucket = seen.get(_key(a, sample, atol))
         hits = [] if bucket is None else bucket.near(sample, atol)
-        match = next((v for v in hits if _close(v.value, a, atol)), None)
+        match = next((v for v in hits if close(v.value, a, atol)), None)
         if match is not None:
             found[path] = Tied(match.path, match.transform)
             continue

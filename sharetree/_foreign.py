@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import warnings
@@ -14,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._compare import Copies, check_atol, check_copies, kind, kinds_differ
+from sharetree._errors import TieError, add_context, check_mapping, error, one_line, short
 from sharetree._format import KEY_VERSION
-from sharetree._materialize import _view, abstract_expanded, leaves_and_structure
+from sharetree._materialize import abstract_expanded, leaf_view, leaves_and_structure
 from sharetree._paths import closest, format_aval
 from sharetree._safetensors import (
-    _CODES,
+    CODES,
     DuplicateKey,
     Pending,
     Reader,
@@ -28,7 +28,7 @@ from sharetree._safetensors import (
     read_tree,
     unique_pairs,
 )
-from sharetree._tie import _abs_diff, _kind, bit_equal, tie
+from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
     Transform,
@@ -47,6 +47,13 @@ INDEX_FILE = "model.safetensors.index.json"
 """The index of a sharded ``save_pretrained`` directory (``weight_map``: tensor -> shard)."""
 
 _MAX_INDEX_BYTES = 64 << 20  # an index names tensors and files; anything larger is not one
+_TIES = "pass ties={'lm_head.weight': 'model.embed_tokens.weight'} (transformers 5: ties="
+_TIES += "model.all_tied_weights_keys; 4.x: the names of parameters that share storage)"
+_UNTIED = "for ties the file omits or stores once, st.load(path, ties={'lm_head.weight': 'model."
+_UNTIED += "embed_tokens.weight'}) (transformers 5: ties=model.all_tied_weights_keys); for ties "
+_UNTIED += "stored twice, st.find_ties(tree)"
+_REWRITE = "write the index again (save_pretrained)"
+_RESAVE = "save the checkpoint again"
 
 
 def _name(x: Any, what: str) -> str:
@@ -54,33 +61,22 @@ def _name(x: Any, what: str) -> str:
     name = x[0] if isinstance(x, tuple) and len(x) == 1 else x
     if isinstance(name, str) and name:
         return name
-    raise TieError(
-        f"load: the tie {what} {x!r} is not a tensor name. A file not written by sharetree "
-        "is a flat state dict, so each path is one tensor name, e.g. 'lm_head.weight'. "
-        "Fix: pass ties={'lm_head.weight': 'model.embed_tokens.weight'} "
-        "(transformers 5: ties=model.all_tied_weights_keys)."
-    )
+    raise error("E43", f"load: the tie {what} {short(x)}", "is not a tensor name", fix=_TIES)
 
 
 def _parse_ties(ties: Any) -> dict[str, Tied]:
     """The requested ties of a flat state dict: ``{target: Tied((ref,), transform)}``."""
-    if not isinstance(ties, Mapping):
-        raise TieError(
-            f"load: ties must be a mapping {{target: ref}}, got {type(ties).__name__} "
-            f"{ties!r:.200}. Fix: pass ties={{'lm_head.weight': 'model.embed_tokens.weight'}} "
-            "(transformers 5: ties=model.all_tied_weights_keys; 4.x: the names of "
-            "model.named_parameters(remove_duplicate=False) that share storage)."
-        )
+    check_mapping(ties, "E43", "load: ties=", "a mapping {target: ref} of tensor names", _TIES)
     out: dict[str, Tied] = {}
     for target, ref in ties.items():
         t = _name(target, "target")
         if isinstance(ref, Tied):
             # Tied("a/b") splits at '/'; a flat state dict has the one key 'a/b'
-            tied = Tied(("/".join(map(str, ref.ref)),), ref.transform)
+            tied = Tied(("/".join(map(str, ref.ref)),), ref.transform, up=ref.up)
         else:
             tied = Tied((_name(ref, "ref"),))
         if t in out:
-            raise TieError(f"load: the tie target {t!r} is given twice. Fix: keep one entry.")
+            raise error("E43", f"load: the tie target {t!r} is given twice", fix="keep one entry")
         out[t] = tied
     return out
 
@@ -96,97 +92,88 @@ def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
     if not os.path.isdir(path):
         return [Reader(path) if reader is None else reader]
     single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
+    where = f"load: the directory {path!r}"
     if os.path.isfile(single) and os.path.isfile(index):
-        raise TieError(
-            f"load: the directory {path!r} holds both {SINGLE_FILE!r} and {INDEX_FILE!r}, so "
-            "it is not clear which checkpoint is meant. Fix: remove the stale one, or load "
-            "the file itself."
-        )
+        both = f"holds both {SINGLE_FILE!r} and {INDEX_FILE!r}"
+        raise error("E47", where, both, fix="remove the stale one, or load the file itself")
     readers = [Reader(single)] if os.path.isfile(single) else _shards(path, index)
     for r in readers:  # as a state dict, a file st.save wrote would lose its tree and ties
         if KEY_VERSION in r.metadata:
-            raise TieError(
-                f"load: the directory {path!r} holds {os.path.basename(r.path)!r}, a file "
-                "written by st.save; read as a save_pretrained checkpoint (a flat state dict) "
-                f"it would lose its tree and ties. Fix: load the file itself: "
-                f"st.load({r.path!r})."
-            )
+            ours = f"holds {os.path.basename(r.path)!r}, written by st.save"
+            raise error("E53", where, ours, fix=f"load the file itself: st.load({r.path!r})")
     return readers
 
 
 def _shards(path: str, index: str) -> list[Reader]:
     """The shards of the directory ``path``, checked against its ``index`` (tensor -> shard)."""
     if not os.path.isfile(index):
-        raise TieError(
-            f"load: {path!r} is a directory that holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r} "
-            "(a Hugging Face save_pretrained directory in safetensors format). If it is an Orbax "
-            "checkpoint, restore it with orbax.checkpoint and an abstract canonical tree as "
-            "target (see docs/saving_and_scaling.md); a pickled pytorch_model.bin is never "
-            "loaded (convert it to safetensors first)."
-        )
+        neither = f"holds neither {SINGLE_FILE!r} nor {INDEX_FILE!r}"
+        raise error("E47", f"load: the directory {path!r}", neither, fix=_NOT_PRETRAINED)
+    weight_map = _weight_map(index)
+    problem = _names_problem(path, weight_map)
+    shards = [] if problem else dict.fromkeys(weight_map.values())
+    readers = [Reader(os.path.join(path, shard)) for shard in shards]
+    if problem := problem or _holdings_problem(readers, weight_map):
+        raise error("E48", f"load: {index!r}", problem[0], fix=problem[1])
+    return readers
+
+
+_NOT_PRETRAINED = "restore an Orbax checkpoint with orbax.checkpoint (docs/saving_and_scaling.md);"
+_NOT_PRETRAINED += " convert a pytorch_model.bin to safetensors first"
+
+
+def _weight_map(index: str) -> Any:
+    """The ``weight_map`` of the shard index ``index`` (``_names_problem`` checks it)."""
+    where = f"load: {index!r}"
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
-        raise TieError(
-            f"load: {index!r} is larger than {_MAX_INDEX_BYTES >> 20} MiB; a shard index only "
-            "names tensors and files. Fix: check that the path names the right file."
-        )
+        big = f"is larger than {_MAX_INDEX_BYTES >> 20} MiB"
+        raise error("E48", where, big, fix="check that the path names the right file")
     with open(index, "rb") as f:
         raw = f.read()
     try:
         data = json.loads(raw, object_pairs_hook=unique_pairs)
-    except DuplicateKey as e:
-        raise TieError(
-            f"load: {index!r} lists {e.key!r} twice ({e.first!r} and {e.second!r}), so one entry "
-            "would be lost. Fix: write the index again (save_pretrained)."
-        ) from None
-    except (ValueError, RecursionError) as e:
-        raise TieError(
-            f"load: {index!r} is not valid JSON ({type(e).__name__}: {str(e)[:200]}). "
-            "Fix: write the index again (save_pretrained)."
-        ) from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    except (ValueError, RecursionError) as e:  # DuplicateKey: a key listed twice
+        bad = f"is not valid JSON ({one_line(e)[:200]})"
+        if isinstance(e, DuplicateKey):
+            bad = f"lists {e.key!r} twice ({e.first!r} and {e.second!r})"
+        raise error("E48", where, bad, fix=_REWRITE) from e
+    return data.get("weight_map") if isinstance(data, dict) else None
+
+
+def _names_problem(path: str, weight_map: Any) -> tuple[str, str] | None:
+    """What is wrong with the ``weight_map`` of an index (problem, fix), or ``None``.
+
+    Its shard names are file names in ``path``, and those files exist.
+    """
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise TieError(
-            f"load: {index!r} has no 'weight_map' object of tensor name -> shard file name. "
-            "Fix: write the index again (save_pretrained)."
-        )
+        return "has no 'weight_map' object of tensor name -> shard file name", _REWRITE
     for name, shard in weight_map.items():
         if shard in ("", ".", "..") or os.path.basename(shard) != shard or "/" in shard:
-            raise TieError(
-                f"load: {index!r} puts {name!r} in {shard!r}, which is not a file name in the "
-                "index's directory (shards never lie elsewhere). Fix: write the index again."
-            )
+            return f"puts {name!r} in {shard!r}, not a file name in its directory", _REWRITE
     for name, shard in weight_map.items():
         if not os.path.isfile(os.path.join(path, shard)):
-            raise TieError(
-                f"load: {index!r} names the shard {shard!r} (holding {name!r}, ...), which "
-                f"does not exist in {path!r}. Fix: copy the missing shard, or save the "
-                "checkpoint again."
-            )
-    readers = [Reader(os.path.join(path, s)) for s in dict.fromkeys(weight_map.values())]
+            missing = f"names the shard {shard!r} (holding {name!r}), which does not exist"
+            return missing, "copy the missing shard, or save the checkpoint again"
+    return None
+
+
+def _holdings_problem(readers: list[Reader], weight_map: dict[str, str]) -> tuple[str, str] | None:
+    """What is wrong with the tensors the shards hold, against the index, or ``None``."""
     where: dict[str, str] = {}
     for reader in readers:
         shard = os.path.basename(reader.path)
         for name in reader.infos:
             if name in where:
-                raise TieError(
-                    f"load: the tensor {name!r} is stored in both {where[name]!r} and "
-                    f"{shard!r} (shards of {index!r}); the two copies would be a silent pick. "
-                    "Fix: save the checkpoint again."
-                )
+                return f"has {name!r} stored in both {where[name]!r} and {shard!r}", _RESAVE
             where[name] = shard
     for name in {**where, **weight_map}:  # first the tensors of the shards, then the rest
         if name not in where:
-            raise TieError(
-                f"load: {index!r} puts {name!r} in {weight_map[name]!r}, but that shard does "
-                "not hold it (it is in no shard). Fix: save the checkpoint again."
-            )
+            return f"puts {name!r} in {weight_map[name]!r}, but it is in no shard", _RESAVE
         if (listed := weight_map.get(name)) != where[name]:
             said = "does not list it" if listed is None else f"puts it in {listed!r}"
-            raise TieError(
-                f"load: the shard {where[name]!r} holds {name!r}, but {index!r} {said}. "
-                "Fix: write the index again (save_pretrained), or remove the stray shard."
-            )
-    return readers
+            problem = f"{said}, but the shard {where[name]!r} holds {name!r}"
+            return problem, f"{_REWRITE}, or remove the stray shard"
+    return None
 
 
 # ----------------------------------------------------------------------------- ties
@@ -207,13 +194,9 @@ def _apply_ties(
         if target in tree and ref not in tree and ref not in asked:
             back = t.transform.inverse()  # the file stores only the target: move its buffer
             if back is None:
-                raise TieError(
-                    f"load {label}: the tie {target!r} <- {ref!r} ({t.transform!r}): the "
-                    f"file holds {target!r} but not {ref!r}, and {t.transform!r} has no "
-                    f"inverse, so {ref!r} cannot be computed from it. Fix: "
-                    f"load without this tie, keeping {target!r} as a buffer of its own, or "
-                    f"load a checkpoint that holds {ref!r}."
-                )
+                only = f"the file holds {target!r} but not {ref!r}; {t.transform!r} has no inverse"
+                fix = f"load without this tie, or a checkpoint that holds {ref!r}"
+                raise error("E45", f"load {label}: tie {target!r} <- {t!r}:", only, fix=fix)
             tree[ref], moved = _moved(tree[target], back), moved | {target}
     compare: dict[tuple[str, ...], Tied] = {}
     for target, t in asked.items():
@@ -222,11 +205,9 @@ def _apply_ties(
         elif t.ref[0] in tree or t.ref[0] in asked:
             tree[target] = t  # absent on purpose: nothing to compare
         else:
-            raise TieError(
-                f"load {label}: the tie {target!r} <- {t.ref[0]!r}: neither is in the file; "
-                f"{closest(t.ref[0], set(tree))}. Fix: use the tensor names the file holds, as "
-                "model.state_dict() names them."
-            )
+            where = f"load {label}: tie {target!r} <- {t.ref[0]!r}:"
+            neither = f"neither is in the file; {closest(t.ref[0], set(tree))}"
+            raise error("E44", where, neither, fix="use the tensor names the file holds")
     copies = {  # a moved buffer is its target; the file's own tie is one tensor
         k: tree[k]
         for (k,), t in compare.items()
@@ -240,16 +221,14 @@ def _apply_ties(
         out = tie(tree, compare, check=False)
         views = abstract_expanded(out)  # every view computes (shapes of absent targets included)
     except TieError as e:
-        raise TieError(f"load {label} with ties: {e}") from None
+        add_context(e, f"while loading {label} with ties")
+        raise
     for (k,), t in compare.items():  # each view must be what the file holds there
         held, view = jax.ShapeDtypeStruct(tree[k].shape, tree[k].dtype), views[(k,)]
-        if _kind(held) != _kind(view):
-            raise TieError(
-                f"load {label} with ties: tie {k!r} <- {t!r}: the file holds {k!r} as "
-                f"{format_aval(held)}, but the view is {format_aval(view)}. Fix: tie through a "
-                f"transform that gives {format_aval(held)} (st.T, st.astype, st.slice, ...), or "
-                f"load without this tie, keeping {k!r} as a buffer of its own."
-            )
+        if kind(held) != kind(view):
+            c = Copies(f"load {label}: tie {k!r} <- {t!r}", k, t.ref[0], t.transform, load=True)
+            keep = f"load without this tie, keeping {k!r} as a buffer of its own"
+            raise kinds_differ(c, format_aval(view), format_aval(held), keep)
     return dict(sorted(out.items())), copies
 
 
@@ -291,7 +270,7 @@ class _Computed(Pending):
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _compare(
+def _check_copies(
     label: str, tree: dict[str, Any], copies: dict[str, Tensor], asked: dict[str, Tied], atol: float
 ) -> None:
     """Each copy the file holds against the view that replaces it (placed: on its devices)."""
@@ -302,52 +281,19 @@ def _compare(
             continue
         buffer, t = leaves[leaf.buffer], leaf.transform or identity
         (ref,) = structure.buffer_paths[leaf.buffer]
+        c = Copies(f"load {label}: tie {name!r} <- {asked[name]!r}", name, ref, t, load=True)
         on_host = not isinstance(buffer, jax.Array)
         try:  # on the devices of the buffer (eager ops run where their inputs are)
             with jax.enable_x64(on_host):  # a float64 file compared in float64, as st.tie does
-                view = _view(structure, k, t, buffer)
+                view = leaf_view(structure, k, t, buffer)
         except TieError as e:  # e.g. a slice across a sharded Explicit mesh axis
-            raise TieError(f"load {label} with ties: {e}") from e.__cause__
-        worst: float
-        bad: float
+            add_context(e, f"while loading {label} with ties")
+            raise
         if on_host:  # as st.tie compares
-            held, computed = copies[name].read(), np.asarray(view)
-            same = bit_equal(held, computed)
-            d: np.ndarray = np.zeros(0) if same else _abs_diff(held, computed)
-            worst = float(d.max()) if d.size else 0.0
-            bad, size = int(np.count_nonzero(d > atol)), d.size
+            check_copies(c, copies[name].read(), view, atol)
         else:
             check_load_fits(name, view.shape, view.sharding)
-            copy = copies[name].place(view.sharding)
-            with jax.enable_x64(True):  # float64 checkpoints compared in float64, as st.tie does
-                worst, bad = (float(x.addressable_data(0)) for x in _differ(copy, view, atol))
-            size = copy.size
-        if worst > atol:
-            seen = repr(ref) if t == identity else f"{t!r} of {ref!r}"
-            other = (
-                f"to keep {name!r} instead, tie the other way round"
-                if t.inverse() is not None
-                else f"to keep {name!r} instead, write the values you want into {ref!r} ({t!r} "
-                f"has no inverse to tie {ref!r} to {name!r}), or keep {ref!r}"
-            )
-            raise TieError(
-                f"load {label} with ties: tie {name!r} <- {asked[name]!r}: the two copies "
-                f"differ: {name!r} and {seen} differ by up to {worst:.6g} (max abs difference; "
-                f"{int(bad)} of {size} elements above atol={atol}), so they are not one "
-                f"tied weight. Fix: {other}; or raise atol to {worst:.3g} if the difference "
-                "is rounding; or load without ties."
-            )
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _differ(a: jax.Array, b: jax.Array, atol: float) -> tuple[jax.Array, jax.Array]:
-    """The largest ``|a - b|`` (NaN equals NaN, as in ``st.tie``) and how many exceed ``atol``."""
-    wide = jnp.complex128 if jnp.iscomplexobj(a) or jnp.iscomplexobj(b) else jnp.float64
-    x, y = a.astype(wide), b.astype(wide)
-    same = (x == y) | (jnp.isnan(x) & jnp.isnan(y))  # equal infinities and NaNs count as equal
-    d = jnp.abs(x - y)
-    d = jnp.where(same, 0.0, jnp.where(jnp.isnan(d), jnp.inf, d))
-    return (d.max(initial=0.0), jnp.sum(d > atol))
+            check_copies(c, copies[name].place(view.sharding), view, atol, on_devices=True)
 
 
 def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
@@ -361,9 +307,9 @@ def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[st
 def _tensor(reader: Reader, name: str) -> Tensor:
     """The tensor ``name`` of ``reader``, not read yet (a dtype code it does not know: an error)."""
     info = reader.infos[name]
-    if info.code not in _CODES:
+    if info.code not in CODES:
         reader.read(name)  # raises, naming the code
-    return Tensor(reader, name, info.shape, np.dtype(jnp.dtype(_CODES[info.code])))
+    return Tensor(reader, name, info.shape, np.dtype(jnp.dtype(CODES[info.code])))
 
 
 def load_foreign(
@@ -384,24 +330,20 @@ def load_foreign(
     """
     readers = _readers(path, reader)  # headers only: every tensor is read once, below
     label = repr(path)
+    foreign = f"was not written by sharetree (no {KEY_VERSION!r} in its metadata)"
     if like is not None:
-        raise TieError(
-            f"load: {label} was not written by sharetree (no {KEY_VERSION!r} in its "
-            "metadata), so it has no tree structure to check against like=. Fix: load it "
-            "without like (a flat dict {tensor name: array}, ties= for its tied weights)."
-        )
+        fix = "load it without like= (a flat dict {tensor name: array}; ties= for its ties)"
+        raise error("E141", f"load(like=): {label}", foreign, fix=fix)
     if atol is not None and ties is None:
-        raise TieError(
-            f"load: atol={atol!r:.40} without ties= for {label}: atol is how far a present tie "
-            "target may differ from its ref, and without ties= nothing is compared. Fix: pass "
-            "ties={'lm_head.weight': 'model.embed_tokens.weight'} too, or drop atol."
-        )
+        fix = "pass ties={'lm_head.weight': 'model.embed_tokens.weight'} too, or drop atol"
+        raise error("E60", f"load: atol={short(atol, 40)} without ties= for {label}", fix=fix)
+    atol = 0.0 if atol is None else check_atol(atol, "load")
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: _tensor(r, name) for r in readers for name in r.infos}
     file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
     tree, copies = _apply_ties(label, tensors, file_ties, asked)
     tree = read_tree(label, tree, shardings)  # every check first: shapes, ties, shardings
-    _compare(label, tree, copies, asked, 0.0 if atol is None else atol)
+    _check_copies(label, tree, copies, asked, atol)
     n = f"{len(readers)} files" if len(readers) > 1 else "one file"
     said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
     if file_ties:
@@ -413,15 +355,6 @@ def load_foreign(
             for k, t in asked.items()
         )
         said += f"; tied as asked (ties=): {shown}"
-    else:
-        said += (
-            ". If the model ties weights that the file omits or stores once (Hugging Face "
-            "tie_word_embeddings), pass them: st.load(path, ties={'lm_head.weight': "
-            "'model.embed_tokens.weight'}) (transformers 5: ties=model.all_tied_weights_keys); "
-            "for ties stored twice, st.find_ties(tree) finds them"
-        )
-    warnings.warn(
-        f"{label} was not written by sharetree (no {KEY_VERSION!r} in its metadata): {said}.",
-        stacklevel=3,
-    )
+    note = error("E142", f"load: {label}", f"{foreign}: {said}", fix="" if asked else _UNTIED)
+    warnings.warn(str(note), stacklevel=3)
     return tree

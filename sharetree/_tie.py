@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import collections
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 
-from sharetree._errors import TieError, TieTypeError, safe_repr
+from sharetree._compare import (
+    LEAVE_ATOL_OUT,
+    Copies,
+    arraylike,
+    bit_equal,
+    check_atol,
+    check_copies,
+    concrete,
+    describe,
+    kind,
+    kinds_differ,
+)
+from sharetree._errors import check_bool, check_mapping, error, short
 from sharetree._materialize import (
-    _transformable,
     abstract_expanded,
     expanded_by_path,
     leaves_and_structure,
@@ -22,10 +30,10 @@ from sharetree._materialize import (
 )
 from sharetree._paths import (
     Path,
+    Ref,
     TieMap,
     aval_of,
     closest,
-    format_aval,
     keypath_to_path,
     leaves_with_paths,
     node_paths,
@@ -33,11 +41,11 @@ from sharetree._paths import (
     prefixes,
     to_path,
 )
-from sharetree._resolve import _nodes_at, ref_to, skeleton, structure_of, treedef_nodes
+from sharetree._resolve import nodes_at, ref_to, skeleton, structure_of, treedef_nodes
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import canonical_dtype, identity
+from sharetree._transforms import identity
 
-__all__ = ["tie", "tie_entries", "bit_equal", "check_atol"]
+__all__ = ["tie", "tie_entries", "bit_equal", "check_atol"]  # the last two: from _compare
 
 
 def _shape_of(positions: Mapping[Path, Any]) -> str:
@@ -46,15 +54,6 @@ def _shape_of(positions: Mapping[Path, Any]) -> str:
     if set(positions) == {()}:
         return "a leaf"
     return "a subtree with leaves " + ", ".join(repr(path_str(p)) for p in sorted(positions))
-
-
-def _kind(x: Any) -> Any:
-    """What ``check=True`` compares: shape and dtype as JAX computes them, else the type."""
-    return (x.shape, canonical_dtype(x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else type(x)
-
-
-def _describe(x: Any) -> str:
-    return format_aval(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
 
 
 def tie(
@@ -86,24 +85,15 @@ def tie(
         >>> st.tie(tree, {"dec/w": st.Tied("enc/w", st.T)})["dec"]
         {'w': Tied('enc/w', T)}
     """
-    if not isinstance(ties, Mapping):
-        raise TieError(f"tie: expected a mapping {{target: ref}}, got {type(ties).__name__}.")
-    if not isinstance(check, (bool, np.bool_)):
-        raise TieTypeError(
-            f"tie: check must be True or False, found {type(check).__name__} "
-            f"{safe_repr(check, 40)}. Fix: leave it out (True: each view must match what it "
-            "replaces) or pass check=False."
-        )
+    check_mapping(ties, "E140", "tie: ties", "a mapping {target: ref}", _EXAMPLE)
+    check = check_bool(check, "E55", "tie: check=")
     if atol is not None:
         atol = check_atol(atol, "tie")
     new = tie_entries(ties)
     for b in new:
         if (a := _under(b[:-1], new)) is not None:
-            raise TieError(
-                f"tie targets {path_str(a)!r} and {path_str(b)!r} overlap: the second lies "
-                "inside the first, which is replaced as a whole. "
-                f"Fix: keep only {path_str(a)!r}."
-            )
+            where = f"tie targets {path_str(a)!r} and {path_str(b)!r}"
+            raise error("E6", where, "overlap", fix=f"keep only {path_str(a)!r}")
 
     seen: set[Path] = set()  # every node looked at; a target stops the walk where it is
 
@@ -115,16 +105,10 @@ def tie(
     out = jtu.tree_map_with_path(
         lambda kp, x: new.get(keypath_to_path(kp), x), tree, is_leaf=stop, is_leaf_takes_path=True
     )
-    missing = [p for p in new if p not in seen]
-    if missing:
-        raise TieError(
-            f"tie target {path_str(missing[0])!r} does not exist in the tree; "
-            f"{closest(path_str(missing[0]), {path_str(p) for p in seen if p})}. Fix: use the "
-            "path as jax.tree_util key paths name it, '/'-joined (dict keys, indices, attribute "
-            "names). If the value is absent on purpose (a checkpoint that omits a tied tensor, "
-            "such as a Hugging Face lm_head.weight tied to the input embedding), load the file "
-            "with st.load(path, ties={target: ref}), which adds the Tied itself."
-        )
+    if missing := [path_str(p) for p in new if p not in seen]:
+        hint = closest(missing[0], {path_str(p) for p in seen if p})
+        gone = f"does not exist in the tree; {hint}"
+        raise error("E5", f"tie target {missing[0]!r}", gone, fix=_MISSING)
     structure_of(jtu.tree_structure(out))  # dangling refs, cycles, self-references
     if check:
         _check(tree, out, new)
@@ -136,14 +120,15 @@ def tie(
 def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
     """Each ref naming a node from the root, written by ``ref_to`` so that it names it.
 
-    A ref the root lacks, or one naming a node that holds the target, is kept (scoped).
+    A ref the root lacks, one naming a node that holds the target, or one that climbs
+    (``"../w"``, exact already) is kept.
     """
     nodes = node_paths(p for p, _ in leaves_with_paths(tree, is_leaf=is_tied))
     out = {}
     for target, t in new.items():
-        from_root = t.ref in nodes and target[: len(t.ref)] != t.ref
-        ref = ref_to(t.ref, target, nodes) if from_root else t.ref
-        out[target] = t if ref == t.ref else Tied(ref, t.transform)
+        from_root = t.up is None and t.ref in nodes and target[: len(t.ref)] != t.ref
+        ref = ref_to(t.ref, target, nodes) if from_root else Ref(t.ref, t.up)
+        out[target] = t if ref == (t.ref, t.up) else Tied(ref.keys, t.transform, up=ref.up)
     return out
 
 
@@ -154,13 +139,18 @@ def tie_entries(ties: Mapping[Any, Any]) -> dict[Path, Tied]:
         path = to_path(target, "tie target")
         if path in new:
             first = next(k for k in ties if to_path(k) == path)
-            raise TieError(
-                f"tie targets {first!r} and {target!r} name the same path "
-                f"{path_str(path)!r}; one of the two ties would be lost. Fix: keep one entry."
-            )
+            same = f"name the same path {path_str(path)!r}"
+            raise error("E6b", f"tie targets {first!r} and {target!r}", same, fix="keep one entry")
         new[path] = ref if isinstance(ref, Tied) else Tied(ref)
     return new
 
+
+_EXAMPLE = 'pass e.g. {"dec/w": st.Tied("enc/w", st.T)}'
+_MISSING = "write the path as key paths name it ('/'-joined); for a tensor that a checkpoint "
+_MISSING += "omits, st.load(path, ties={target: ref})"
+_STRUCTURE = (
+    "refer to a subtree of the same structure (containers, None leaves), or tie leaf by leaf"
+)
 
 _CONTAINERS = (dict, list, tuple, type(None), collections.OrderedDict, collections.defaultdict)
 
@@ -174,8 +164,8 @@ def _node_types(subtree: Any) -> list[tuple[type | None, int]]:
     out = []
     for node in treedef_nodes(jtu.tree_structure(subtree)):
         data = node.node_data()
-        kind = None if data is None else data[0] if data[0] in _CONTAINERS else object
-        out.append((kind, node.num_nodes))
+        container = None if data is None else data[0] if data[0] in _CONTAINERS else object
+        out.append((container, node.num_nodes))
     return out
 
 
@@ -188,94 +178,32 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
         n = len(target)
         before = {p[n:]: v for p, v in old.items() if p[:n] == target}
         after = {p[n:]: v for p, v in now.items() if p[:n] == target}
-        if before.keys() != after.keys():
-            raise TieError(
-                f"tie {path_str(target)!r} <- {t!r}: the view's structure differs from the value "
-                f"it replaces: the view is {_shape_of(after)}, the target is {_shape_of(before)}. "
-                "Fix: refer to a subtree of the same structure, or tie leaf by leaf."
-            )
-        was, view = (_nodes_at(x, target)[0] for x in skeletons)
-        if _node_types(was) != _node_types(view):  # other containers: a list for a dict, a None
-            raise TieError(
-                f"tie {path_str(target)!r} <- {t!r}: the view's structure differs from the value "
-                f"it replaces: the view is {safe_repr(jtu.tree_structure(view), 200)}, the target "
-                f"is {safe_repr(jtu.tree_structure(was), 200)}. Fix: refer to a subtree of the "
-                "same structure (containers and None leaves included), or tie leaf by leaf."
-            )
+        if shown := _structures_differ(before, after, [nodes_at(x, target) for x in skeletons]):
+            where, differs = f"tie {path_str(target)!r} <- {t!r}:", "the view's structure differs"
+            raise error("E8", where, f"{differs}: {shown}", fix=_STRUCTURE)
         for rel, b in before.items():
-            a = after[rel]
-            if _kind(a) != _kind(b):
-                where = path_str(target + rel)
-                raise TieError(
-                    f"tie {where!r} <- {t!r}: the view is {_describe(a)} but the value it "
-                    f"replaces is {_describe(b)}. Fix: choose a transform that gives "
-                    f"{_describe(b)} (e.g. st.T, st.reshape, st.astype), or pass check=False."
-                )
+            if kind(a := after[rel]) != kind(b):
+                c = Copies(f"tie {path_str(target + rel)!r} <- {t!r}", path_str(target + rel), "")
+                raise kinds_differ(c, describe(a), describe(b), "pass check=False")
 
 
-def check_atol(atol: Any, where: str) -> float:
-    """``atol`` as a float if it is a real number >= 0 (NumPy's too), else the TieError."""
-    if (
-        isinstance(atol, (bool, np.bool_))
-        or not isinstance(atol, numbers.Real)
-        or not float(atol) >= 0
-    ):
-        raise TieError(
-            f"{where}: atol must be a number >= 0, got {type(atol).__name__} "
-            f"{safe_repr(atol, 40)}. Fix: pass 0.0 for equal copies or a small tolerance "
-            "such as 1e-6."
-        )
-    return float(atol)
+def _structures_differ(before: Mapping, after: Mapping, nodes: list[Any]) -> str:
+    """How the view's structure differs from the target's, or ``""``.
+
+    ``before``, ``after``: their leaves by path; ``nodes``: ``nodes_at`` the target in the
+    skeletons of the tree and of the tied tree.
+    """
+    if before.keys() != after.keys():
+        return f"the view is {_shape_of(after)}, the target is {_shape_of(before)}"
+    was, view = (found[0] for found in nodes)
+    if _node_types(was) == _node_types(view):  # other containers: a list for a dict, a None
+        return ""
+    shown = [short(jtu.tree_structure(x), 200) for x in (view, was)]
+    return f"the view is {shown[0]}, the target is {shown[1]}"
 
 
 def _under(path: Path, targets: Mapping[Path, Tied]) -> Path | None:
     return next((p for p in prefixes(path) if p in targets), None)
-
-
-def _concrete(x: Any, where: str) -> np.ndarray:
-    why = "a jax.ShapeDtypeStruct, shapes without values"
-    try:
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)  # typed PRNG keys compare by their key data
-        if not isinstance(x, jax.ShapeDtypeStruct):
-            return np.asarray(x)
-    except Exception as e:  # tracers have no value to compare
-        why = type(e).__name__
-    raise TieError(
-        f"tie {where!r} with atol: the value there is not concrete ({why}); comparing copies "
-        "needs real arrays. Fix: call st.tie outside jit/grad, or leave atol=None."
-    )
-
-
-def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The elementwise ``|a - b|``, NaN equal to NaN; non-numbers are 0 or inf apart."""
-    if not all(x.dtype == np.bool_ or jnp.issubdtype(x.dtype, jnp.number) for x in (a, b)):
-        return np.where(a == b, 0.0, np.inf)
-    wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
-    x, y = a.astype(wide), b.astype(wide)
-    with np.errstate(invalid="ignore", over="ignore"):
-        d = np.abs(x - y)
-    same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaNs count as equal
-    return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
-
-
-def bit_equal(a: Any, b: Any) -> bool:
-    """Whether two arrays have the same shape, dtype and bytes (one pass, no copies).
-
-    Example:
-        >>> import numpy as np
-        >>> bit_equal(np.arange(3.0), np.arange(3.0)), bit_equal(np.zeros(2), -np.zeros(2))
-        (True, False)
-    """
-    if a is b:
-        return True
-    x, y = np.asarray(a), np.asarray(b)
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return False
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(x.dtype.itemsize)
-    if width is None or x.dtype.hasobject:
-        return bool(np.array_equal(x, y))
-    return bool(np.array_equal(x.view(width), y.view(width)))
 
 
 def _old_values(old_tree: Any, new: dict[Path, Tied]) -> dict[Path, Any]:
@@ -296,48 +224,13 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
             continue
         where, buffer = path_str(leaf.path), path_str(structure.buffer_paths[leaf.buffer])
         x, before, t = leaves[leaf.buffer], old.get(leaf.path), leaf.transform or identity
-        if not (_transformable(x) and _transformable(before)):
-            if type(x) is not type(before) or x != before:
-                raise TieError(
-                    f"tie {where!r} <- {buffer!r}: the copies differ: {where!r} holds "
-                    f"{before!r}, {buffer!r} holds {x!r}. Fix: tie without atol to keep "
-                    f"{buffer!r}, or the other way round to keep {where!r}."
-                )
-            continue
-        if isinstance(x, jax.ShapeDtypeStruct):
-            _concrete(x, buffer)  # raises: shapes without values
-        b = _concrete(before, where)
-        with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
-            try:
-                computed = t(x)  # identity(x) is x itself
-            except Exception as e:
-                raise transform_error(structure, leaf, aval_of(x), e) from e
-        view = _concrete(computed, buffer)
-        if bit_equal(b, view):
-            continue  # the same bits: equal under any atol, no need to look closer
-        if view.shape != b.shape:
-            raise TieError(
-                f"tie {where!r} <- {new[target]!r}: the view of {buffer!r} has shape "
-                f"{view.shape} but {where!r} holds shape {b.shape}, so the copies cannot be "
-                "compared. Fix: choose a transform that gives the shape of the value it replaces."
-            )
-        d = _abs_diff(b, view)
-        worst = float(d.max()) if d.size else 0.0
-        if worst > atol:
-            n_bad = int(np.count_nonzero(d > atol))
-            seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"
-            inverse = t.inverse()
-            back = (
-                f"write the values you want into {buffer!r} ({t!r} has no inverse to tie "
-                f"{buffer!r} to {where!r})"
-                if inverse is None
-                else f"st.tie(tree, {{{buffer!r}: {Tied(where, inverse)!r}}})"
-            )
-            raise TieError(
-                f"tie {where!r} <- {new[target]!r}: the two copies differ: {where!r} and "
-                f"{seen} differ by up to {worst:.6g} (max abs difference; {n_bad} of {d.size} "
-                f"elements above atol={atol}), so they are not one tied weight. Fix: choose "
-                f"which copy wins: without atol, st.tie keeps {buffer!r} and drops {where!r}; "
-                f"to keep {where!r} instead, {back}; or raise atol to {worst:.3g} if the "
-                "difference is rounding; or leave the two untied."
-            )
+        c = Copies(f"tie {where!r} <- {new[target]!r}", where, buffer, t)
+        if arraylike(x) and arraylike(before):
+            if isinstance(x, jax.ShapeDtypeStruct):  # no values: say so before computing
+                concrete(x, f"{c.where}: the buffer {buffer!r}", LEAVE_ATOL_OUT)
+            with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+                try:
+                    x = t(x)  # identity(x) is x itself
+                except Exception as e:
+                    raise transform_error(structure, leaf, aval_of(x), e) from e
+        check_copies(c, before, x, atol)
