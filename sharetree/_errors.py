@@ -92,9 +92,9 @@ def _message(
     facts_text = ", ".join(f for f in facts if f)
     if facts_text:
         text += ("; " if problem else ": ") + facts_text
-    text = text.rstrip(".") + "."
+    text += "" if text.endswith(".") else "."  # a cut value ends in "...": kept
     if fix:
-        text += f" Fix: {fix.rstrip('.')}."
+        text += f" Fix: {fix}" + ("" if fix.endswith(".") else ".")
     return f"{text} See {DOCS}#{code.lower()}"
 
 
@@ -200,7 +200,10 @@ def bounded(f: F) -> F:
             if len(text) <= MAX_MESSAGE:
                 raise
             cut = f" ... ({len(text) - MAX_MESSAGE:,} characters cut) ... "
-            raise type(e)(text[:half] + cut + text[-half:], code=e.code) from e
+            shorter = type(e)(text[:half] + cut + text[-half:], code=e.code)
+            for note in getattr(e, "__notes__", ()):
+                shorter.add_note(note)
+            raise shorter from e
 
     return call  # type: ignore[return-value]
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._errors import error, wrong_type
 from sharetree._materialize import expand_leaves, expanded_tree, leaves_and_structure
 from sharetree._paths import format_aval, path_str
 from sharetree._resolve import Structure
@@ -127,47 +127,28 @@ class Restructure:
         )
 
     def _check(self, flat: Any) -> None:
-        shape = getattr(flat, "shape", None)
-        dtype = getattr(flat, "dtype", None)
+        shape, dtype = getattr(flat, "shape", None), getattr(flat, "dtype", None)
+        where, want = "restructure", f"a 1-D vector of {self.size} {self.flat_dtype.name} values"
         if shape is None or dtype is None or isinstance(flat, jax.ShapeDtypeStruct):
-            raise TieError(
-                f"restructure: expected a 1-D array of {self.size} {self.flat_dtype.name} "
-                f"values, got {type(flat).__name__}. Fix: pass the vector from destructure "
-                "(for shapes only, jax.eval_shape(restructure, flat))."
-            )
+            raise wrong_type("E11", where, want, flat, _FIX_ARRAY)
         if len(shape) != 1:
-            raise TieError(
-                f"restructure: expected a 1-D vector of length {self.size}, got an array of "
-                f"shape {tuple(shape)} (ndim {len(shape)}). Fix: pass one flat vector; "
-                "use jax.vmap(restructure) for a batch."
-            )
+            found = f"shape {tuple(shape)} (ndim {len(shape)})"
+            raise error("E11", where, expected=want, found=found, fix=_FIX_BATCH)
         if shape[0] != self.size:
             numbers = sum(type(s.value) in (float, complex) for _, s in self.statics)
-            hint = (
-                f" (this tree has {numbers} Python float/complex leaf/leaves, kept static "
-                "outside jit but traced arrays, so parameters, inside it: make them arrays "
-                "or keep them out of the tree)"
-                if 0 < shape[0] - self.size <= numbers
-                else ""
-            )
-            raise TieError(
-                f"restructure: expected a vector of length {self.size} (the unique inexact "
-                f"parameters), got length {shape[0]} ({shape[0] - self.size:+d}). Fix: pass a "
-                "vector from the destructure of a tree with the same structure and shapes"
-                f"{hint}."
-            )
+            fix = _FIX_LENGTH
+            if 0 < shape[0] - self.size <= numbers:
+                fix = f"make the {numbers} Python float/complex leaf/leaves arrays: {_FIX_FLOATS}"
+            found = f"length {shape[0]} ({shape[0] - self.size:+d})"
+            want = f"length {self.size} (the unique inexact parameters)"
+            raise error("E10", where, expected=want, found=found, fix=fix)
         if not jax.dtypes.issubdtype(dtype, jnp.inexact) and self.size:
-            raise TieError(
-                f"restructure: expected a floating or complex vector ({self.flat_dtype.name}), "
-                f"got dtype {dtype}. Fix: cast it, e.g. flat.astype(jnp.float32)."
-            )
+            want = f"a floating or complex vector ({self.flat_dtype.name})"
+            raise error("E12", where, expected=want, found=f"dtype {dtype}", fix=_FIX_CAST)
         if _complex(np.dtype(dtype)) and not _complex(self.flat_dtype):
-            raise TieError(
-                f"restructure: expected a real vector ({self.flat_dtype.name}): every buffer of "
-                f"this tree is real, but the vector is {np.dtype(dtype).name}, whose imaginary "
-                "parts would be dropped. Fix: pass a real vector (e.g. jnp.real(flat) if the "
-                "imaginary parts are zero on purpose)."
-            )
+            want, found = f"a real vector ({self.flat_dtype.name})", np.dtype(dtype).name
+            drop, fix = "would drop the imaginary parts", "pass jnp.real(flat) if it is meant"
+            raise error("E12c", where, drop, expected=want, found=found, fix=fix)
 
     def _leaves(self, flat: Any) -> list[Any]:
         self._check(flat)
@@ -206,6 +187,13 @@ class Restructure:
     def canonical(self, flat: Any) -> Any:
         """The canonical tree (``Tied`` nodes kept) whose unique parameters are ``flat``."""
         return jtu.tree_unflatten(self.structure.treedef, self._leaves(flat))
+
+
+_FIX_ARRAY = "pass the vector from destructure (for shapes only, jax.eval_shape(restructure, flat))"
+_FIX_BATCH = "pass one flat vector; use jax.vmap(restructure) for a batch"
+_FIX_CAST = "cast it, e.g. flat.astype(jnp.float32)"
+_FIX_FLOATS = "static outside jit, they are parameters inside it (or keep them out of the tree)"
+_FIX_LENGTH = "pass the vector from the destructure of a tree of the same structure and shapes"
 
 
 def _static_split(flat: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
@@ -369,21 +357,17 @@ def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) ->
         if old != new and (key, i) not in _WARNED:
             _WARNED.add((key, i))
             where = path_str(restructure.structure.buffer_paths[i])
+            where = f"destructure: the static leaf {where!r} ({format_aval(new.value)})"
             what = (
-                "is another array object than at the last destructure of a tree of this "
-                "structure (static arrays are compared by identity, never by their contents)"
+                "is another array object (arrays compare by identity) than at the last destructure"
                 if new._key[0] == "id"
-                else "changed since the last destructure of a tree of this structure"
+                else "changed since the last destructure of this structure"
             )
-            warnings.warn(
-                f"destructure: the static leaf {where!r} ({format_aval(new.value)}) {what}. "
-                "restructure keeps static leaves as they are, so a jit that takes it as an "
-                "argument retraces every time this leaf changes. Fix: keep values that change "
-                "every step (a step counter) out of the tree you destructure, e.g. destructure "
-                "state.params rather than the whole train state.",
-                UserWarning,
-                stacklevel=3,
-            )
+            message = error("E160", where, f"{what}: a jit retraces", fix=_FIX_STATIC)
+            warnings.warn(str(message), UserWarning, stacklevel=3)
+
+
+_FIX_STATIC = "keep values that change every step out of the tree, e.g. destructure state.params"
 
 
 def destructure(tree: Any) -> tuple[jax.Array, Restructure]:

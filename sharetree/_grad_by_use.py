@@ -8,12 +8,18 @@ from typing import Any
 
 import jax
 
-from sharetree._errors import TieError
+from sharetree._errors import error, wrong_type
 from sharetree._materialize import expand_leaves, expanded_tree, leaf_aval, leaves_and_structure
 from sharetree._paths import Path, format_aval, path_key, path_str
 from sharetree._transforms import identity
 
 __all__ = ["grad_by_use", "ByUse"]
+
+_ONE_INT = "one non-negative int, the position of the tied tree among the arguments"
+_FIX_ARGNUMS = "pass argnums=0 (or the tree's index); put trees that share buffers in one dict"
+_FIX_ARGS = "pass the tied tree positionally, e.g. grad_by_use(loss)(tree, batch)"
+_INEXACT = "a floating or complex array (one with a gradient)"
+_FIX_LEAF = "keep step counters, strings and PRNG keys in another argument than the parameters"
 
 ByUse = dict[str | Path, dict[str | Path, Any]]
 """``{buffer path: {use path: contribution}}``: what :func:`grad_by_use` returns."""
@@ -43,28 +49,20 @@ def grad_by_use(
         >>> {use: g.tolist() for use, g in by_use["enc"].items()}
         {'dec': [[3.0, 4.0]], 'enc': [[3.0, 4.0]]}
     """
-    if isinstance(argnums, bool) or not isinstance(argnums, int) or argnums < 0:
-        raise TieError(
-            f"grad_by_use: argnums must be one non-negative int, the position of the tied "
-            f"tree among the positional arguments, found {type(argnums).__name__} {argnums!r}. "
-            "The uses of a buffer live in one tree, so gradients by use are taken with respect "
-            "to one argument. Fix: pass argnums=0 (or the tree's index), and put several trees "
-            "into one dict if they share buffers."
-        )
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise wrong_type("E23", "grad_by_use: argnums", _ONE_INT, argnums, _FIX_ARGNUMS)
+    if argnums < 0:
+        where, found = "grad_by_use: argnums", str(argnums)
+        raise error("E23", where, expected=_ONE_INT, found=found, fix=_FIX_ARGNUMS)
     if not callable(fun):
-        raise TieError(
-            f"grad_by_use: fun must be callable, found {type(fun).__name__} {fun!r}. "
-            "Fix: pass the loss function, e.g. st.grad_by_use(loss)(tree, batch)."
-        )
+        raise wrong_type("E23", "grad_by_use: fun", "a function", fun, "pass the loss function")
 
     @functools.wraps(fun)
     def by_use_fun(*args: Any, **kwargs: Any) -> Any:
         if len(args) <= argnums:
-            raise TieError(
-                f"grad_by_use(argnums={argnums}): the tree is positional argument {argnums}, "
-                f"but only {len(args)} positional argument(s) were passed. Fix: pass the "
-                "tied tree positionally, e.g. grad_by_use(loss)(tree, batch)."
-            )
+            where, found = f"grad_by_use(argnums={argnums})", f"{len(args)} positional argument(s)"
+            want = f"the tree as positional argument {argnums}"
+            raise error("E23", where, expected=want, found=found, fix=_FIX_ARGS)
         leaves, structure = leaves_and_structure(args[argnums])
 
         def on_materialized(flat: list[Any]) -> Any:
@@ -75,13 +73,9 @@ def grad_by_use(
         for leaf, x in zip(structure.expanded, expanded):
             aval = leaf_aval(x)
             if aval is None or not jax.dtypes.issubdtype(aval.dtype, jax.numpy.inexact):
-                raise TieError(
-                    f"grad_by_use: the leaf {path_str(leaf.path)!r} of the materialized tree is "
-                    f"{format_aval(aval) if aval is not None else type(x).__name__}, not a "
-                    "floating or complex array, so it has no gradient (jax.grad would reject "
-                    "it too). Fix: pass only the parameters as the tree, and keep step "
-                    "counters, strings and PRNG keys in another argument."
-                )
+                where = f"grad_by_use: the leaf {path_str(leaf.path)!r} of the materialized tree"
+                found = format_aval(aval) if aval is not None else type(x).__name__
+                raise error("E67", where, expected=_INEXACT, found=found, fix=_FIX_LEAF)
         # one gradient w.r.t. every position of the materialized tree (the untied gradient)
         out = jax.grad(on_materialized, has_aux=has_aux)(expanded)
         grads, aux = out if has_aux else (out, None)

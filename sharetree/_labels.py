@@ -9,7 +9,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, error, wrong_type
 from sharetree._paths import (
     Path,
     closest,
@@ -24,7 +24,7 @@ from sharetree._paths import (
 from sharetree._resolve import structure_of
 from sharetree._tied import is_tied
 
-__all__ = ["label_by_path", "mask_by_path"]
+__all__ = ["label_by_path", "mask_by_path", "apply_rules", "exact_pattern", "rule_pairs"]
 
 _MISSING: Any = object()
 
@@ -34,19 +34,22 @@ def _matches(pattern: str, path: Path) -> bool:
     return any(fnmatch.fnmatchcase("/".join(p), pattern) for p in prefixes(path))
 
 
-def _rules(rules: Any, where: str, value: str, example: str) -> list[tuple[str, Any]]:
+def rule_pairs(rules: Any, where: str, value: str, example: str) -> list[tuple[str, Any]]:
     """``{pattern: value}`` or ``[(pattern, value), ...]`` as a list of pairs, checked."""
-    want = f"{where}: expected rules {{pattern: {value}}} or a sequence of (pattern, {value}) pairs"
+    want, fix = f"rules {{pattern: {value}}} or (pattern, {value}) pairs", f"write {example}"
     if not isinstance(rules, (Mapping, Iterable)) or isinstance(rules, (str, bytes)):
-        raise TieError(f"{want}, found {type(rules).__name__} {rules!r}. Fix: write {example}.")
+        raise wrong_type("E64", where, want, rules, fix)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TieError(f"{want} with str patterns, found {item!r}. Fix: write {example}.")
+            raise wrong_type("E64", where, f"(pattern, {value}) pairs, str patterns", item, fix)
     return items
 
 
-def _glob(path: Path) -> str:
+_NEVER_FIRST = "is never the first rule to match a leaf (each leaf gets its first match)"
+
+
+def exact_pattern(path: Path) -> str:
     """A pattern matching exactly ``path`` (``[``, ``*`` and ``?`` of its keys escaped)."""
     return "".join(f"[{c}]" if c in "[*?" else c for c in "/".join(path))
 
@@ -57,13 +60,10 @@ def _unused_error(
     hits = [p for p in leaf_paths if _matches(pattern, p)]
     if hits:  # it matches, but an earlier rule matches each of those leaves first
         first = next(q for q, _ in pairs if _matches(q, hits[0]))
-        return TieError(
-            f"{fn}: pattern {pattern!r} is never the first rule to match a leaf: the earlier "
-            f"pattern {first!r} matches {path_str(hits[0])!r}"
-            f"{f' (and {len(hits) - 1} more of its leaves)' if len(hits) > 1 else ''} first, "
-            "and each leaf gets its first matching rule. Fix: put the narrower rule before "
-            "the broader one, or drop it (or pass strict=False)."
-        )
+        more = f" (and {len(hits) - 1} more of its leaves)" if len(hits) > 1 else ""
+        found = f"the earlier pattern {first!r} matches {path_str(hits[0])!r}{more} first"
+        fix = "put the narrower rule before the broader one, drop it, or pass strict=False"
+        return error("E38", f"{fn}: pattern {pattern!r}", _NEVER_FIRST, found=found, fix=fix)
     try:
         structure = structure_of(jtu.tree_structure(tree))
         ties = [(p, structure.ties[p]) for p in structure.ties]
@@ -78,20 +78,12 @@ def _unused_error(
         if not _matches(pattern, v.tie)
     ][:3]
     nodes = {"/".join(n) for n in node_paths(leaf_paths)} | {path_str(p) for p, _ in ties}
-    why = (
-        f"it names only tied position(s) {', '.join(views)}, which have no leaves: a view "
-        "shares the label, mask and optimizer state of its buffer"
-        if views
-        else closest(pattern, nodes)
-    )
-    return TieError(
-        f"{fn}: pattern {pattern!r} matches no leaf of the tree; {why}. Fix: write the "
-        "pattern for the buffer's path (patterns are fnmatch-style on '/'-joined paths and "
-        "cover every leaf under a matching node), or pass strict=False."
-    )
+    why = f"it names only tied position(s) {', '.join(views)}" if views else closest(pattern, nodes)
+    fix = "write the pattern for the buffer's path, or pass strict=False"
+    return error("E38", f"{fn}: pattern {pattern!r}", f"matches no leaf; {why}", fix=fix)
 
 
-def _apply_rules(
+def apply_rules(
     tree: Any,
     pairs: list[tuple[str, Any]],
     leaf: Callable[[Path, Any, tuple[str, Any] | None], Any],
@@ -154,15 +146,12 @@ def _warn_on_views(
         )
     for pattern, (buffer, views) in found.items():
         shown = "; ".join(views[:3]) + (f"; and {len(views) - 3} more" if len(views) > 3 else "")
-        warnings.warn(
-            f"{where}: pattern {pattern!r} matches {plural(len(views), 'view')} whose buffer it "
-            f"does not match: {shown}. A view has no {what} of its own: it shares its buffer's, "
-            f"so this rule has no effect there. Fix: write the rule for the buffer's path "
-            f"({path_str(buffer)!r}), or narrow the pattern so that it does not match "
-            "the view.",
-            UserWarning,
-            stacklevel=4,  # the caller of label_by_path, mask_by_path or shardings_by_path
-        )
+        where, n = f"{where}: pattern {pattern!r}", plural(len(views), "view")
+        shared = f"a view shares its buffer's {what}"
+        problem = f"matches {n} whose buffer it does not ({shared}): {shown}"
+        fix = f"write the rule for the buffer's path ({path_str(buffer)!r}), or narrow the pattern"
+        # stacklevel: the caller of label_by_path, mask_by_path or shardings_by_path
+        warnings.warn(str(error("E161", where, problem, fix=fix)), UserWarning, stacklevel=4)
 
 
 def label_by_path(
@@ -186,18 +175,19 @@ def label_by_path(
         >>> st.label_by_path(params, {"embed": "adam", "b": "sgd"})
         {'b': 'sgd', 'embed': 'adam', 'head': Tied('embed', T)}
     """
-    pairs = _rules(rules, "label_by_path", "label", "{'embed/*': 'embed', '*bias': 'no_decay'}")
+    pairs = rule_pairs(rules, "label_by_path", "label", "{'embed/*': 'embed', '*bias': 'no_decay'}")
 
     def label(path: Path, _x: Any, rule: tuple[str, Any] | None) -> Any:
         if rule is None and default is _MISSING:
-            raise TieError(
-                f"label_by_path: leaf {path_str(path)!r} matches none of the patterns "
-                f"{[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
-                f"{_glob(path)!r} or '*'), or pass default=..."
+            where, none = f"label_by_path: leaf {path_str(path)!r}", "matches none of the patterns"
+            fix = (
+                f"add a pattern for it (e.g. {exact_pattern(path)!r} or '*'), "
+                "or pass default=<label>"
             )
+            raise error("E38", where, f"{none} {[p for p, _ in pairs]}", fix=fix)
         return default if rule is None else rule[1]
 
-    return _apply_rules(tree, pairs, label, "label_by_path", strict, credit_all=False)
+    return apply_rules(tree, pairs, label, "label_by_path", strict, credit_all=False)
 
 
 def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = True) -> Any:
@@ -217,10 +207,8 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
     given: list[Any] = [patterns] if one else list(patterns)  # a non-str is reported below
     for p in given:
         if not isinstance(p, str):
-            raise TieError(
-                f"mask_by_path: patterns must be str, found {type(p).__name__} {p!r}. "
-                "Fix: write paths like 'encoder/*/kernel'."
-            )
+            want = "str patterns such as 'encoder/*/kernel'"
+            raise wrong_type("E64", "mask_by_path", want, p, "write the paths as strings")
     pairs = [(p, True) for p in given]
     hit = lambda _p, _x, rule: rule is not None  # noqa: E731
-    return _apply_rules(tree, pairs, hit, "mask_by_path", strict, credit_all=True, what="mask bit")
+    return apply_rules(tree, pairs, hit, "mask_by_path", strict, credit_all=True, what="mask bit")

@@ -11,7 +11,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, safe_repr
+from sharetree._errors import TieError, add_context, error, one_line, short
 from sharetree._paths import Path, aval_of, flattening, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, identity
@@ -25,6 +25,7 @@ __all__ = [
     "leaf_aval",
     "transform_error",
     "check_view_value",
+    "leaf_view",
     "expanded_tree",
     "register_box_renamer",
     "BOX_RENAMERS",
@@ -94,37 +95,39 @@ def leaves_and_structure(tree: PyTree) -> tuple[list[Any], Structure]:
 def transform_error(
     structure: Structure, leaf: Leaf | ViewLeaf, aval: Any, err: BaseException
 ) -> TieError:
-    """The :class:`TieError` for a transform that failed on its buffer (chain ``err`` to it)."""
-    where = leaf.tie or leaf.path
-    tie, shown = structure.ties.get(where), format_aval(aval)
+    """The error of a transform that failed on its buffer, to raise from ``err``.
+
+    Call it while handling ``err``. A :class:`TieError` (a slice outside its buffer) is
+    raised again at once with the view named in a note, so its class and code stay; any
+    other exception gives the ``E9`` error naming the view, tie, transform and buffer.
+    """
+    at = leaf.tie or leaf.path
+    tie, shown = structure.ties.get(at), format_aval(aval)
+    view = f"view {path_str(leaf.path)!r} ({tie!r} at {path_str(at)!r})"
+    buffer = f"buffer {path_str(structure.buffer_paths[leaf.buffer])!r} of {shown}"
     if isinstance(err, TieError):
-        why = str(err)
-    elif any(c.__name__ == "ShardingTypeError" for c in type(err).__mro__):  # private in JAX
-        why = (
-            f"{type(err).__name__}: {err}. The view needs a resharding JAX does not do on its "
-            "own (an Explicit mesh axis): the transform is fine, the buffer's sharding is not. "
-            "Fix: reshard the buffer so the axis the view cuts is not sharded "
-            "(jax.sharding.reshard(x, P(...)) before tying, or shard another axis), or make "
-            "that mesh axis Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...)))."
-        )
-    else:
-        why = f"{type(err).__name__}: {err}. Fix: use a transform that accepts {shown}."
-    return TieError(
-        f"view {path_str(leaf.path)!r} (from {tie!r} at {path_str(where)!r}): transform "
-        f"{leaf.transform!r} failed on buffer {path_str(structure.buffer_paths[leaf.buffer])!r} "
-        f"of {shown}: {why}"
-    )
+        add_context(err, f"computing the {view} from its {buffer}")
+        raise err
+    fix = f"use a transform that accepts {shown}"
+    if any(c.__name__ == "ShardingTypeError" for c in type(err).__mro__):  # private in JAX
+        fix = _FIX_RESHARD
+    where = f"the transform {leaf.transform!r} of {view}"
+    return error("E9", where, f"failed on {buffer}", found=one_line(err), fix=fix)
+
+
+_FIX_RESHARD = (
+    "reshard the buffer so that the axis the view cuts is not sharded (jax.sharding.reshard("
+    "x, P(...)) before tying), or make that mesh axis Auto (jax.make_mesh(..., axis_types=...))"
+)
 
 
 def check_view_value(out: Any, transform: Transform) -> Any:
     """``out`` if it is one view value (an array, number, shape/dtype), else a :class:`TieError`."""
     if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
         return out
-    raise TieError(
-        f"{transform!r} returned {type(out).__name__} {safe_repr(out, 60)}, not an array. "
-        f"Fix: return one array from {type(transform).__name__}.__call__ (a view is one "
-        "leaf of the materialized tree; tie each part as a view of its own)."
-    )
+    found = f"{type(out).__name__} {short(out, 60)}"
+    fix = f"return one array from {type(transform).__name__}.__call__; tie each part on its own"
+    raise error("E66", repr(transform), "returned no array", found=found, fix=fix)
 
 
 def _transformable(x: Any) -> bool:
@@ -169,7 +172,7 @@ def _eager_views(structure: Structure) -> Callable[[tuple[Any, ...]], list[Any]]
 
     def compute(buffers: tuple[Any, ...]) -> list[Any]:
         inputs = (buffers[slot[structure.expanded[k].buffer]] for k, _ in plan.batched)
-        return [_view(structure, k, t, x) for (k, t), x in zip(plan.batched, inputs)]
+        return [leaf_view(structure, k, t, x) for (k, t), x in zip(plan.batched, inputs)]
 
     return jax.jit(compute)
 
@@ -201,11 +204,11 @@ def expand_leaves(
         todo = plan.rest
     for k, t in todo:
         if _transformable(out[k]):
-            out[k] = _view(structure, k, t, out[k], apply)
+            out[k] = leaf_view(structure, k, t, out[k], apply)
     return out
 
 
-def _view(
+def leaf_view(
     structure: Structure,
     k: int,
     t: Transform,
@@ -218,14 +221,17 @@ def _view(
     except Exception as e:
         leaf = structure.expanded[k]
         if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
-            raise TieError(
-                f"view {path_str(leaf.path)!r}: its buffer "
-                f"{path_str(structure.buffer_paths[leaf.buffer])!r} is a jax.ShapeDtypeStruct, "
-                "shapes without values, so the view cannot be computed. Fix: for shapes use "
-                "jax.eval_shape(st.materialize, tree) or st.canonicalize(tree).views; for values "
-                "pass arrays."
-            ) from e
+            buffer = path_str(structure.buffer_paths[leaf.buffer])
+            where = f"view {path_str(leaf.path)!r} of {buffer!r}"
+            problem = "cannot be computed: its buffer is a jax.ShapeDtypeStruct (no values)"
+            raise error("E70", where, problem, fix=_FIX_SHAPES) from e
         raise transform_error(structure, leaf, aval_of(x), e) from e
+
+
+_FIX_SHAPES = (
+    "for shapes use jax.eval_shape(st.materialize, tree) or st.canonicalize(tree).views; "
+    "for values pass arrays"
+)
 
 
 def expanded_by_path(tree: PyTree) -> dict[Path, Any]:

@@ -7,19 +7,23 @@ import contextlib
 import difflib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, error, short, wrong_type
 
 __all__ = [
     "Path",
     "PathLike",
     "TieMap",
     "to_path",
+    "Ref",
+    "to_ref",
+    "ref_str",
+    "from_root",
     "path_str",
     "path_key",
     "key_str",
@@ -65,22 +69,84 @@ def to_path(ref: Any, what: str = "path") -> Path:
     elif isinstance(keys, (tuple, list)):
         for k in keys:
             if not isinstance(k, (str, int, np.integer)) or isinstance(k, bool):
-                raise TieError(
-                    f"{what} {tuple(keys)!r}: keys must be str or int, "
-                    f"found {type(k).__name__} {k!r}. Fix: use the key's name or index."
-                )
+                fix = "use the key's name or index"
+                raise wrong_type("E15", f"{what} {short(tuple(keys))}", "str or int keys", k, fix)
         parts = tuple(k if isinstance(k, str) else str(int(k)) for k in keys)
     else:
-        raise TieError(
-            f"{what}: expected a '/'-joined string or a tuple of keys, found {type(ref).__name__} "
-            f"{ref!r}. Fix: write it as 'encoder/kernel' or ('encoder', 'kernel')."
-        )
+        want = "a '/'-joined string ('encoder/kernel') or a tuple of keys"
+        raise wrong_type("E15", what, want, ref, "write the path as 'encoder/kernel'")
     if not parts or (isinstance(keys, str) and "" in parts):  # a tuple may name a "" key
-        raise TieError(
-            f"{what} {ref!r} has an empty key. Fix: name a path below the root, such as "
-            "'encoder/kernel' (a tie at or to the root is not allowed)."
-        )
+        fix = "name a path below the root, e.g. 'encoder/kernel'"
+        raise error("E15", f"{what} {short(ref)}", "has an empty key", fix=fix)
     return parts
+
+
+class Ref(NamedTuple):
+    """A ref as written: its keys, and how far it climbs (``None``: looked up by scope).
+
+    ``up=None`` is the scoped ref (``"enc/w"``: from the innermost subtree holding the tie
+    that has it, out to the root); ``up=0`` names a sibling exactly (``"./w"``); ``up=k``
+    climbs ``k`` levels above the tie's own subtree first (``"../w"``, ``"../../w"``).
+    """
+
+    keys: Path
+    up: int | None
+
+
+def to_ref(ref: Any, up: Any = None, what: str = "Tied ref") -> Ref:
+    """Read a ref: ``"../0"`` climbs one level, ``"./w"`` names a sibling, else scoped.
+
+    In the string form, leading ``.`` and ``..`` steps say where to start; in the tuple
+    form every entry is a key (a key named ``".."`` is written ``("..", ...)``) and
+    ``up=`` climbs.
+
+    Example:
+        >>> to_ref("../0"), to_ref("./w"), to_ref(("..", "w"), up=2)
+        (Ref(keys=('0',), up=1), Ref(keys=('w',), up=0), Ref(keys=('..', 'w'), up=2))
+    """
+    if up is not None and (isinstance(up, (bool, np.bool_)) or not isinstance(up, int)):
+        raise wrong_type("E15", f"{what} {short(ref)}: up=", "None or an int >= 0", up)
+    if up is not None and up < 0:
+        raise error("E15", f"{what} {short(ref)}", found=f"up={up}", expected="up >= 0")
+    climb: int | None = None
+    if isinstance(ref, str) and ref.split("/", 1)[0] in (".", ".."):
+        steps = ref.split("/")
+        if up is not None:
+            fix = "write the climb once: in the string or as up="
+            raise error("E15", f"{what} {ref!r}", "climbs twice", found=f"up={up}", fix=fix)
+        climb = 0 if steps[0] == "." else 1
+        steps = steps[1:]
+        while steps and steps[0] == ".." and climb:
+            climb, steps = climb + 1, steps[1:]
+        ref = "/".join(steps)
+    keys = to_path(ref, what)
+    if isinstance(ref, str) and {".", ".."} & set(keys):
+        fix = "climb only at the start ('../a/b'); a key named '..' is written as a tuple"
+        raise error("E15", f"{what} {ref!r}", "has a '.' or '..' step inside it", fix=fix)
+    return Ref(keys, climb if up is None else up)
+
+
+def from_root(target: Path, ref: Ref) -> Path | None:
+    """The path from the root that a ref written at ``target`` names.
+
+    A climbing ref's own; a scoped ref's keys (read from the root, as ``st.tie`` reads
+    them); ``None`` for a climb past the root.
+
+    >>> from_root(("1", "1"), to_ref("../0")), from_root(("a",), to_ref("../w"))
+    (('0',), None)
+    """
+    if ref.up is None:
+        return ref.keys
+    base = len(target) - 1 - ref.up
+    return target[:base] + ref.keys if base >= 0 else None
+
+
+def ref_str(ref: Ref) -> str | tuple[str, ...]:
+    """The spelling of a ref that reads back as it: ``"../0"``, ``"enc/w"``, or keys."""
+    key = path_key(ref.keys)
+    if ref.up is None or not isinstance(key, str):
+        return key
+    return "./" + key if ref.up == 0 else "../" * ref.up + key
 
 
 def path_str(path: Path) -> str:
@@ -147,6 +213,8 @@ def flattening(tree: Any) -> Iterator[None]:
 
 
 FLATTEN_DEPTH = 500  # from here a failed flatten is blamed on the depth (JAX fails near 1,000)
+FIX_DEEP = "stack the layers' arrays along a leading axis (jax.lax.scan over layers)"
+FIX_KEYS = "use keys of one type, e.g. {str(k): v for k, v in d.items()}"
 
 
 def flatten_error(tree: Any, err: BaseException) -> TieError | None:
@@ -155,26 +223,19 @@ def flatten_error(tree: Any, err: BaseException) -> TieError | None:
     while stack:
         path, x = stack.pop()
         if len(path) >= FLATTEN_DEPTH and isinstance(err, (RecursionError, SystemError)):
-            shown = path_str(path[:6]) + "/..."
-            return TieError(
-                f"the tree is nested more than {FLATTEN_DEPTH:,} levels deep (at {shown!r}, "
-                f"{len(path):,} keys down), deeper than jax.tree_util can flatten "
-                f"({type(err).__name__}). Fix: keep trees shallow: hold many layers in one "
-                "list, or stack their arrays along a leading axis (jax.lax.scan over layers)."
-            )
+            where = f"the tree at {path_str(path[:6]) + '/...'!r} ({len(path):,} keys down)"
+            deep = f"is nested more than {FLATTEN_DEPTH} levels deep ({type(err).__name__})"
+            return error("E61", where, deep, fix=FIX_DEEP)
         if type(x) in (dict, collections.defaultdict):  # the dicts JAX sorts
             keys = list(x)
             try:
                 sorted(keys)
             except TypeError:
                 a = next(k for k in keys if type(k) is not type(keys[0]))
+                types = f"{type(keys[0]).__name__} and {type(a).__name__}"
+                found = f"{short(keys[0])} and {short(a)} ({types})"
                 where = f"the dict at {path_str(path)!r}" if path else "the root dict"
-                return TieError(
-                    f"{where} has keys that cannot be sorted ({keys[0]!r} and "
-                    f"{a!r}: {type(keys[0]).__name__} and {type(a).__name__}), so "
-                    "jax.tree_util cannot flatten it. Fix: use keys of one type (all str), "
-                    "e.g. {str(k): v for k, v in d.items()}."
-                )
+                return error("E61", where, "has unsortable keys", found=found, fix=FIX_KEYS)
         try:  # the children, one level down, in flatten order
             kids, _ = jtu.tree_flatten_with_path(x, is_leaf=lambda y, x=x: y is not x)
         except Exception:

@@ -20,7 +20,7 @@ from sharetree._materialize import (
 from sharetree._paths import aval_nbytes, format_aval, path_key, plural
 from sharetree._resolve import Structure
 from sharetree._tied import DISPLAY, Tied
-from sharetree._transforms import Transform
+from sharetree._transforms import Transform, is_described
 
 __all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
 
@@ -90,9 +90,6 @@ class SharingGraph:
         View('b' <- 'a', T, float32[3, 2])
     """
 
-    _uncalled = staticmethod(lambda t: False)
-    """Whether a view's transform is never called (its shape and dtype shown as unknown)."""
-
     def __init__(self, structure: Structure, leaves: list[Any]) -> None:
         self.structure = structure
         self._leaves = leaves
@@ -120,7 +117,8 @@ class SharingGraph:
     def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
         out: list[jax.ShapeDtypeStruct | None] = []
         for view in self.structure.views:
-            aval = None if self._uncalled(view.transform) else self._avals[view.buffer]
+            # a stand-in for a transform a file names (inspect) is never called: shape unknown
+            aval = None if is_described(view.transform) else self._avals[view.buffer]
             try:
                 t = view.transform
                 out.append(None if aval is None else check_view_value(t.abstract(aval), t))

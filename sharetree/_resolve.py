@@ -5,20 +5,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import warnings
 from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, error
 from sharetree._paths import (
     Path,
+    Ref,
     closest,
+    key_str,
     keypath_to_path,
     leaves_with_paths,
     node_paths,
     path_str,
     plural,
+    ref_str,
 )
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
@@ -28,6 +32,7 @@ __all__ = [
     "ViewLeaf",
     "Structure",
     "structure_of",
+    "nodes_at",
     "ref_to",
     "skeleton",
     "treedef_nodes",
@@ -35,6 +40,10 @@ __all__ = [
 ]
 
 STRUCTURE_CACHE_SIZE = 512  # how many resolved treedefs structure_of keeps (least recent out)
+_FIX_CYCLE = "put the array at one of these paths and tie the others to it"
+_FIX_SELF = "refer to a path outside it that holds the array"
+_FIX_KEY = "rename one key so that every path names one node"
+_FIX_MISSING = "point the ref at an existing path, seen from the tie's subtree out to the root"
 
 
 class Leaf(NamedTuple):
@@ -116,11 +125,8 @@ def _cycle_error(cycle: list[Path], hops: dict[Path, _Hop]) -> TieError:
     shown = steps if len(steps) <= 8 else [*steps[:4], "...", *steps[-4:]]
     text = " -> ".join([repr(path_str(cycle[0])), *shown])
     ties = {*cycle, *(p for a in cycle[:-1] for p, _ in hops[a].via)}  # the views passed too
-    return TieError(
-        f"cycle of ties: {text} ({plural(len(ties), 'tie')}, starting at "
-        f"{path_str(cycle[0])!r}). Each Tied refers to the next, so no buffer holds the "
-        "value. Fix: put the array at one of these paths and tie the others to it."
-    )
+    where = f"{plural(len(ties), 'tie')}, starting at {path_str(cycle[0])!r}"
+    return error("E2", f"cycle of ties: {text} ({where})", fix=_FIX_CYCLE)
 
 
 class _Resolver:
@@ -131,10 +137,7 @@ class _Resolver:
         self.memo: dict[Path, Any] = {}
         for path, x in leaves_with_paths(placeholder, is_tied):
             if path in self.memo or path in self.tied_at:
-                raise TieError(
-                    f"two positions share the path {path_str(path)!r} (keys that differ only in "
-                    "type, such as 0 and '0'). Fix: rename one key so that paths are unambiguous."
-                )
+                raise error("E16", f"two positions share the path {path_str(path)!r}", fix=_FIX_KEY)
             (self.tied_at if isinstance(x, Tied) else self.memo)[path] = x
         self.buffer_paths = tuple(self.memo)
         self.nodes = node_paths([*self.memo, *self.tied_at])
@@ -152,10 +155,8 @@ class _Resolver:
             rel = "itself" if first == at else "a path inside itself"
             if len(first) < len(at):
                 rel = "a subtree that contains it"
-            raise TieError(
-                f"Tied at {path_str(at)!r} refers to {path_str(first)!r}, {rel}: a view cannot "
-                "be its own buffer. Fix: refer to a path outside it that holds the array."
-            )
+            rel = f"refers to {path_str(first)!r}, {rel}"
+            raise error("E3", f"Tied at {path_str(at)!r}", rel, fix=_FIX_SELF)
         via = [at]
         ref, prefix = self._follow(first, via)
         if ref not in self.nodes:
@@ -189,41 +190,48 @@ class _Resolver:
         """The ref of the ``Tied`` at ``at`` from the innermost scope with it (``()`` meanwhile)."""
         if at in self.scoped:
             return self.scoped[at]
-        ref = self.tied_at[at].ref
-        self.scoped[at] = ()
-        for k in range(len(at) - 1, 0, -1):
+        t = self.tied_at[at]
+        ref, self.scoped[at] = t.ref, ()
+        if t.up is not None:  # a ref that climbs: exactly there, no lookup
+            if t.up > len(at) - 1:
+                where = f"Tied at {path_str(at)!r}: ref {written(t)!r}"
+                problem = f"climbs {t.up} levels above its subtree"
+                found = f"{plural(len(at) - 1, 'level')} above it", "climb fewer levels"
+                raise error("E163", where, problem, found=found[0], fix=found[1])
+            self.scoped[at] = at[: len(at) - 1 - t.up] + ref
+            return self.scoped[at]
+
+        def has(k: int) -> bool:
             scoped = at[:k] + ref
-            if not _overlap(scoped, at) and self._follow(scoped, [])[0] in self.nodes:
-                self.scoped[at] = scoped
-                return scoped
-        self.scoped[at] = ref
-        return ref
+            return not _overlap(scoped, at) and self._follow(scoped, [])[0] in self.nodes
+
+        k = next((k for k in range(len(at) - 1, 0, -1) if has(k)), 0)
+        # a same-named position further out, outside the subtree the ref is read in: the
+        # writer may have meant it (inside, it is that subtree's own name: wrapping a tree
+        # in a list puts its refs in such a subtree, and their meaning is unchanged)
+        outer = (j for j in range(k - 1, -1, -1) if (at[:j] + ref)[:k] != at[:k] and has(j))
+        if k and (far := next(outer, None)) is not None:
+            _warn_shadowed(at, ref, k, far)
+        self.scoped[at] = at[:k] + ref
+        return self.scoped[at]
 
     def _missing(self, at: Path, t: Tied, ref: Path, prefix: Path | None) -> TieError:
-        head = f"Tied at {path_str(at)!r}: ref {path_str(t.ref)!r}"
+        head = f"Tied at {path_str(at)!r}: ref {written(t)!r}"
         if ref != t.ref:
             head += f" (followed through views to {path_str(ref)!r})"
         joined = "/".join(ref)
         split = next((p for p in self.nodes if "/".join(p) == joined and p != ref), None)
         if prefix in self.buffer_paths and split is None:
-            return TieError(
-                f"{head} goes below the leaf {path_str(prefix)!r}, which has no children. "
-                f"Fix: refer to {path_str(prefix)!r} itself and select with a transform (st.fn)."
-            )
-        empty = [x for x in _nodes_at(self.placeholder, ref) if not jtu.tree_leaves(x)]
+            fix = f"refer to {path_str(prefix)!r} itself and select with a transform (st.index)"
+            return error("E4", head, f"goes below the leaf {path_str(prefix)!r}", fix=fix)
+        empty = [x for x in nodes_at(self.placeholder, ref) if not jtu.tree_leaves(x)]
         if empty:
-            return TieError(
-                f"{head} is {empty[0]!r}, a subtree with no leaves: there is no value to share. "
-                "Fix: point the ref at a leaf or a subtree that holds arrays."
-            )
+            fix = "point the ref at a leaf or a subtree that holds arrays"
+            return error("E1b", head, f"is {empty[0]!r}, a subtree with no leaves", fix=fix)
         hint = closest(path_str(ref), (path_str(p) for p in self.nodes if p != at))
         if split is not None:  # the same text, but a key of the tree contains '/'
             hint = f"the tree has {split!r}, a key with '/' in it: write the ref as that tuple"
-        return TieError(
-            f"{head} does not exist in the tree; {hint}. Fix: point the ref at an existing leaf "
-            "or subtree (paths are '/'-joined dict keys, indices and attribute names, looked up "
-            "from the innermost subtree that contains the tie and has them, out to the root)."
-        )
+        return error("E1", head, f"does not exist in the tree; {hint}", fix=_FIX_MISSING)
 
     def deps(self, at: Path) -> list[Path]:
         """The ``Tied`` positions whose resolution the ``Tied`` at ``at`` needs first."""
@@ -256,12 +264,10 @@ class _Resolver:
         path, t = self.target(at)
         if path in self.memo:  # a leaf or a resolved Tied
             return _compose(self.memo[path], t)
-        found = _nodes_at(self.placeholder, path)
+        found = nodes_at(self.placeholder, path)
         if len(found) != 1:
-            raise TieError(
-                f"path {path_str(path)!r} is ambiguous: {len(found)} nodes have that "
-                "name. Fix: rename one of the keys so that every path names one node."
-            )
+            where = f"path {path_str(path)!r}"
+            raise error("E16", where, f"names {len(found)} nodes", expected="one", fix=_FIX_KEY)
 
         def visit(kp: Any, x: Any) -> Any:
             return self.memo[path + keypath_to_path(kp)] if isinstance(x, Tied) else x
@@ -269,49 +275,55 @@ class _Resolver:
         return _compose(jtu.tree_map_with_path(visit, found[0], is_leaf=is_tied), t)
 
 
-def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Path:
-    """The ref to write at ``target`` that names ``buffer`` (a path from the root).
+def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Ref:
+    """The ref to write at ``target`` that reads ``buffer`` (a path from the root).
 
-    The path from the root, unless a subtree holding ``target`` has the same
-    path; then the ref from a subtree holding both. ``nodes``: ``node_paths``
-    of the tree's leaf and ``Tied`` positions.
-
-    Raises:
-        TieError: every spelling of the ref is found first in a subtree holding ``target``.
+    The path from the root, unless a subtree holding ``target`` has the same path; then
+    the shortest scoped ref that no other scope has, nearer or further out; else the ref
+    that climbs from ``target`` to the subtree holding both (``"../w"``), which reads
+    exactly there. ``nodes``: ``node_paths`` of the tree's leaf and ``Tied`` positions.
 
     Example:
         >>> from sharetree._paths import node_paths
         >>> from sharetree._resolve import ref_to
         >>> nodes = node_paths([("w",), ("sub", "w"), ("sub", "v")])
-        >>> ref_to(("w",), ("m", "v"), nodes), ref_to(("sub", "w"), ("sub", "v"), nodes)
+        >>> ref_to(("w",), ("m", "v"), nodes).keys, ref_to(("sub", "w"), ("sub", "v"), nodes).keys
         (('w',), ('sub', 'w'))
         >>> ref_to(("x", "w"), ("x", "y", "v"), node_paths([("x", "w"), ("x", "y", "x", "w")]))
-        ('w',)
+        Ref(keys=('w',), up=None)
+        >>> ref_to(("0",), ("1", "1"), node_paths([("0",), ("1", "0"), ("1", "1")]))
+        Ref(keys=('0',), up=1)
     """
     common = 0  # keys shared by buffer and target, below which a scope can hold both
     while common < min(len(target), len(buffer)) - 1 and target[common] == buffer[common]:
         common += 1
-    shadows: list[Path] = []
     for j in range(common + 1):  # from the root form (as written by hand) to the shortest
         ref = buffer[j:]
-        hidden = (target[:k] + ref for k in range(len(target) - 1, j, -1))
-        hit = next((p for p in hidden if p in nodes and not _overlap(p, target)), None)
-        if hit is None:
-            return ref
-        shadows.append(hit)
-    raise TieError(
-        f"cannot tie {path_str(target)!r} to {path_str(buffer)!r}: refs are looked up from "
-        f"the innermost subtree holding the tie first, and {path_str(shadows[0])!r} is found "
-        "there under every spelling of the ref. Fix: rename one of the keys (or tie the other "
-        "way round)."
-    )
+        others = (target[:k] + ref for k in range(len(target) - 1, -1, -1) if k != j)
+        if not any(p in nodes and not _overlap(p, target) for p in others):
+            return Ref(ref, None)
+    return Ref(buffer[common:], len(target) - 1 - common)
+
+
+def written(t: Tied) -> str:
+    """The ref of ``t`` as its user spells it (``'../0'``, ``'enc/w'``, a tuple's repr)."""
+    return key_str(ref_str(Ref(t.ref, t.up)))
+
+
+def _warn_shadowed(at: Path, ref: Path, near: int, far: int) -> None:
+    """Warn that the scoped ref at ``at`` reads ``at[:near] + ref`` past ``at[:far] + ref``."""
+    spell = [key_str(ref_str(Ref(ref, len(at) - 1 - k))) for k in (near, far)]
+    where = f"Tied at {path_str(at)!r}: ref {path_str(ref)!r}"
+    problem = f"reads {path_str(at[:near] + ref)!r}; {path_str(at[:far] + ref)!r} is further out"
+    fix = f"write {spell[0]!r} to read the nearer one, {spell[1]!r} to read the other"
+    warnings.warn(str(error("E165", where, problem, fix=fix)), UserWarning, stacklevel=2)
 
 
 def _overlap(a: Path, b: Path) -> bool:
     return a[: len(b)] == b or b[: len(a)] == a
 
 
-def _nodes_at(tree: Any, path: Path) -> list[Any]:
+def nodes_at(tree: Any, path: Path) -> list[Any]:
     """Every node of ``tree`` whose path is ``path`` (empty ones such as ``None`` included)."""
     n = len(path)
 
@@ -359,13 +371,8 @@ def _check_no_static_ties(treedef: Any) -> None:
             while values and depth < 8:  # aux data: a few levels of tuples, lists and dicts
                 found = next((v for v in values if isinstance(v, Tied)), None)
                 if found is not None:
-                    raise TieError(
-                        f"{found!r} is held in the static (aux) data of a "
-                        f"{data[0].__qualname__} node, such as an eqx.field(static=True), "
-                        "where materialize never sees it: the field would keep the Tied "
-                        "instead of its value. Fix: make that field a pytree child (not "
-                        "static), or keep the tie out of static fields."
-                    )
+                    held = f"is held in the static data of a {data[0].__qualname__} node"
+                    raise error("E83", repr(found), held, fix="make that field a pytree child")
                 values = [w for v in values for w in _parts(v)]
                 depth += 1
 
@@ -379,10 +386,8 @@ def structure_of(treedef: Any) -> Structure:
     """
     placeholder = jtu.tree_unflatten(treedef, [_Ref(i) for i in range(treedef.num_leaves)])
     if isinstance(placeholder, Tied):
-        raise TieError(
-            f"the root of the tree is {placeholder!r}: a tie must sit inside a tree, "
-            "next to the buffer it refers to. Fix: call materialize on the enclosing tree."
-        )
+        where, fix = f"the root of the tree is {placeholder!r}", "pass the tree that holds the tie"
+        raise error("E14", where, expected="a Tied inside a tree", fix=fix)
     _check_no_static_ties(treedef)
     res = _Resolver(placeholder)
     for at in res.tied_at:

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharetree._errors import TieError, one_line
-from sharetree._labels import _apply_rules, _glob, _rules
+from sharetree._errors import error, one_line, wrong_type
+from sharetree._labels import apply_rules, exact_pattern, rule_pairs
 from sharetree._paths import Path, aval_of, path_str
 
 __all__ = ["shardings_by_path", "check_fits"]
@@ -18,6 +18,10 @@ __all__ = ["shardings_by_path", "check_fits"]
 _WHERE = "shardings_by_path"
 _EXAMPLE = "{'embed/*': P('model', None), '*': P()}"
 _FIT_FIX = "or write a more specific pattern before this one (P() replicates)"
+_FIX_SPEC = (
+    "write a spec of the mesh's axes, each for one dimension at most (P('data', None), "
+    "P(('data', 'model'), None)), or build the mesh with the axis named"
+)
 
 
 def _spec_of(value: Any, pattern: str) -> PartitionSpec:
@@ -25,10 +29,8 @@ def _spec_of(value: Any, pattern: str) -> PartitionSpec:
         return value
     if value is None or isinstance(value, (tuple, list)):
         return PartitionSpec(*(value or ()))
-    raise TieError(
-        f"{_WHERE}: the rule {pattern!r} gives {type(value).__name__} {value!r}; expected a "
-        f"jax.sharding.PartitionSpec. Fix: write {_EXAMPLE}."
-    )
+    want = "a jax.sharding.PartitionSpec"
+    raise wrong_type("E64", f"{_WHERE}: the rule {pattern!r}", want, value, f"write {_EXAMPLE}")
 
 
 def _mesh_axes(mesh: Any) -> str:
@@ -36,8 +38,10 @@ def _mesh_axes(mesh: Any) -> str:
     return "{" + ", ".join(f"{a!r}: {n}" for a, n in dict(mesh.shape).items()) + "}"
 
 
-def check_fits(where: str, shape: tuple[int, ...], sharding: Any, fix: str) -> None:
-    """A :class:`TieError` (``where`` first) unless ``sharding`` splits ``shape`` into equal shards.
+def check_fits(
+    where: str, shape: tuple[int, ...], sharding: Any, fix: str, *, code: str = "E40"
+) -> None:
+    """The error ``code`` (``where`` first) unless ``sharding`` splits ``shape`` into equal shards.
 
     JAX checks it; its reason is quoted, with ``fix`` after the shared one.
     """
@@ -53,11 +57,9 @@ def check_fits(where: str, shape: tuple[int, ...], sharding: Any, fix: str) -> N
         on = f"PartitionSpec{tuple(spec)} on the mesh axes {_mesh_axes(mesh)}"
     else:
         on = repr(sharding)
-    raise TieError(
-        f"{where} does not fit its buffer of shape {tuple(shape)}: {on} ({reason}). Every "
-        "sharded dimension must be split into equal shards. Fix: shard that dimension over "
-        f"mesh axes whose sizes divide it (or not at all), {fix}."
-    )
+    problem = f"does not fit its buffer of shape {tuple(shape)}: {on}"
+    fix = f"shard that dimension over mesh axes whose sizes divide it (or not at all), {fix}"
+    raise error(code, where, problem, found=reason, fix=fix)
 
 
 def shardings_by_path(
@@ -89,39 +91,30 @@ def shardings_by_path(
         (True, True, Tied('embed', T))
     """
     if not (hasattr(mesh, "shape") and hasattr(mesh, "axis_names")):
-        raise TieError(
-            f"{_WHERE}: expected a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}. "
-            "Fix: build one with jax.make_mesh((2, 4), ('data', 'model'))."
-        )
-    pairs = [(p, _spec_of(v, p)) for p, v in _rules(rules, _WHERE, "PartitionSpec", _EXAMPLE)]
+        fix = "build one with jax.make_mesh((2, 4), ('data', 'model'))"
+        raise wrong_type("E162", _WHERE, "a jax.sharding.Mesh", mesh, fix)
+    pairs = [(p, _spec_of(v, p)) for p, v in rule_pairs(rules, _WHERE, "PartitionSpec", _EXAMPLE)]
     fallback = None if default is None else _spec_of(default, "default")
 
     def shard(path: Path, x: Any, rule: tuple[str, PartitionSpec] | None) -> NamedSharding:
         aval = aval_of(x)
         if aval is None:
-            raise TieError(
-                f"{_WHERE}: leaf {path_str(path)!r} is {type(x).__name__} {x!r}, not an array; "
-                "only arrays take a sharding. Fix: pass a tree of arrays or "
-                "jax.ShapeDtypeStruct (jax.eval_shape(init, key))."
-            )
+            fix = "pass a tree of arrays or jax.eval_shape(init, key)"
+            raise wrong_type("E162", f"{_WHERE}: leaf {path_str(path)!r}", "an array", x, fix)
         pattern, spec = rule or ("default", fallback)
         if spec is None:
-            raise TieError(
-                f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))}) matches none "
-                f"of the patterns {[p for p, _ in pairs]}. Fix: add a pattern for it (e.g. "
-                f"{_glob(path)!r} or '*'), or pass default=P()."
-            )
+            where = f"{_WHERE}: leaf {path_str(path)!r} (shape {tuple(np.shape(x))})"
+            none = f"matches none of the patterns {[p for p, _ in pairs]}"
+            fix = f"add a pattern for it (e.g. {exact_pattern(path)!r} or '*'), or pass default=P()"
+            raise error("E38", where, none, fix=fix)
         where = f"{_WHERE}: the sharding of rule {pattern!r} at {path_str(path)!r}"
         try:
             sharding = NamedSharding(mesh, spec)
         except Exception as e:  # JAX's checks of the spec against the mesh (DuplicateSpecError)
-            raise TieError(
-                f"{where} (shape {tuple(aval.shape)}): JAX rejects {spec} on the mesh axes "
-                f"{_mesh_axes(mesh)} ({one_line(e)}). Fix: write a spec the mesh accepts: only "
-                "its axes, each for one dimension at most (P('data', None), P(('data', "
-                "'model'), None)), or build the mesh with the axis named."
-            ) from e
+            rejects = f"JAX rejects {spec} on the mesh axes {_mesh_axes(mesh)}"
+            where += f" (shape {tuple(aval.shape)}):"
+            raise error("E39", where, rejects, found=one_line(e), fix=_FIX_SPEC) from e
         check_fits(where, aval.shape, sharding, _FIT_FIX)
         return sharding
 
-    return _apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True, what="sharding")
+    return apply_rules(tree, pairs, shard, _WHERE, strict, credit_all=True, what="sharding")

@@ -11,7 +11,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError
+from sharetree._errors import error
 from sharetree._materialize import BOX_RENAMERS, expand_leaves, leaves_and_structure, materialize
 from sharetree._paths import (
     Path,
@@ -31,6 +31,18 @@ from sharetree._transforms import Transform
 
 __all__ = ["untie", "untie_state"]
 
+_FIX_NOT_A_VIEW = "pass the path of a Tied or of a subtree holding some (buffers are untied)"
+_MOVES = "a transform that moves elements (state_view(): transpose, reshape, slice, index)"
+_FIX_STATE_VIEW = (
+    "untie the tree with st.untie and initialize a fresh optimizer state, untie only views "
+    "that move elements, or define state_view() on a transform of your own that only moves them"
+)
+_FIX_FRESH = "initialize a fresh optimizer state for the untied tree"
+_FIX_STATE = (
+    "pass the canonical tree the state was made for (optimizer.init(tree)), before untying it; "
+    f"for a state holding optax.MaskedNode, {_FIX_FRESH}"
+)
+
 PyTree = Any
 
 
@@ -41,11 +53,9 @@ def _renamed(canonical: PyTree, expanded: PyTree, at: set[Path], where: str) -> 
         is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
         for path, x in leaves_with_paths(expanded, is_box):
             if is_box(x) and any(p in at for p in prefixes(path)):
-                raise TieError(
-                    f"{where}: the untied view {path_str(path)!r} is a copy of a Flax partition "
-                    "box, whose axis names only sharetree.flax can move to the view. "
-                    f"Fix: import sharetree.flax before calling {where}."
-                )
+                view = f"{where}: the untied view {path_str(path)!r}"
+                problem = "copies a Flax partition box, whose axis names need sharetree.flax"
+                raise error("E82", view, problem, fix=f"import it before calling {where}")
     leaves, structure = leaves_and_structure(canonical)
     for rename in BOX_RENAMERS:
         expanded = rename(structure, leaves, expanded, where)
@@ -65,18 +75,13 @@ def _selected(structure: Structure, paths: PathLike | Iterable[PathLike] | None)
         if not under:
             inside = next((q for q in prefixes(p) if q in structure.ties), None)
             if inside is not None:
-                raise TieError(
-                    f"untie: {path_str(p)!r} lies inside the view {path_str(inside)!r} "
-                    f"({structure.ties[inside]!r}), which is tied as a whole. "
-                    f"Fix: untie {path_str(inside)!r}, then tie the parts you want shared again."
-                )
+                view = f"lies inside the view {path_str(inside)!r} ({structure.ties[inside]!r})"
+                fix = f"untie {path_str(inside)!r}, then tie the parts you want shared again"
+                raise error("E24b", f"untie: {path_str(p)!r}", view, fix=fix)
             names = [path_str(q) for q in ties]
             hint = closest(path_str(p), names) if ties else "the tree has no ties at all"
-            raise TieError(
-                f"untie: {path_str(p)!r} is not a view and has no view under it; {hint}. "
-                "Fix: pass the path of a Tied (or of a subtree holding some); buffers "
-                "are untied already."
-            )
+            problem = f"is not a view and has no view under it; {hint}"
+            raise error("E24", f"untie: {path_str(p)!r}", problem, fix=_FIX_NOT_A_VIEW)
         chosen.update(under)
     return chosen
 
@@ -181,17 +186,9 @@ def untie_state(
         return opt_state
     for leaf in structure.views:
         if leaf.tie in at and leaf.transform.state_view() is None:
-            raise TieError(
-                f"untie_state: the view {path_str(leaf.path)!r} is {leaf.transform!r} of "
-                f"{path_str(structure.buffer_paths[leaf.buffer])!r}; optimizer moments are "
-                "carried over only through transforms that say how a per-element state moves "
-                "(state_view(): transpose, reshape, slice, index): the state does not say "
-                "which part is a first moment and which a second, and through scale(c) they "
-                "would change by 1/c and 1/c**2, through astype by a rounding, through fn "
-                "unknowably. Fix: untie the tree with st.untie and initialize a fresh "
-                "optimizer state for it, untie only views that move elements, or, for a "
-                "transform of your own that only moves elements, define its state_view()."
-            )
+            where = f"untie_state: the view {path_str(leaf.path)!r}"
+            problem = f"is {leaf.transform!r} of {path_str(structure.buffer_paths[leaf.buffer])!r}"
+            raise error("E25", where, problem, expected=_MOVES, fix=_FIX_STATE_VIEW)
     treedef, top = structure.treedef, _top(tree)
 
     def params_like(x: Any) -> bool:
@@ -203,21 +200,15 @@ def untie_state(
             return x
         where = jtu.keystr(tuple(kp), simple=True, separator="/") or "<root>"
         if jtu.tree_structure(x) != treedef:
-            raise TieError(
-                f"untie_state: the part {where!r} of the optimizer state has the tree's "
-                f"top-level keys but not its structure: {_first_difference(x, tree)}. "
-                "Fix: pass the canonical tree the state was made for (optimizer.init(tree)), "
-                "before untying it; for a state that holds optax.MaskedNode (optax.masked, "
-                "multi_transform), initialize a fresh state for the untied tree."
-            )
+            found = f"the tree's top-level keys but not its structure: {_first_difference(x, tree)}"
+            where = f"untie_state: the part {where!r} of the optimizer state"
+            raise error("E26", where, "was made for another tree", found=found, fix=_FIX_STATE)
         for path, b, y in zip(structure.buffer_paths, leaves, jtu.tree_leaves(x), strict=True):
             if np.shape(y) != np.shape(b):
-                raise TieError(
-                    f"untie_state: the part {where!r} of the optimizer state has shape "
-                    f"{np.shape(y)} at {path_str(path)!r}, where the tree's buffer has shape "
-                    f"{np.shape(b)}; only elementwise states (such as Adam's mu and nu) can be "
-                    "untied. Fix: initialize a fresh optimizer state for the untied tree."
-                )
+                found = f"shape {np.shape(y)} at {path_str(path)!r}"
+                want = f"the buffer's shape {np.shape(b)} (an elementwise state, e.g. Adam's mu)"
+                part = f"untie_state: the part {where!r} of the optimizer state"
+                raise error("E26", part, expected=want, found=found, fix=_FIX_FRESH)
         moved = expand_leaves(structure, jtu.tree_leaves(x), _move_state)
         moved_tree = jtu.tree_unflatten(structure.expanded_treedef, moved)
         return _untie_positions(x, at, "untie_state", moved_tree)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _examples import examples
+from _raises import raises
 from hypothesis import given, settings
 from test_properties import (
     F32_ATOL,
@@ -321,11 +322,11 @@ def test_report_cuts_after_max_rows():
 
 
 def test_report_errors():
-    with pytest.raises(st.TieError, match="expected a dict"):
+    with raises("E27", "grad_report", "found list [1, 2]", cls=st.TieTypeError):
         st.grad_report([1, 2])
-    with pytest.raises(st.TieError, match="different sizes"):
+    with raises("E27", "buffer 'a'", "different sizes", "'a': 2", "'b': 3"):
         st.grad_report({"a": {"a": np.ones(2), "b": np.ones(3)}})
-    with pytest.raises(st.TieError, match="not a concrete array.*outside jit"):
+    with raises("E27", "buffer 'a'", "contribution of 'a'", "outside jit"):
         jax.jit(lambda g: st.grad_report({"a": {"a": g}}) and 0)(jnp.ones(2))
 
 
@@ -356,17 +357,18 @@ def test_summary_with_grads_by_use_ends_with_the_report():
 
 def test_grad_by_use_names_leaves_without_a_gradient():
     tree = {"w": jnp.ones(2), "v": st.Tied("w"), "step": jnp.array(3), "name": "x"}
-    with pytest.raises(st.TieError, match=r"leaf 'name' .* is str, not a floating"):
+    with raises("E67", "leaf 'name'", "floating or complex", "found str"):
         st.grad_by_use(lambda m: m["w"].sum())(tree)
     del tree["name"]
-    with pytest.raises(st.TieError, match=r"leaf 'step' .* is int32\[\], not a floating"):
+    with raises("E67", "leaf 'step'", "floating or complex", "found int32[]"):
         st.grad_by_use(lambda m: m["w"].sum())(tree)
 
 
 def test_grad_report_bad_contributions_and_keys():
-    with pytest.raises(st.TieError, match=r"contribution of 'x' \(buffer 'a'\) is <U1"):
+    with raises("E68", "buffer 'a'", "contribution of 'x'", "<U1"):
         st.grad_report({"a": {"x": np.array(["s"])}})
-    with pytest.raises(st.TieError, match=r"paths are '/'-joined strings \(or tuples.*found int 1"):
+    with raises("E68", "'/'-joined", "found int 1", cls=st.TieTypeError):
         st.grad_report({1: {"x": np.ones(2)}})
-    with pytest.raises(KeyError, match=r"'b': no such buffer; closest existing path\(s\): 'a'"):
+    with pytest.raises(KeyError) as info:
         st.grad_report({"a": {"a": np.ones(2)}})["b"]
+    assert "'b'" in str(info.value) and "closest existing path(s): 'a'" in str(info.value)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _raises import raises
 
 import sharetree as st
 
@@ -118,7 +119,7 @@ def test_ties_survive_astype_and_device_put():
 
 def test_transform_failure_names_tie_transform_and_shape():
     p = {"a": jnp.ones((2, 3)), "b": st.Tied("a", st.reshape(7))}
-    with pytest.raises(st.TieError, match=r"'b'.*reshape\(7\).*float32\[2, 3\]"):
+    with raises("E9", "view 'b'", "reshape(7)", "float32[2, 3]", "TypeError: cannot reshape"):
         st.materialize(p)
 
 
@@ -135,7 +136,7 @@ def test_many_views_eager_path_matches_per_view_path():
         np.testing.assert_allclose(eager[f"l{i}"]["w"], i * tree[f"l{i - 1}"]["w"].T)
         np.testing.assert_allclose(traced[f"l{i}"]["w"], eager[f"l{i}"]["w"])
     bad = dict(tree, l39={"w": st.Tied("l38/w", st.reshape(5))})
-    with pytest.raises(st.TieError, match=r"view 'l39/w'.*reshape\(5\).*float32\[2, 3\]"):
+    with raises("E9", "view 'l39/w'", "reshape(5)", "float32[2, 3]"):
         st.materialize(bad)
 
 
@@ -182,7 +183,7 @@ def test_failing_user_fn_keeps_its_traceback_chained():
     def boom(x):
         raise RuntimeError("inside the user's function")
 
-    with pytest.raises(st.TieError, match="inside the user's function") as info:
+    with raises("E9", "view 'b'", "RuntimeError: inside the user's function") as info:
         st.materialize({"a": np.ones(2), "b": st.Tied("a", st.fn(boom))})
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -245,7 +246,7 @@ def test_the_memory_test_fails_on_a_leak():
 
 def test_views_of_shape_structs_point_to_eval_shape():
     tree = {"a": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": st.Tied("a", st.T)}
-    with pytest.raises(st.TieError, match=r"view 'b': its buffer 'a' is a jax\.ShapeDtypeStruct"):
+    with raises("E70", "view 'b' of 'a'", "jax.ShapeDtypeStruct", "jax.eval_shape(st.materialize"):
         st.materialize(tree)
     concrete = {"a": jnp.ones((2, 3)), "b": st.Tied("a", st.T)}
     assert jax.eval_shape(st.materialize, concrete)["b"].shape == (3, 2)
@@ -254,6 +255,6 @@ def test_views_of_shape_structs_point_to_eval_shape():
 def test_a_bad_view_checked_by_shape_names_the_transform(tmp_path):
     # save checks every view by shape first: a failing transform is not "shapes without values"
     tree = {"a": np.ones((2, 3)), "b": st.Tied("a", st.transpose(1, 0, 2))}
-    with pytest.raises(st.TieError, match=r"transform transpose\(1, 0, 2\) failed on buffer 'a'"):
+    with raises("E9", "transform transpose(1, 0, 2)", "failed on buffer 'a'"):
         st.save(str(tmp_path / "m.safetensors"), tree)
     assert not list(tmp_path.iterdir())

@@ -214,15 +214,15 @@ def tied_trees(draw):
     canonical = tree
     positions = node_paths(leaves)
     for target, (ref, chain) in table.items():
-        try:  # refs are scoped (innermost subtree first): write the one that names `ref`
-            written = ref_to(ref, target, positions)
-        except st.TieError:
-            assume(False)  # no spelling names it from there (a subtree has the same path)
-        # ref_to sees nodes only: no inner scope may reach the ref through a view either
-        for k in range(len(target) - 1, 0, -1):
-            p = target[:k] + written
+        # refs are scoped (innermost subtree first): write the one that names `ref`, a
+        # climbing one where every scoped spelling is shadowed
+        written = ref_to(ref, target, positions)
+        # ref_to sees nodes only: no inner scope may reach a scoped ref through a view either
+        for k in range(len(target) - 1, 0, -1) if written.up is None else ():
+            p = target[:k] + written.keys
             assume(not any(p[:m] in table for m in range(1, len(p) + 1)))
-        canonical = _set(canonical, target, st.Tied(written, _st_chain(chain)))
+        tied = st.Tied(written.keys, _st_chain(chain), up=written.up)
+        canonical = _set(canonical, target, tied)
     return tree, canonical, table
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from _examples import examples
+from _raises import raises
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from test_properties import _assert_trees_equal, _get, _names, _reference, _set, tied_trees
@@ -104,13 +105,13 @@ def test_untie_works_under_jit():
 def test_untie_errors_name_the_path_and_close_matches():
     w = jnp.ones((2, 3))
     tree = {"enc": {"w": w}, "dec": {"w": st.Tied("enc/w", st.T)}, "sub": st.Tied("enc")}
-    with pytest.raises(st.TieError, match=r"'enc/w' is not a view.*closest.*'dec/w'"):
+    with raises("E24", "untie: 'enc/w'", "closest existing path(s): 'dec/w'"):
         st.untie(tree, "enc/w")
-    with pytest.raises(st.TieError, match=r"'dec/ww' is not a view.*closest.*'dec/w'"):
+    with raises("E24", "untie: 'dec/ww'", "closest existing path(s): 'dec/w'"):
         st.untie(tree, ["dec/ww"])
-    with pytest.raises(st.TieError, match=r"'sub/w' lies inside the view 'sub'.*Fix: untie 'sub'"):
+    with raises("E24b", "untie: 'sub/w'", "view 'sub' (Tied('enc'))", "Fix: untie 'sub'"):
         st.untie(tree, "sub/w")
-    with pytest.raises(st.TieError, match="the tree has no ties at all"):
+    with raises("E24", "untie: 'a'", "no ties at all"):
         st.untie({"a": w}, "a")
 
 
@@ -199,7 +200,7 @@ def test_untie_state_refuses_views_that_change_values():
     for t in (st.scale(2.0), st.astype(jnp.float16), st.fn(jnp.tanh), st.T >> st.scale(-1.0)):
         params = {"w": jnp.ones((2, 2)), "v": st.Tied("w", t)}
         state = optax.adam(1e-3).init(params)
-        with pytest.raises(st.TieError, match=r"the view 'v' is .* of 'w'.*move elements"):
+        with raises("E25", "the view 'v'", f"is {t!r} of 'w'", "state_view()"):
             st.untie_state(state, params)
         assert st.untie(params)["v"].shape == (2, 2)  # the tree itself unties fine
 
@@ -207,13 +208,11 @@ def test_untie_state_refuses_views_that_change_values():
 def test_untie_state_of_a_state_that_does_not_match_the_tree():
     params, _ = _lm(jax.random.key(0))
     wrong = optax.adam(1e-3).init(st.materialize(params))  # made for the untied tree
-    with pytest.raises(
-        st.TieError,
-        match=r"part '0/mu' .* at 'head' the tree has Tied\('embed', T\), the state has a leaf",
-    ):
+    has = "at 'head' the tree has Tied('embed', T)"
+    with raises("E26", "part '0/mu'", has, "the state has a leaf"):
         st.untie_state(wrong, params)
     bad = {"mu": {**jax.tree.map(jnp.zeros_like, params), "mid": jnp.zeros(3)}}
-    with pytest.raises(st.TieError, match=r"'mu' .* shape \(3,\) at 'mid'.*shape \(4, 4\)"):
+    with raises("E26", "part 'mu'", "shape (3,) at 'mid'", "shape (4, 4)"):
         st.untie_state(bad, params)
 
 
@@ -241,7 +240,7 @@ def test_many_views_take_the_batched_eager_path():
 def test_untie_path_that_is_one_int_or_float():
     tree = [jnp.ones(2), st.Tied("0")]
     assert st.untie(tree, 1)[1].shape == (2,)
-    with pytest.raises(st.TieError, match=r"untie path: expected a '/'-joined string"):
+    with raises("E15", "untie path", "'/'-joined string", "found float 1.5", cls=st.TieTypeError):
         st.untie(tree, 1.5)
 
 
@@ -286,5 +285,5 @@ def test_untied_partition_boxes_carry_the_views_names():
 def test_untie_of_a_box_view_whose_transform_names_no_axes_is_refused():
     p = _boxed_params()
     p = {**p, "row": st.Tied("embed", st.fn(lambda x: x[:, -1]))}
-    with pytest.raises(st.TieError, match=r"(?s)'row'.*does not map its axes.*Fix: tie"):
+    with raises("E42", "the view 'row'", "'embed'", "'value'"):
         st.untie(p)
