@@ -1,16 +1,17 @@
 """sharetree: explicit parameter sharing (tied weights) in JAX pytrees (a tour: README.md)."""
 
 from sharetree._detect import find_ties, tie_identical
-from sharetree._display import MaterializedDisplay, summary, treescope_materialized
+from sharetree._display import summary
 from sharetree._errors import TieError, TieTypeError
 from sharetree._flat import Restructure, destructure
 from sharetree._format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._grad_by_use import grad_by_use
 from sharetree._grad_report import GradReport, grad_report
-from sharetree._io import load, save
 from sharetree._labels import label_by_path, mask_by_path
+from sharetree._load import load
 from sharetree._materialize import materialize
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._save import save
 from sharetree._sharding import shardings_by_path
 from sharetree._tie import tie
 from sharetree._tied import Tied
@@ -28,6 +29,7 @@ from sharetree._transforms import (
     transform_from_spec,
     transpose,
 )
+from sharetree._treescope import MaterializedDisplay, treescope_materialized
 from sharetree._untie import untie, untie_state
 
 __all__ = [

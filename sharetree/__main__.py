@@ -11,16 +11,17 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from sharetree._display import format_bytes, summary
-from sharetree._errors import TieError, bounded, one_line
+from sharetree._display import summary
+from sharetree._errors import TieError, add_context, bounded, error, one_line
 from sharetree._foreign import metadata_ties
 from sharetree._format import KEY_LIBRARY, KEY_VERSION
-from sharetree._io import PathOrStr, _Builder, save
+from sharetree._load import read_contents
 from sharetree._materialize import leaves_and_structure
 from sharetree._report import SharingGraph
-from sharetree._safetensors import Reader, file_path
-from sharetree._tables import _more, check_max_rows, printable
-from sharetree._transforms import describe_transform, is_described
+from sharetree._safetensors import PathOrStr, Reader, file_path
+from sharetree._save import save
+from sharetree._tables import check_max_rows, format_bytes, more_line, printable
+from sharetree._transforms import is_described
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
 
@@ -48,10 +49,9 @@ class _Parser(argparse.ArgumentParser):
                 n = int(text)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected an integer, got {text!r:.40}") from None
+            bounds = f"must be from {minimum} to {maximum:,}"
             if not minimum <= n <= maximum:
-                raise argparse.ArgumentTypeError(
-                    f"must be from {minimum} to {maximum:,}, got {text:.40}"
-                )
+                raise argparse.ArgumentTypeError(f"{bounds}, got {text:.40}")
             return n
 
         doc = f"{what} (default {default})"
@@ -126,8 +126,9 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         warnings.simplefilter("always")
         try:
             text = describe(path, max_rows=args.max_rows)
-        except (TieError, OSError) as e:
-            parser.error(f"cannot read {path!r}: {e}")
+        except (TieError, OSError) as e:  # one line, its notes (what was being read) included
+            notes = " ".join(getattr(e, "__notes__", ()))
+            parser.error(f"cannot read {path!r}: {e} {notes}")
     for w in caught:
         print(f"note: {' '.join(str(w.message).split())}", file=sys.stderr)
     print(text)
@@ -154,7 +155,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     try:
         size = os.path.getsize(path)
     except OSError as e:
-        raise TieError(f"inspect: cannot read {path!r} ({one_line(e)}).") from e
+        what, fix = f"cannot read {path!r}", "give the path of a readable .safetensors file"
+        raise error("E37", "inspect:", what, found=one_line(e), fix=fix) from e
     reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
     meta = reader.metadata
     if KEY_VERSION not in meta:
@@ -169,19 +171,16 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
             + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
         )
         rows = [f"  {printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
-        more = _more(len(infos), max_rows, "tensors")
+        more = more_line(len(infos), max_rows, "tensors")
         return "\n".join([head, *rows, *(["  " + more] if more else [])])
-    builder = _Builder(reader, None)
-    # fn and unregistered transforms: named, never called
-    builder.resolve = functools.partial(describe_transform)
-    tree = builder.run()
+    contents = read_contents(reader, describe=True)  # fn and unknown transforms: stand-ins
     try:
-        leaves, structure = leaves_and_structure(tree)
-        graph = SharingGraph(structure, leaves)
-        graph._uncalled = is_described  # st.fn views: named, never called
+        leaves, structure = leaves_and_structure(contents.tree)
+        graph = SharingGraph(structure, leaves)  # a stand-in's view: shape and dtype unknown
         text = summary(graph, max_rows=max_rows)  # the tables escape what moves a terminal
     except TieError as e:
-        raise TieError(f"inspect: {path!r} holds a bad sharing graph: {e}") from None
+        add_context(e, f"inspect: {path!r} holds this sharing graph")
+        raise
     head = (
         f"{path}: {size:,} bytes, sharetree format {meta[KEY_VERSION]} "
         f"(written by sharetree {printable(meta.get(KEY_LIBRARY, '?'))})"
@@ -194,8 +193,8 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
             "registered in this process (shown by their spec); they were not imported or "
             "called, so their shape and dtype are not shown"
         )
-    if builder.keys:
-        notes.append(f"note: {len(builder.keys):,} buffer(s) hold PRNG key data (uint32)")
+    if contents.keys:
+        notes.append(f"note: {len(contents.keys):,} buffer(s) hold PRNG key data (uint32)")
     return "\n".join([head, text, *notes])
 
 

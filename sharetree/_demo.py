@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharetree as st
-from sharetree._display import format_bytes, saved_percent
 from sharetree._lm import HEAD_TIE, TinyLM, block_ties
+from sharetree._tables import format_bytes, saved_percent
 from sharetree.flax import TiedModule, tied
 
 PROMPT = "The well "

@@ -1,4 +1,8 @@
-"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT, treescope."""
+"""Seeing the sharing: ``summary`` (text), HTML and SVG for Jupyter, DOT.
+
+Importing it registers the graph's HTML and DOT with ``SharingGraph`` (``_tied.DISPLAY``);
+the treescope renderings are in ``_treescope``.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +11,31 @@ from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from typing import Any, NamedTuple
 
-import jax.tree_util as jtu
-
 from sharetree._grad_report import grad_report
-from sharetree._materialize import expand_leaves as _expand_leaves
-from sharetree._paths import format_aval, key_str, path_str, plural
+from sharetree._paths import format_aval, key_str, path_str
 from sharetree._report import Buffer, SharingGraph, View, canonicalize
 from sharetree._tables import (
     MAX_ROWS,
-    _first,
-    _html_table,
-    _leaves_cell,
-    _more,
-    _page,
-    _svg,
-    _table,
     check_max_rows,
-    printable,
+    first_of,
+    format_bytes,
+    headline,
+    html_page,
+    html_table,
+    leaves_cell,
+    more_line,
+    saved_percent,
+    svg,
+    text_table,
 )
-from sharetree._tied import DISPLAY, Tied
-from sharetree._transforms import Transform, identity
+from sharetree._tied import DISPLAY
+from sharetree._transforms import identity
 
 __all__ = [
     "summary",
     "graph_html",
     "graph_svg",
     "graph_dot",
-    "tied_treescope_repr",
-    "treescope_materialized",
-    "MaterializedDisplay",
 ]
 
 _BUFFER_FILL = "#dbeafe"
@@ -43,19 +43,6 @@ _BUFFER_STYLE = f'fill="{_BUFFER_FILL}" stroke="#1d4ed8"'
 _VIEW_STYLE = 'fill="#ffedd5" stroke="#c2410c" stroke-dasharray="4 2"'
 _svg_ids = itertools.count()
 _Row = tuple[str, ...]  # the cells of a table row
-
-
-def format_bytes(n: int) -> str:
-    """``1536`` -> ``'1.5 KiB'`` (binary units; bytes below 1 KiB are exact)."""
-    if n < 1024:
-        return f"{n} B"
-    k = min((int(n).bit_length() - 1) // 10, 4)  # the largest unit that is at most n
-    return f"{n / 1024**k:.1f} {'KMGT'[k - 1]}iB"
-
-
-def saved_percent(unique: int, expanded: int) -> float:
-    """Percentage of ``expanded`` that sharing saves (``0.0`` when ``expanded`` is 0)."""
-    return 100.0 * (expanded - unique) / expanded if expanded > 0 else 0.0
 
 
 def _shape_dtype(x: Buffer | View) -> tuple[str, str]:
@@ -153,7 +140,7 @@ def _buffer_rows(g: SharingGraph, groups: Sequence[_Group]) -> list[tuple[int, _
 def _summed(xs: Sequence[Buffer | View]) -> tuple[str, str, str]:
     """The shape, dtype and bytes cells of a row that stands for the leaves ``xs``."""
     nbytes = format_bytes(sum(x.nbytes for x in xs))
-    return _leaves_cell(len(xs)), _common(_shape_dtype(x)[1] for x in xs), nbytes
+    return leaves_cell(len(xs)), _common(_shape_dtype(x)[1] for x in xs), nbytes
 
 
 def _view_cells(v: View) -> _Row:
@@ -180,10 +167,10 @@ def _sections(g: SharingGraph, max_rows: int) -> list[_Section]:
     n_views = sum(len(grp.views) for grp in v_shown)
     return [
         _Section("buffers", ("path", "shape", "dtype", "bytes", "views"), b_rows,
-                 _more(len(g.buffers), n_buffers, "buffers"), "(none)", frozenset({3, 4}),
+                 more_line(len(g.buffers), n_buffers, "buffers"), "(none)", frozenset({3, 4}),
                  b_details),
         _Section("views", ("path", "buffer", "transform", "shape", "dtype", "bytes"), v_rows,
-                 _more(len(g.views), n_views, "views"), "(none: nothing is shared)",
+                 more_line(len(g.views), n_views, "views"), "(none: nothing is shared)",
                  frozenset({5}), v_details),
     ]  # fmt: skip
 
@@ -199,13 +186,6 @@ def _totals(g: SharingGraph) -> list[tuple[str, str, str, str]]:
 
 
 _TOTALS = ("", "unique", "expanded", "saved")
-
-
-def _headline(g: SharingGraph) -> str:
-    """``sharing graph: 20 buffers, 17 views``, then ``(from 2 ties)`` when a tie is a subtree's."""
-    head = f"sharing graph: {plural(g.num_unique, 'buffer')}, {plural(g.num_views, 'view')}"
-    ties = len({v.tie for v in g.views.values()})
-    return head + (f" (from {plural(ties, 'tie')})" if ties != g.num_views else "")
 
 
 def summary(
@@ -241,9 +221,9 @@ def summary(
     """
     g = tree if isinstance(tree, SharingGraph) else canonicalize(tree)
     check_max_rows(max_rows, "summary")
-    lines = [_headline(g), *_table(_TOTALS, _totals(g))]
+    lines = [headline(g), *text_table(_TOTALS, _totals(g))]
     for sec in _sections(g, max_rows):
-        body = _table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
+        body = text_table(sec.header, sec.rows, sec.more) if sec.rows else ["  " + sec.none]
         lines += [f"{sec.title}:", *body]
     if grads_by_use is not None:
         lines.append(str(grad_report(grads_by_use, max_rows=max_rows)))
@@ -279,13 +259,13 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     for grp in groups:  # a subtree's place: its first buffer's
         order.setdefault(grp.buffer, min(order[key_str(v.buffer)] for v in grp.views))
     shown = sorted(groups[:max_rows], key=lambda grp: order[grp.buffer])
-    more = _more(len(g.views), sum(len(grp.views) for grp in shown), "views")
+    more = more_line(len(g.views), sum(len(grp.views) for grp in shown), "views")
     buffers = {key_str(b.path) for b in g.buffers}
 
     def left_label(grp: _Group) -> str:  # a subtree: its number of buffers
         inside = {key_str(v.buffer) for v in grp.views}
         n = sum(p.startswith(grp.buffer + "/") or p in inside for p in buffers)
-        return _clip(grp.buffer, 36) + ("" if grp.buffer in buffers else f"  ({_leaves_cell(n)})")
+        return _clip(grp.buffer, 36) + ("" if grp.buffer in buffers else f"  ({leaves_cell(n)})")
 
     def right_label(grp: _Group) -> str:  # a subtree tie: its number of views and their bytes
         leaves, _, nbytes = _summed(grp.views)
@@ -311,7 +291,7 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
         first = rows[0][0]
         title = f"buffer {buf}"
         if buf not in buffers:
-            title += ": " + _first(sorted({key_str(v.buffer) for v in first.views}), 20)
+            title += ": " + first_of(sorted({key_str(v.buffer) for v in first.views}), 20)
         out.append(_box(title, 4.0, by, left_w, left_label(first), _BUFFER_STYLE))
         for grp, y in rows:
             out.append(
@@ -326,14 +306,14 @@ def graph_svg(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
                 )
             title = f"view {grp.path} = {grp.transform}({grp.buffer})"
             if grp.subtree:
-                title += ": " + _first([key_str(v.path) for v in grp.views], 20)
+                title += ": " + first_of([key_str(v.path) for v in grp.views], 20)
             out.append(_box(title, x1, y, right_w, right_label(grp), _VIEW_STYLE))
     if more:
         out.append(
             f'<text x="{x1}" y="{top + len(shown) * row_h + 14}" fill="#6b7280">'
             f"{escape(more)}</text>"
         )
-    return _svg(width, height, 12, out)
+    return svg(width, height, 12, out)
 
 
 def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
@@ -341,13 +321,13 @@ def graph_html(g: SharingGraph, *, max_rows: int = MAX_ROWS) -> str:
     check_max_rows(max_rows, "graph_html")
     buffers, views = _sections(g, max_rows)
     views = views._replace(header=("path", "\u2190 buffer", *views.header[2:]))
-    parts = [_html_table(_TOTALS, _totals(g), numeric={1, 2, 3})]
+    parts = [html_table(_TOTALS, _totals(g), numeric={1, 2, 3})]
     for sec in (buffers, views) if views.rows else (buffers,):
         parts.append(f"<div><b>{sec.title}</b></div>")
-        parts.append(_html_table(sec.header, sec.rows, sec.numeric, sec.more, sec.details))
+        parts.append(html_table(sec.header, sec.rows, sec.numeric, sec.more, sec.details))
     no_views = "<div><i>no views: nothing is shared</i></div>"
     parts.append(graph_svg(g, max_rows=max_rows) if views.rows else no_views)
-    return _page("sharetree-graph", _headline(g), parts)
+    return html_page("sharetree-graph", headline(g), parts)
 
 
 def _dot_str(s: str) -> str:
@@ -387,121 +367,5 @@ def graph_dot(g: SharingGraph, *, include_unshared: bool = False) -> str:
     return "\n".join([*lines, "}"])
 
 
-def _color(buffer: str) -> str:
-    from treescope import formatting_util
-
-    return formatting_util.color_from_string(buffer)
-
-
-def _via(t: Transform) -> str:
-    return "" if t == identity else f" via {t!r}"
-
-
-def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> Any:
-    """``Tied('enc/w', T)  # view of enc/w``, coloured as the buffer at its ref is."""
-    from treescope import rendering_parts as rp
-
-    ref = path_str(tied.ref)
-    line = rp.siblings(rp.maybe_qualified_type_name(Tied), repr(tied).removeprefix("Tied"))
-    node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
-    note = printable(f"  # \u2192 view of {ref}{_via(tied.transform)}")
-    return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
-
-
-class _Mark:
-    """A materialized leaf wrapped with a note, for :class:`MaterializedDisplay`."""
-
-    __slots__ = ("badge", "color", "note", "value")
-
-    def __init__(self, value: Any, badge: str, note: str, color: str) -> None:
-        self.value, self.badge, self.note, self.color = value, badge, note, color
-
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        from treescope import rendering_parts as rp
-
-        inner = subtree_renderer(self.value, path=path)
-        style = f"background-color:{self.color};border-radius:3px;"
-        badge = rp.custom_style(rp.text(printable(self.badge)), style)
-        notes = [rp.comment_color(rp.text(printable(f"  # {self.note}")))] if self.note else []
-        return rp.siblings_with_annotations(badge, " ", inner, extra_annotations=notes)
-
-
-class MaterializedDisplay:
-    """A materialized tree that treescope shows with every buffer and view marked.
-
-    Made by :func:`treescope_materialized`; a buffer and its views share a
-    colour. Display it in Jupyter, pass it to ``treescope.show``, or ``print`` it.
-
-    Attributes:
-        tree: the canonical tree.
-        graph: its sharing graph.
-
-    Example:
-        >>> import numpy as np, sharetree as st
-        >>> st.MaterializedDisplay({"w": np.ones(3), "v": st.Tied("w")}).graph
-        SharingGraph(1 buffer, 1 view; params 3 unique / 6 expanded; bytes 24 / 48)
-    """
-
-    def __init__(self, tree: Any) -> None:
-        self.tree, self.graph = tree, canonicalize(tree)
-
-    def marked_tree(self) -> Any:
-        """The materialized tree whose buffer and view leaves are wrapped with their notes."""
-        structure = self.graph.structure
-        uses: dict[int, list[str]] = {}
-        for view in structure.views:
-            uses.setdefault(view.buffer, []).append(path_str(view.path))
-        marked = []
-        values = _expand_leaves(structure, self.graph._leaves)
-        for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
-            buf = path_str(structure.buffer_paths[i])
-            if t is not None:
-                note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
-                marked.append(_Mark(x, f"[view of {buf}{_via(t)}]", note, _color(buf)))
-            elif i in uses:
-                badge = f"[buffer: {plural(len(uses[i]), 'view')}]"
-                marked.append(_Mark(x, badge, f"shared with {_first(uses[i], 3)}", _color(buf)))
-            else:
-                marked.append(x)
-        return jtu.tree_unflatten(structure.expanded_treedef, marked)
-
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        from treescope import rendering_parts as rp
-
-        g = self.graph
-        saved = saved_percent(g.nbytes_unique, g.nbytes_expanded)
-        head = f"# materialized tree; {_headline(g)} ({saved:.1f}% of bytes saved)"
-        body = subtree_renderer(self.marked_tree(), path=path)
-        return rp.siblings_with_annotations(rp.comment_color(rp.text(head)), rp.text("\n"), body)
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        # Not ``_repr_html_``: treescope embeds any object that has one, which would recurse.
-        import treescope
-
-        page = treescope.render_to_html(self, compressed=False)
-        return {"text/html": page, "text/plain": repr(self)}
-
-    def __repr__(self) -> str:
-        import treescope
-
-        return treescope.render_to_text(self)
-
-
-def treescope_materialized(tree: Any) -> MaterializedDisplay:
-    """Show the materialized ``tree`` in treescope, its views and buffers marked.
-
-    Example:
-        >>> import numpy as np, sharetree as st
-        >>> tree = {"enc": np.arange(2, dtype=np.float32), "dec": st.Tied("enc", st.scale(2.0))}
-        >>> print(st.treescope_materialized(tree))
-        # materialized tree; sharing graph: 1 buffer, 1 view (50.0% of bytes saved)
-        {
-          'dec': [view of enc via scale(2.0)] <jax.Array([0., 2.], dtype=float32)>,
-          'enc': [buffer: 1 view] np.array([0., 1.], dtype=float32),  # shared with dec
-        }
-    """
-    return MaterializedDisplay(tree)
-
-
-# the renderers that Tied and SharingGraph look up (the core never imports this module)
-DISPLAY.update(tied_treescope=tied_treescope_repr, graph_html=graph_html, graph_dot=graph_dot)
+# the renderers that SharingGraph looks up (the core never imports this module)
+DISPLAY.update(graph_html=graph_html, graph_dot=graph_dot)

@@ -11,18 +11,18 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from sharetree._errors import TieError, safe_repr
+from sharetree._errors import check_mapping, error, short, wrong_type
 from sharetree._paths import closest, key_str, plural
 from sharetree._tables import (
-    _CELL,
+    CELL,
     MAX_ROWS,
-    _first,
-    _html_table,
-    _more,
-    _page,
-    _svg,
-    _table,
     check_max_rows,
+    first_of,
+    html_page,
+    html_table,
+    more_line,
+    svg,
+    text_table,
 )
 
 __all__ = ["GradReport", "BufferUses", "Use", "grad_report"]
@@ -68,20 +68,18 @@ class BufferUses:
     cosines: tuple[tuple[float, ...], ...]
 
 
+_FIX = "pass what st.grad_by_use(fun)(tree, ...) returns"
+
+
 def _host(x: Any, where: str) -> np.ndarray:
     try:
         a = np.asarray(x)
     except Exception as e:  # tracers have no value
-        raise TieError(
-            f"grad_report: the contribution of {where} is not a concrete array "
-            f"({type(e).__name__}); a report needs values. Fix: call st.grad_report outside "
-            "jit (the dict that st.grad_by_use returns under jit can be passed out of it)."
-        ) from None
+        fix = "call st.grad_report outside jit, on what grad_by_use returned from it"
+        raise error("E27", where, "is not a concrete array", found=type(x).__name__, fix=fix) from e
     if not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):  # bfloat16 too
-        raise TieError(
-            f"grad_report: the contribution of {where} is {a.dtype} {safe_repr(a, 60)}, not a "
-            "numeric array. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
-        )
+        found = f"{a.dtype} {short(a, 60)}"
+        raise error("E68", where, "is not a numeric array", found=found, fix=_FIX)
     return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64).ravel()
 
 
@@ -98,27 +96,19 @@ def _is_key(k: Any) -> bool:
 
 
 def _buffer_uses(path: Any, uses: Any) -> BufferUses:
-    if not isinstance(uses, Mapping) or not uses:
-        raise TieError(
-            f"grad_report: the entry of buffer {path!r} should be a non-empty dict "
-            f"{{use path: contribution}}, found {type(uses).__name__} {uses!r:.80}. "
-            "Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
-        )
+    where, expected = f"grad_report: buffer {short(path)}", "a non-empty dict {use: contribution}"
+    if not check_mapping(uses, "E27", where, expected, _FIX):
+        raise error("E27", where, "has no uses", expected=expected, found="{}", fix=_FIX)
     bad = next((k for k in (path, *uses) if not _is_key(k)), None)
     if bad is not None:
-        raise TieError(
-            f"grad_report: the paths are '/'-joined strings (or tuples of keys where a key "
-            f"contains '/'), found {type(bad).__name__} "
-            f"{bad!r} (buffer {path!r}). Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
-        )
+        expected = "'/'-joined paths (tuples of keys where a key holds '/')"
+        raise wrong_type("E68", f"{where}: a path", expected, bad, _FIX)
     path = key_str(path)  # shown as every sharetree message shows a path
-    vecs = {key_str(u): _host(g, f"{u!r} (buffer {path!r})") for u, g in uses.items()}
+    where = f"grad_report: buffer {path!r}"
+    vecs = {key_str(u): _host(g, f"{where}: the contribution of {u!r}") for u, g in uses.items()}
     if len({v.size for v in vecs.values()}) != 1:
-        raise TieError(
-            f"grad_report: the uses of buffer {path!r} have different sizes "
-            f"({', '.join(f'{u!r}: {v.size}' for u, v in vecs.items())}); every contribution "
-            "is in the buffer's shape. Fix: pass what st.grad_by_use returns, unchanged."
-        )
+        sizes = ", ".join(f"{u!r}: {v.size}" for u, v in vecs.items())
+        raise error("E27", where, "has uses of different sizes", found=sizes, fix=_FIX)
     total = sum(vecs.values())
     norms = {u: float(np.linalg.norm(v)) for u, v in vecs.items()}
     denominator = sum(norms.values()) or math.nan  # every share is nan when every use is zero
@@ -192,21 +182,21 @@ class GradReport:
                 for u in b.uses[: self.max_rows]
             ]
             title = f": {len(b.uses)} uses, norm of their sum {_fmt(b.norm, '.4g')}"
-            yield _Block(b, title, rows, _more(len(b.uses), len(rows), "uses"))
+            yield _Block(b, title, rows, more_line(len(b.uses), len(rows), "uses"))
 
     def _single(self) -> str:
         single = [b.path for b in self.buffers if len(b.uses) == 1]
         if not single or not self.shared:
             return ""
-        return f"{plural(len(single), 'buffer')} with one use each: {_first(single, 5)}"
+        return f"{plural(len(single), 'buffer')} with one use each: {first_of(single, 5)}"
 
     def __str__(self) -> str:
         lines = [self._headline()]
         for b, title, rows, more in self._blocks():
             bars = ("" if math.isnan(u.share) else "\u2588" * round(_BAR * u.share) for u in b.uses)
-            table = _table((*_HEADER, ""), [(*r, bar) for r, bar in zip(rows, bars)], more)
+            table = text_table((*_HEADER, ""), [(*r, bar) for r, bar in zip(rows, bars)], more)
             lines += [b.path + title, *table]
-        more = _more(len(self.shared), self.max_rows, "buffers used in several places")
+        more = more_line(len(self.shared), self.max_rows, "buffers used in several places")
         lines += [line for line in (more, self._single()) if line]
         return "\n".join(line.rstrip() for line in lines)
 
@@ -226,20 +216,20 @@ class GradReport:
                 f'<text x="{label_w + width + 6:.1f}" y="{y + 12}" fill="#374151">'
                 f"{pct} cos {cos}</text></g>"
             )
-        return _svg(label_w + _BAR_PX + 150, 4 + 18 * len(rows) + 4, 11, out)
+        return svg(label_w + _BAR_PX + 150, 4 + 18 * len(rows) + 4, 11, out)
 
     def _repr_html_(self) -> str:
         parts = []
         for b, title, rows, more in self._blocks():
             parts += [
                 f"<div><b>{escape(b.path)}</b>{escape(title)}</div>",
-                _html_table(_HEADER, rows, numeric={1, 2, 3}, more=more),
+                html_table(_HEADER, rows, numeric={1, 2, 3}, more=more),
                 self._svg(b, rows),
             ]
-        more = _more(len(self.shared), self.max_rows, "buffers")
-        parts += [f'<div style="{_CELL}">{more}</div>'] if more else []
+        more = more_line(len(self.shared), self.max_rows, "buffers")
+        parts += [f'<div style="{CELL}">{more}</div>'] if more else []
         parts += [f"<div>{escape(self._single())}</div>"] if self._single() else []
-        return _page("sharetree-grad-report", self._headline(), parts)
+        return html_page("sharetree-grad-report", self._headline(), parts)
 
 
 def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_ROWS) -> GradReport:
@@ -266,10 +256,7 @@ def grad_report(by_use: Mapping[str, Mapping[str, Any]], *, max_rows: int = MAX_
           embed  1.414  25.0%  -1.000     █████
           head   4.243  75.0%  -1.000     ███████████████
     """
-    if not isinstance(by_use, Mapping):
-        raise TieError(
-            f"grad_report: expected a dict {{buffer path: {{use path: contribution}}}}, found "
-            f"{type(by_use).__name__}. Fix: pass what st.grad_by_use(fun)(tree, ...) returns."
-        )
+    expected = "a dict {buffer path: {use path: contribution}}"
+    check_mapping(by_use, "E27", "grad_report", expected, _FIX)
     check_max_rows(max_rows, "grad_report")
     return GradReport(tuple(_buffer_uses(p, u) for p, u in by_use.items()), max_rows)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import flax.linen as nn
 import jax
 
+from sharetree._errors import error
 from sharetree._tied import Tied
 from sharetree._transforms import T
 
@@ -61,10 +62,9 @@ class TinyLM(nn.Module):
         """Next-token logits at every position of ``tokens`` (causal)."""
         window = tokens.shape[-1]
         if window > self.context:
-            raise ValueError(
-                f"TinyLM: a window of {window} tokens is longer than context={self.context}. "
-                f"Fix: feed at most {self.context} tokens, or build a model with a longer context."
-            )
+            fix = f"feed at most {self.context} tokens, or build a model with a longer context"
+            expected = f"at most context={self.context} tokens"
+            raise error("E187", "TinyLM", expected=expected, found=f"a window of {window}", fix=fix)
         init = nn.initializers.normal(0.02)
         embed = nn.Embed(self.vocab, self.d_model, embedding_init=init, name="embed")
         pos = self.param("pos", init, (self.context, self.d_model))

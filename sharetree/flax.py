@@ -16,18 +16,18 @@ try:
     from flax import serialization
     from flax.core import FrozenDict, meta
 except ImportError as e:  # pragma: no cover - exercised only without flax
-    raise ImportError(
-        "sharetree.flax needs Flax: pip install 'sharetree[flax]' (or pip install flax)."
-    ) from e
+    raise ImportError("sharetree.flax needs Flax: pip install 'sharetree[flax]'") from e
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, one_line
+from sharetree._errors import TieError, add_context, check_mapping, error, one_line, wrong_type
 from sharetree._materialize import leaf_aval, materialize, register_box_renamer
 from sharetree._paths import (
     Path,
+    Ref,
     TieMap,
     format_aval,
+    from_root,
     keypath_to_path,
     leaves_with_paths,
     path_str,
@@ -36,33 +36,25 @@ from sharetree._resolve import (
     STRUCTURE_CACHE_SIZE,
     Structure,
     ViewLeaf,
-    _nodes_at,
+    nodes_at,
     skeleton,
     structure_of,
 )
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
-from sharetree._transforms import Transform, view_axis_names
+from sharetree._transforms import view_axis_names
 
 __all__ = ["TiedModule", "tied"]
 
 COLLECTION = "params"
 
 
+_TIES_FIX = "tied(model, {'head/kernel': st.Tied('embed/embedding', st.T)})"
+
+
 def _normalize(ties: TieMap) -> tuple[tuple[Path, Tied], ...]:
-    if not isinstance(ties, Mapping):
-        raise TieError(
-            f"tied(module, ties): expected a mapping {{target: ref or Tied}}, got "
-            f"{type(ties).__name__}. Fix: tied(model, "
-            "{'head/kernel': st.Tied('embed/embedding', st.T)})."
-        )
+    ties = check_mapping(ties, "E69", "tied(module, ties)", "a mapping {target: ref}", _TIES_FIX)
     return tuple(tie_entries(ties).items())
-
-
-def _box_names(box: Any, t: Transform) -> tuple[Any, ...] | None:
-    """Partition names of ``t``'s view of the boxed buffer; ``None`` if its axes are unknown."""
-    aval = leaf_aval(box.value)
-    return None if aval is None else view_axis_names(t, box.names, aval)
 
 
 def _boxes(tree: Any) -> dict[Path, Any]:
@@ -72,65 +64,50 @@ def _boxes(tree: Any) -> dict[Path, Any]:
 
 
 def _value_fix(target: Path, t: Tied) -> str:
-    return (
-        f"Fix: tie the value leaves, {{'{path_str(target)}/value': "
-        f"st.Tied('{path_str(t.ref)}/value', {t.transform!r})}}, which keeps the target's own "
-        "box and partition names."
-    )
+    target_value, ref_value = f"{path_str(target)}/value", f"{path_str(t.ref)}/value"
+    return f"tie the value leaves, {{{target_value!r}: st.Tied({ref_value!r}, {t.transform!r})}}"
+
+
+def _view_names(ref: Any, t: Tied, where: str) -> tuple[Any, ...] | None:
+    """The partition names of ``t``'s view of the box ``ref``; ``None`` if its axes are unknown."""
+    aval = leaf_aval(ref.value)
+    try:
+        return None if aval is None else view_axis_names(t.transform, ref.names, aval)
+    except TieError as e:
+        add_context(e, f"{where}: on the partition box {path_str(t.ref)!r} of {format_aval(aval)}")
+        raise
+    except Exception as e:  # the view does not fit its buffer
+        what = f"fails on the partition box {path_str(t.ref)!r} of {format_aval(aval)}"
+        raise error("E9", where, what, found=one_line(e), fix="use a transform that fits it") from e
 
 
 def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, where: str) -> None:
     """A tie that names a partition box must give the view the target's own partition names."""
     for target, t in ties:
-        box, ref = (next(iter(_nodes_at(params, p)), None) for p in (target, t.ref))
+        if (ref_path := from_root(target, Ref(t.ref, t.up))) is None:
+            continue  # a climb past the root, which st.tie names
+        box, ref = (next(iter(nodes_at(params, p)), None) for p in (target, ref_path))
         if not isinstance(box, meta.AxisMetadata) or ref is None:
             continue  # not a box; or a missing ref, which st.tie names with the closest paths
+        view, fix = f"{where}: the view {path_str(target)!r} ({t!r})", _value_fix(target, t)
+        ref_names = tuple(ref.names)
         if not isinstance(box, meta.Partitioned) or type(ref) is not type(box):
-            raise TieError(
-                f"{where}: the tie {path_str(target)!r} -> {t!r} joins a "
-                f"{type(box).__name__} box and a {type(ref).__name__}; a view of a box is "
-                f"rebuilt from its buffer's box, so both must be the same kind of partition box. "
-                + _value_fix(target, t)
-            )
-        try:
-            names = _box_names(ref, t.transform)
-        except Exception as e:  # the view does not fit its buffer
-            why = (
-                str(e)
-                if isinstance(e, TieError)
-                else f"{one_line(e)}. Fix: use a transform that fits it"
-            )
-            raise TieError(
-                f"{where}: the view {path_str(target)!r} ({t!r}): {t.transform!r} failed on the "
-                f"partition box {path_str(t.ref)!r} of {format_aval(leaf_aval(ref.value))}: {why}"
-            ) from e
+            kinds = f"a {type(box).__name__} box and a {type(ref).__name__}"
+            raise error("E42", view, f"joins {kinds}", expected="one kind of box", fix=fix)
+        names = _view_names(ref, t, view)
         if names is None:
-            raise TieError(
-                f"{where}: the tie {path_str(target)!r} -> {t!r} names partition boxes, but "
-                f"{t.transform!r} does not map the axes of {path_str(t.ref)!r} (names "
-                f"{tuple(ref.names)}) to axes of the view, so the view's partition names are "
-                "unknown. " + _value_fix(target, t)
-            )
+            what = f"{t.transform!r} does not map the axes of {path_str(t.ref)!r} {ref_names}"
+            raise error("E42", view, what, expected="axes the view keeps", fix=fix)
         own = (tuple(box.names), box.mesh, getattr(box, "rules", None))
-        derived = (names, ref.mesh, getattr(ref, "rules", None))
-        if check and own != derived:
-            raise TieError(
-                f"{where}: the view {path_str(target)!r} would carry the partition names "
-                f"{names} ({path_str(t.ref)!r}'s {tuple(ref.names)} under {t.transform!r}), "
-                f"but its own box has {tuple(box.names)}"
-                + ("" if own[1:] == derived[1:] else " and a different mesh or rules")
-                + ": the view would be sharded unlike the parameter it replaces. "
-                + _value_fix(target, t)
-            )
+        if check and own != (names, ref.mesh, getattr(ref, "rules", None)):
+            mesh = "" if own[1:] == (ref.mesh, getattr(ref, "rules", None)) else ", another mesh"
+            what = f"would carry the partition names {names} (from {path_str(t.ref)!r} {ref_names})"
+            raise error("E42", view, what, expected=f"its own box's {own[0]}{mesh}", fix=fix)
 
 
 def _check_variables(variables: Any, where: str) -> None:
-    if not isinstance(variables, Mapping):
-        raise TieError(
-            f"{where}: expected the variables, a dict of collections such as "
-            f"{{{COLLECTION!r}: params}}, got {type(variables).__name__} {variables!r:.80}. "
-            "Fix: pass what init returned (or {'params': canonical_params})."
-        )
+    expected = "the variables, a dict of collections such as {'params': params}"
+    check_mapping(variables, "E69", where, expected, "pass what init returned")
 
 
 def _with_params(variables: Any, params: Any) -> Any:
@@ -169,13 +146,11 @@ def _rename_boxes(structure: Structure, leaves: Any, materialized: Any, where: s
         aval = leaf_aval(leaves[leaf.buffer])
         names = None if aval is None else view_axis_names(leaf.transform, box.names, aval)
         if names is None:
-            raise TieError(
-                f"{where}: the view {path_str(at)!r} ({structure.ties[leaf.tie]!r} at "
-                f"{path_str(leaf.tie)!r}) copies the partition box of "
-                f"{path_str(structure.buffer_paths[leaf.buffer][:-1])!r}, but "
-                f"{leaf.transform!r} does not map its axes to axes of the view. Fix: tie the "
-                "box's 'value' leaf instead, so the view keeps a box of its own."
-            )
+            view = f"{where}: the view {path_str(at)!r} ({structure.ties[leaf.tie]!r} at "
+            source = path_str(structure.buffer_paths[leaf.buffer][:-1])
+            what = f"copies the partition box of {source!r}; {leaf.transform!r} drops its axes"
+            fix = "tie the box's 'value' leaf instead"
+            raise error("E42", f"{view}{path_str(leaf.tie)!r})", what, fix=fix)
         fixed[at] = names
     if not fixed:
         return materialized
@@ -228,7 +203,8 @@ class TiedModule:
         try:
             return tie(params, dict(self.ties), check=self.check)
         except TieError as e:
-            raise TieError(f"{where}: in the {COLLECTION!r} collection: {e}") from None
+            add_context(e, f"{where}: in the {COLLECTION!r} collection")
+            raise
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init``, with the ``"params"`` collection tied (canonical)."""
@@ -252,12 +228,10 @@ class TiedModule:
         if not self.ties:
             return variables
         if COLLECTION not in variables:
-            raise TieError(
-                f"{self._where(method)}: the module created no {COLLECTION!r} collection "
-                f"(collections: {sorted(variables)}), so the ties "
-                f"{[path_str(p) for p, _ in self.ties]} have nothing to tie. "
-                "Fix: initialise with the method that creates the parameters."
-            )
+            ties = [path_str(p) for p, _ in self.ties]
+            what = f"made no {COLLECTION!r} collection for the ties {ties}"
+            fix = "initialise with the method that creates the parameters"
+            raise error("E184", self._where(method), what, found=str(sorted(variables)), fix=fix)
         return _with_params(variables, self._tie(variables[COLLECTION], method))
 
     def materialize(self, variables: Any) -> Any:
@@ -289,13 +263,11 @@ class TiedModule:
         before, after = dict(leaves_with_paths(passed)), dict(leaves_with_paths(returned))
         for view in structure.views:
             if after.get(view.path) is not before.get(view.path):
-                buffer = structure.buffer_paths[view.buffer]
-                raise TieError(
-                    f"{self._where('apply')}: the module wrote a new value to "
-                    f"{COLLECTION}/{path_str(view.path)}, a view ({structure.ties[view.tie]!r} at "
-                    f"{path_str(view.tie)!r}) of buffer {path_str(buffer)!r}; the "
-                    "write would be lost. Fix: write the buffer instead, or untie that parameter."
-                )
+                at = f"{COLLECTION}/{path_str(view.path)}"
+                what = f"the view {structure.ties[view.tie]!r} at {path_str(view.tie)!r}"
+                buffer = path_str(structure.buffer_paths[view.buffer])
+                fix = f"write the buffer {buffer!r} instead, or untie that parameter"
+                raise error("E185", self._where("apply"), f"wrote to {at!r}, {what}", fix=fix)
         return out, _with_params(updated, tie(returned, structure.ties, check=False))
 
     def __getattr__(self, name: str) -> Any:
@@ -312,14 +284,11 @@ def _restore_tied(target: Tied, state: Any) -> Tied:
     """The target's ``Tied`` back from ``flax.serialization.from_state_dict``."""
     if isinstance(state, Mapping) and not state:
         return target
-    found = getattr(state, "shape", None)
-    found = f"an array of shape {tuple(found)}" if found is not None else type(state).__name__
-    raise TieError(
-        f"flax.serialization: the state at {serialization.current_path()!r} holds {found} "
-        f"where the target holds {target!r}, a view with no values of its own (the state was "
-        "saved from an untied tree). Fix: restore into an untied template, then tie it with "
-        "st.tie (or sharetree.flax.tied(...).tie)."
-    )
+    shape = getattr(state, "shape", None)
+    found = type(state).__name__ if shape is None else f"an array of shape {tuple(shape)}"
+    where = f"flax.serialization: the state at {serialization.current_path()!r}"
+    fix = "restore into an untied template, then tie it with st.tie"
+    raise error("E186", where, expected=f"no values (a view, {target!r})", found=found, fix=fix)
 
 
 # a Tied stores nothing and comes back from the target (as Orbax restores it)
@@ -351,10 +320,8 @@ def tied(module: nn.Module, ties: TieMap, *, check: bool = True) -> TiedModule:
     if isinstance(module, TiedModule):
         return TiedModule(module.module, module.ties + _normalize(ties), check and module.check)
     if not isinstance(module, nn.Module):
-        raise TieError(
-            f"tied(module, ties): expected a flax.linen.Module, got {type(module).__name__}. "
-            "Fix: for NNX use sharetree.nnx.split; for other pytrees use st.tie."
-        )
+        fix = "for NNX use sharetree.nnx.split; for other pytrees use st.tie"
+        raise wrong_type("E69", "tied(module, ties)", "a flax.linen.Module", module, fix)
     return TiedModule(module, _normalize(ties), check)
 
 

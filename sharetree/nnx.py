@@ -14,20 +14,29 @@ try:
     from flax import nnx
     from flax.nnx import graph as graphlib  # (flax.nnx.graphlib is flax >= 0.12.5 only)
 except ImportError as e:  # pragma: no cover - exercised only without flax
-    raise ImportError(
-        "sharetree.nnx needs Flax: pip install 'sharetree[flax]' (or pip install flax)."
-    ) from e
+    raise ImportError("sharetree.nnx needs Flax: pip install 'sharetree[flax]'") from e
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError
+from sharetree._errors import TieError, add_context, check_mapping, error, wrong_type
 from sharetree._materialize import materialize
-from sharetree._paths import Path, TieMap, closest, node_paths, path_str, prefixes
-from sharetree._resolve import _nodes_at, structure_of
+from sharetree._paths import (
+    Path,
+    Ref,
+    TieMap,
+    closest,
+    from_root,
+    node_paths,
+    path_str,
+    prefixes,
+)
+from sharetree._resolve import nodes_at, structure_of
 from sharetree._tie import tie, tie_entries
 from sharetree._tied import Tied
 
 __all__ = ["GraphDef", "split", "merge", "update"]
+
+_TIES_FIX = "split(model, ties={'dec/kernel': st.Tied('enc/kernel', st.T)})"
 
 RawPath = tuple[Any, ...]
 """A path with NNX's own keys (attribute names and list indices as ints)."""
@@ -98,11 +107,8 @@ def _variable_positions(model: Any) -> dict[int, list[RawPath]]:
 def _flat(state: Any) -> list[tuple[RawPath, Any]]:
     """(NNX path, Variable or Tied) at every Variable position of a state, sorted by path."""
     if not isinstance(state, (nnx.State, Mapping)):
-        raise TieError(
-            f"sharetree.nnx: expected an NNX state (nnx.State or a dict), found "
-            f"{type(state).__name__} {state!r:.80}. Fix: pass the model to split, and to merge "
-            "the graphdef and the state(s) that split returned."
-        )
+        fix = "pass split the model, and merge the graphdef and states that split returned"
+        raise wrong_type("E69", "sharetree.nnx", "an NNX state (nnx.State or a dict)", state, fix)
     return list(nnx.to_flat_state(state if isinstance(state, nnx.State) else nnx.State(state)))
 
 
@@ -139,12 +145,8 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     """
     for f in filters:
         if isinstance(f, Mapping):
-            raise TieError(
-                f"sharetree.nnx.split(model, *filters, ties=None): got a mapping {f!r:.80} "
-                "among the filters; ties are a keyword argument, so that split takes "
-                "nnx.split's positional arguments. Fix: split(model, ties={'dec/kernel': "
-                "st.Tied('enc/kernel', st.T)}) (filters, if any, before ties=)."
-            )
+            at = "sharetree.nnx.split(model, *filters, ties=None): a filter"
+            raise wrong_type("E81", at, "an NNX filter, not a mapping", f, _TIES_FIX)
     graphdef, *states = nnx.split(model, *filters)
     flats = [_flat(s) for s in states]
     owner_state = {raw: i for i, flat in enumerate(flats) for raw, _ in flat}
@@ -164,43 +166,36 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     where = {_str_path(r): i for r, i in owner_state.items()} | {a: i for i, a, _ in graph_aliases}
     nodes = node_paths(where)
 
-    if ties is not None and not isinstance(ties, Mapping):
-        raise TieError(
-            f"sharetree.nnx.split(model, *filters, ties=...): expected a mapping {{target: ref "
-            f"or Tied}} or None, got {type(ties).__name__} {ties!r:.80}. Fix: split(model, "
-            "ties={'dec/kernel': st.Tied('enc/kernel', st.T)})."
-        )
+    if ties is not None:
+        check_mapping(ties, "E69", "sharetree.nnx.split: ties=", "a mapping or None", _TIES_FIX)
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for path, t in tie_entries(ties or {}).items():
-        path, t = _strip_value(path, where), Tied(_strip_value(t.ref, where), t.transform)
-        for p, what in (
-            (path, f"tie target {path_str(path)!r}"),
-            (t.ref, f"ref {path_str(t.ref)!r} (of the tie at {path_str(path)!r})"),
-        ):
-            if p not in nodes:
-                raise TieError(
-                    f"sharetree.nnx.split: {what} does not exist in the NNX state; "
-                    f"{closest(path_str(p), map(path_str, nodes))}. Fix: write the path as NNX "
-                    "prints the state ('/'-joined attribute names and list indices, naming the "
-                    "Variable, e.g. 'dec/kernel')."
-                )
+        path, ref = _strip_value(path, where), _strip_value(t.ref, where)
+        if (rooted := from_root(path, Ref(ref, t.up))) is None:  # a climb past the root
+            where_up = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
+            raise error("E163", where_up, f"climbs {t.up} levels", fix="climb fewer levels")
+        t = Tied(rooted, t.transform)
+        named = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
+        missing = next((p for p in (path, t.ref) if p not in nodes), None)
+        if missing is not None:  # the target (E5) or the ref (E1)
+            near = closest(path_str(missing), map(path_str, nodes))
+            what = f"names {path_str(missing)!r}, not in the NNX state; {near}"
+            fix = "write the path as NNX prints the state, naming the Variable ('dec/kernel')"
+            if missing is path:
+                raise error("E5", named, what, fix=fix)
+            raise error("E1", named, what, fix=fix)
         spans = {i for p, i in where.items() if p[: len(path)] == path or p[: len(t.ref)] == t.ref}
         if len(spans) > 1:
-            raise TieError(
-                f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r} spans states "
-                f"{sorted(spans)} of the filters given to split; a view and its buffer "
-                "must be in the same state. Fix: change the filters, or tie within one state."
-            )
+            fix = "change the filters, or tie within one state"
+            expected = "its view and buffer in one state"
+            raise error("E180", named, f"spans states {sorted(spans)}", expected=expected, fix=fix)
         if path in aliases and t == Tied(aliases[path][1]):
             continue  # already this identity tie
         for a, (_, owner) in aliases.items():
             if a[: len(path)] == path or path[: len(a)] == a:
-                raise TieError(
-                    f"sharetree.nnx.split: cannot tie {path_str(path)!r} <- {t!r}: in the model "
-                    f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r} (an "
-                    f"identity tie). Fix: tie {path_str(owner)!r} instead, or build the model "
-                    "without sharing that Variable."
-                )
+                what = f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r}"
+                fix = f"tie {path_str(owner)!r} instead, or build the model with two Variables"
+                raise error("E181", named, f"meets an identity tie: {what}", fix=fix)
         per_state[spans.pop()][path] = t
 
     out = []
@@ -212,7 +207,8 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
             try:
                 state = tie(state, per_state[i], check=check)
             except TieError as e:
-                raise TieError(f"sharetree.nnx.split: {e}") from None
+                add_context(e, f"in sharetree.nnx.split, state {i}")
+                raise
         out.append(state)
     return (GraphDef(graphdef, graph_aliases, len(states)), *out)
 
@@ -222,10 +218,9 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
     if not isinstance(graphdef, GraphDef):
         graphdef = GraphDef(graphdef, (), len(states))
     if len(states) != graphdef.num_states:
-        raise TieError(
-            f"sharetree.nnx.merge: expected {graphdef.num_states} state(s), as split returned, "
-            f"got {len(states)}. Fix: pass every state split returned, in the same order."
-        )
+        fix = "pass every state split returned, in the same order"
+        want = f"{graphdef.num_states} state(s), as split returned"
+        raise error("E182", "sharetree.nnx.merge", expected=want, found=str(len(states)), fix=fix)
     out = []
     for i, state in enumerate(states):
         structure = structure_of(jtu.tree_structure(state))
@@ -233,19 +228,14 @@ def _to_nnx(graphdef: GraphDef | Any, states: tuple[Any, ...]) -> list[Any]:
         for a, o in aliases.items():
             found = structure.ties.get(a)
             if found != Tied(o):
-                held = _nodes_at(state, a)
+                held = nodes_at(state, a)
                 what = "nothing" if found is None else repr(found)
                 if found is None and held:
                     what = f"a {type(held[0]).__name__} (a materialized or untied state?)"
-                raise TieError(
-                    f"sharetree.nnx.merge: state {i} at {path_str(a)!r} holds {what}, but the "
-                    f"model holds the Variable at {path_str(o)!r} there too, one object, so it "
-                    f"must be Tied({path_str(o)!r}). Fix: pass the state as split returned it, "
-                    "with its identity ties. (A Variable object the model holds twice has one "
-                    "value: its two uses cannot be told apart, so st.grad_by_use cannot split "
-                    "them; build the model with two Variables and tie them with split(model, "
-                    f"ties={{{path_str(a)!r}: {path_str(o)!r}}}) for gradients by use.)"
-                )
+                where = f"sharetree.nnx.merge: state {i} at {path_str(a)!r}"
+                two = f"split(model, ties={{{path_str(a)!r}: {path_str(o)!r}}})"
+                fix = f"pass the state split returned; for grad_by_use, two Variables and {two}"
+                raise error("E183", where, expected=repr(Tied(o)), found=what, fix=fix)
         flat = []
         for raw, x in _flat(materialize(state)):
             path = _str_path(raw)

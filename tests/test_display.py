@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import treescope
+from _raises import raises
 from treescope import formatting_util
 
 import sharetree as st
-from sharetree._display import _Mark, format_bytes, graph_svg, saved_percent
+from sharetree._display import graph_html, graph_svg
+from sharetree._tables import format_bytes, saved_percent
+from sharetree._treescope import _Mark
 
 
 def _tree():
@@ -241,9 +244,9 @@ def test_summary_cuts_long_tables_and_keeps_shared_buffers():
 
 
 def test_summary_bad_input():
-    with pytest.raises(st.TieError, match="max_rows"):
+    with raises("E55", "summary: max_rows", "found 0"):
         st.summary({"a": np.zeros(2)}, max_rows=0)
-    with pytest.raises(st.TieError, match="closest existing path"):
+    with raises("E1", "'dec'", "'encc'", "'enc'"):
         st.summary({"enc": np.zeros(2), "dec": st.Tied("encc")})
 
 
@@ -506,13 +509,13 @@ def test_graph_display_under_jit_structure_only():
 def test_max_rows_must_be_a_positive_int_everywhere(bad):
     tree = {"a": np.zeros(2), "b": st.Tied("a")}
     g = st.canonicalize(tree)
-    from sharetree._display import graph_html, graph_svg
-
-    for call in (
-        lambda: st.summary(tree, max_rows=bad),
-        lambda: graph_html(g, max_rows=bad),
-        lambda: graph_svg(g, max_rows=bad),
-        lambda: st.grad_report({"a": {"a": np.ones(2)}}, max_rows=bad),
+    wrong_type = isinstance(bad, bool) or not isinstance(bad, int)
+    cls = st.TieTypeError if wrong_type else st.TieError
+    for where, call in (
+        ("summary", lambda: st.summary(tree, max_rows=bad)),
+        ("graph_html", lambda: graph_html(g, max_rows=bad)),
+        ("graph_svg", lambda: graph_svg(g, max_rows=bad)),
+        ("grad_report", lambda: st.grad_report({"a": {"a": np.ones(2)}}, max_rows=bad)),
     ):
-        with pytest.raises(st.TieError, match=r"max_rows must be an int >= 1"):
+        with raises("E55", f"{where}: max_rows", "an int >= 1", repr(bad), cls=cls):
             call()

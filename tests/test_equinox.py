@@ -13,6 +13,8 @@ import pytest
 
 eqx = pytest.importorskip("equinox")
 
+from _raises import raises  # noqa: E402
+
 import sharetree as st  # noqa: E402
 
 TIES = {"dec/weight": st.Tied("enc/weight", st.T)}
@@ -150,10 +152,9 @@ def test_tied_as_a_field_value_matches_hand_written_w_and_w_t():
 
 
 def test_tying_a_missing_attribute_path_names_the_closest_one():
-    with pytest.raises(st.TieError) as e:
+    with raises("E5", "'dec/wieght'", "'dec/weight'"):
         st.tie(AE(jax.random.key(4)), {"dec/wieght": st.Tied("enc/weight", st.T)})
-    assert "'dec/wieght'" in str(e.value) and "'dec/weight'" in str(e.value)
-    with pytest.raises(st.TieError, match=r"float32\[3, 6\].*float32\[6, 3\]"):
+    with raises("E7", "'dec/weight'", "re:float32\\[3, 6\\].*float32\\[6, 3\\]"):
         st.tie(AE(jax.random.key(4)), {"dec/weight": "enc/weight"})
 
 
@@ -166,12 +167,8 @@ def test_a_tie_in_a_static_field_is_an_error_not_a_field_that_keeps_the_tie():
 
     m = Static(jnp.ones(2), st.Tied("w"))
     for call in (st.materialize, st.canonicalize, st.destructure):
-        with pytest.raises(
-            st.TieError,
-            match=r"Tied\('w'\) is held in the static .* of a "
-            r"test_a_tie.*Static node.*Fix: make that field a pytree child",
-        ):
+        with raises("E83", "Tied('w')", "Static", "pytree child"):
             call(m)
     # nested in a static tuple too
-    with pytest.raises(st.TieError, match=r"static"):
+    with raises("E83", "Tied('w')", "Static"):
         st.materialize(Static(jnp.ones(2), ("x", (st.Tied("w"),))))

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("flax")
 import flax.linen as nn
+from _raises import raises
 from flax.training import train_state
 
 import sharetree as st
@@ -228,32 +229,29 @@ def test_mutable_params_come_back_canonical_and_writing_a_view_is_an_error():
         new["params"]["enc"]["kernel"], 2.0 * variables["params"]["enc"]["kernel"]
     )
     bad = tied(Writer(target="dec"), {"dec/kernel": st.Tied("enc/kernel", st.T)})
-    with pytest.raises(st.TieError, match=r"params/dec/kernel.*view.*enc/kernel"):
+    with raises("E185", "tied(Writer).apply", "'params/dec/kernel'", "'enc/kernel'"):
         bad.apply(variables, x, mutable=True)
 
 
 def test_tying_a_missing_path_names_it_and_the_closest_one():
     x = jnp.zeros((2, SEQ), jnp.int32)
-    with pytest.raises(st.TieError) as e:
+    with raises("E5", "'haed/kernel'", "tied(LM).init", "'params'", "'head/kernel'"):
         jax.eval_shape(
             tied(LM(), {"haed/kernel": st.Tied("embed/embedding", st.T)}).init, jax.random.key(0), x
         )
-    msg = str(e.value)
-    assert "'haed/kernel'" in msg and "'params'" in msg and "'head/kernel'" in msg
-    with pytest.raises(st.TieError) as e:
+    with raises("E1", "'embed/embeding'", "'embed/embedding'", "'params'"):
         jax.eval_shape(
             tied(LM(), {"head/kernel": st.Tied("embed/embeding", st.T)}).init, jax.random.key(0), x
         )
-    assert "'embed/embeding'" in str(e.value) and "'embed/embedding'" in str(e.value)
 
 
 def test_shape_mismatch_and_bad_arguments():
     x = jnp.zeros((2, SEQ), jnp.int32)
-    with pytest.raises(st.TieError, match=r"float32\[19, 16\].*float32\[16, 19\]"):
+    with raises("E7", "re:float32\\[19, 16\\].*float32\\[16, 19\\]", "'head/kernel'", "'params'"):
         jax.eval_shape(tied(LM(), {"head/kernel": "embed/embedding"}).init, jax.random.key(0), x)
-    with pytest.raises(st.TieError, match=r"linen\.Module"):
+    with raises("E69", "flax.linen.Module", "function", cls=st.TieTypeError):
         tied(lambda x: x, TIES)
-    with pytest.raises(st.TieError, match="mapping"):
+    with raises("E69", "mapping", "found list", cls=st.TieTypeError):
         tied(LM(), [("head/kernel", "embed/embedding")])
     # check=False skips the shape check at init
     unchecked = tied(LM(), {"head/kernel": "embed/embedding"}, check=False)
@@ -502,43 +500,45 @@ class TwoDense(nn.Module):
 def test_boxed_ties_that_would_shard_the_view_wrongly_are_errors_naming_the_value_fix():
     x = jnp.ones((1, EMB))
     # identity keeps ('embed', 'mlp'), but b's own kernel is ('mlp', 'embed')
-    with pytest.raises(
-        st.TieError,
-        match=r"'b/kernel' would carry the partition names \('embed', 'mlp'\).*own box has "
-        r"\('mlp', 'embed'\).*\{'b/kernel/value': st.Tied\('a/kernel/value', identity\)\}",
-    ):
+    value_fix = "{'b/kernel/value': st.Tied('a/kernel/value', identity)}"
+    with raises("E42", "'b/kernel'", "('embed', 'mlp')", "('mlp', 'embed')", value_fix):
         tied(TwoDense(), {"b/kernel": "a/kernel"}).init(jax.random.key(0), x)
     tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
     # a reshape that changes the shape has no axis of the buffer; one to the same shape keeps them
-    with pytest.raises(st.TieError, match=r"fn\(flipud\) does not map the axes"):
+    with raises("E42", "'b/kernel'", "fn(flipud)", "'a/kernel'", "('embed', 'mlp')", "/value"):
         tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", st.fn(jnp.flipud))}).init(
             jax.random.key(0), x
         )
-    with pytest.raises(st.TieError, match=r"'b/kernel' would carry the partition names \('embed'"):
+    with raises("E42", "'b/kernel'", "reshape(16, 16)", "('embed', 'mlp')", "('mlp', 'embed')"):
         tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", st.reshape(16, 16))}).init(
             jax.random.key(0), x
         )
     physical = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None))
-    with pytest.raises(st.TieError, match=r"joins a Partitioned box and a LogicallyPartitioned"):
+    with raises("E42", "'b/kernel'", "a Partitioned box and a LogicallyPartitioned", "/value"):
         tied(TwoDense(physical), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
 
 
 
+def test_a_box_tied_by_st_tie_whose_view_drops_the_axes_is_an_error_at_materialize():
+    # st.tie (not tied(...)) does not check boxes: the view's names are unknown when it is made
+    params = TwoDense().init(jax.random.key(0), jnp.ones((1, EMB)))["params"]
+    tied_params = st.tie(params, {"b/kernel": st.Tied("a/kernel", st.fn(jnp.flipud))})
+    with raises("E42", "'b/kernel'", "fn(flipud)", "'a/kernel'", "'value' leaf"):
+        st.materialize(tied_params)
+
+
 @pytest.mark.parametrize(
-    "t, why",
+    "t, code, why",
     [
-        (st.index(EMB), rf"entry {EMB} is outside axis 0"),
-        (st.slice(0, EMB + 1) >> st.index(0), r"is outside it"),
-        (st.reshape(5), r"TypeError: cannot reshape"),
+        (st.index(EMB), "E71", (f"index({EMB})", "axis 0", f"size {EMB}")),
+        (st.slice(0, EMB + 1) >> st.index(0), "E71", (f"0:{EMB + 1}", "axis 0", f"size {EMB}")),
+        (st.reshape(5), "E9", ("reshape(5)", "TypeError: cannot reshape")),
     ],
 )
-def test_a_view_that_does_not_fit_its_boxed_buffer_is_an_error_naming_the_view(t, why):
+def test_a_view_that_does_not_fit_its_boxed_buffer_is_an_error_naming_the_view(t, code, why):
     # as for unboxed trees: the view's path, the transform, the buffer and the reason
-    with pytest.raises(
-        st.TieError,
-        match=rf"tied\(TwoDense\)\.init: the view 'b/kernel' .*failed on the partition box "
-        rf"'a/kernel' of float32\[{EMB}, {EMB}\]: .*{why}.*Fix:",
-    ):
+    view = ("tied(TwoDense).init", "'b/kernel'", "partition box 'a/kernel'", f"[{EMB}, {EMB}]")
+    with raises(code, *view, *why, "Fix:"):
         tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", t)}).init(
             jax.random.key(0), jnp.ones((1, EMB))
         )
@@ -559,7 +559,7 @@ def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
     )
     with pytest.warns(
         UserWarning,
-        match=r"LogicallyPartitioned.*Flax partition boxes: model.apply fails.*like=jax.eval_shape",
+        match=r"^\[E130\] .*LogicallyPartitioned.*like=jax\.eval_shape",
     ):
         st.load(path)  # without a template the boxes are dicts: the warning says to pass like=
 
@@ -567,15 +567,29 @@ def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
 @pytest.mark.parametrize("bad", [None, 1, [1]])
 def test_variables_that_are_not_a_dict(bad):
     model = tied(nn.Dense(3), {"bias": st.Tied("kernel", st.reshape(3))})
-    with pytest.raises(st.TieError, match=r"tied\(Dense\)\.apply: expected the variables"):
+    found = f"found {type(bad).__name__}"
+    with raises("E69", "tied(Dense).apply", "{'params': params}", found, cls=st.TieTypeError):
         model.apply(bad, jnp.ones((1, 1)))
-    with pytest.raises(st.TieError, match=r"tied\(Dense\)\.materialize: expected the variables"):
+    with raises("E69", "tied(Dense).materialize", "{'params': params}", found, cls=st.TieTypeError):
         model.materialize(bad)
+
+
+def test_ties_for_a_module_that_makes_no_params_are_an_error_naming_them():
+    class Counter(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            seen = self.variable("stats", "seen", jnp.zeros, ())
+            seen.value += 1
+            return x
+
+    with raises("E184", "tied(Counter).init", "'params'", "['b']", "['stats']"):
+        tied(Counter(), {"b": "a"}).init(jax.random.key(0), jnp.ones(2))
+    assert tied(Counter(), {}).init(jax.random.key(0), jnp.ones(2)).keys() == {"stats"}
 
 
 def test_a_target_spelled_twice_is_an_error_not_a_silent_pick():
     ties = {"bias": st.Tied("kernel", st.reshape((3,))), ("bias",): "kernel"}
-    with pytest.raises(st.TieError, match=r"'bias' and \('bias',\) name the same path"):
+    with raises("E6b", "'bias'", "('bias',)"):
         tied(nn.Dense(3), ties)
 
 
@@ -593,7 +607,7 @@ def test_lazy_init_ties_and_bind_reads_the_views_as_arrays():
     np.testing.assert_allclose(bound(tokens), reference(tokens), rtol=1e-6)
     head = bound.variables["params"]["head"]["kernel"]
     np.testing.assert_array_equal(head, by_hand["head"]["kernel"])
-    with pytest.raises(st.TieError, match=r"tied\(LM\)\.bind: expected the variables"):
+    with raises("E69", "tied(LM).bind", "{'params': params}", "found list", cls=st.TieTypeError):
         model.bind([1])
 
 
@@ -610,8 +624,7 @@ def test_flax_serialization_keeps_ties_and_refuses_an_untied_state_for_a_tie():
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(variables)):
         np.testing.assert_array_equal(a, b)
     untied = _init(LM(), tokens)
-    match = r"params/head/kernel' holds an array of shape \(16, 19\)"
-    with pytest.raises(st.TieError, match=match):
+    with raises("E186", "params/head/kernel'", "shape (16, 19)", "Tied('embed/embedding', T)"):
         serialization.from_bytes(variables, serialization.to_bytes(untied))
 
 
@@ -627,11 +640,7 @@ class _NamesTooMany(st.Transform, name="test_flax_names_too_many"):
 
 
 def test_a_user_axis_names_of_the_wrong_length_is_an_error_naming_it():
-    with pytest.raises(
-        st.TieError,
-        match=r"'b/kernel'.*axis_names gave \('mlp', 'embed', 'extra'\) for a view of shape "
-        r"\(16, 16\).*Fix: return a tuple of len\(view.shape\) names",
-    ):
+    with raises("E101", "'b/kernel'", "('mlp', 'embed', 'extra')", "(16, 16)", "Fix:"):
         tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", _NamesTooMany())}, check=False).init(
             jax.random.key(0), jnp.ones((1, EMB))
         )

@@ -14,7 +14,7 @@ import pytest
 import sharetree as st
 from sharetree import _demo
 from sharetree.__main__ import main
-from sharetree._display import format_bytes
+from sharetree._tables import format_bytes
 
 STEPS = 25
 
@@ -278,6 +278,16 @@ def test_inspect_damaged_files(tmp_path, damage):
     # the intact file still inspects fine
     code, out, _ = run(["inspect", str(good)])
     assert code == 0 and "head  emb     T" in out
+
+
+def test_inspect_names_an_fn_view_without_importing_or_calling_it(tmp_path):
+    # the file names jax.numpy:flipud: inspect shows it and the view's shape as unknown
+    path = tmp_path / "fn.safetensors"
+    st.save(path, {"emb": np.ones((3, 2), np.float32), "head": st.Tied("emb", st.fn(jnp.flipud))})
+    code, out, err = run(["inspect", str(path)])
+    assert code == 0 and err == "", err
+    assert re.search(r"head  emb     fn\(jax\.numpy:flipud\)  static  -", out), out
+    assert "1 view(s) use st.fn functions" in out
 
 
 def test_module_entry_point_exit_codes(tmp_path):
