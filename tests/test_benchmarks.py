@@ -3,7 +3,8 @@
 ``run_suite`` asserts, before timing anything, that every method gives the
 same values and gradients (sharetree, ravel_pytree, the plain-tree floor,
 equinox.nn.Shared, Flax NNX, the transformer LM tied by hand); this test runs
-it once at tiny size and checks what it reports.
+it once at tiny size and checks what it reports. That run takes about 40 s: the tests
+that read it are marked ``slow`` (the quick run skips them, ``--full`` and CI run them).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _checks(results: dict, section: str) -> list[dict]:
     return [c for s in results["sections"] if s["name"] == section for c in s["checks"]]
 
 
+@pytest.mark.slow
 def test_every_section_ran_and_every_check_passed(results):
     names = {s["name"] for s in results["sections"]}
     assert names == {
@@ -63,7 +65,7 @@ def test_every_section_ran_and_every_check_passed(results):
     assert len(checks["jit(grad)"]) >= 2 * 6  # loss and gradient of every method
 
 
-
+@pytest.mark.slow
 def test_partial_and_whole_buffer_views_agree_with_the_views_by_hand(results):
     checks = {c["check"] for c in _checks(results, "views")}
     for model in ("partial views (slice, index)", "whole-buffer views (T)"):
@@ -74,6 +76,7 @@ def test_partial_and_whole_buffer_views_agree_with_the_views_by_hand(results):
     targets = {t["target"] for t in results["targets"] if t.get("label") == "views"}
     assert "views (partial): hvp: sharetree / ravel_pytree" in targets
     assert "views: sharetree/ravel_pytree hvp: partial / whole-buffer views" in targets
+
 
 def test_a_method_with_a_wrong_gradient_fails_the_suite(monkeypatch):
     # the suite's own check must catch a method whose loss is right and gradient wrong
@@ -91,6 +94,7 @@ def test_a_method_with_a_wrong_gradient_fails_the_suite(monkeypatch):
         suite.grad_compile_run(M.make_model(SIZE), 1, 1, methods=[suite.ST_FLAT])
 
 
+@pytest.mark.slow
 def test_all_peers_agree_on_loss_and_gradient(results):
     checks = {c["check"] for c in _checks(results, "jit(grad)")}
     for method in (
@@ -107,6 +111,7 @@ def test_all_peers_agree_on_loss_and_gradient(results):
     assert "floor: jit(grad(loss)) on the tree" in methods
 
 
+@pytest.mark.slow
 def test_restructure_gradient_is_one_concatenate(results):
     # The cotangent of restructure is one concatenate over the unique buffers: no
     # per-leaf pad (the quadratic pad-and-add backward) and no dynamic-update-slice.
@@ -124,6 +129,7 @@ def test_restructure_gradient_is_one_concatenate(results):
     assert ops[suite.ST_FLAT] == ops[suite.ST_ARG]
 
 
+@pytest.mark.slow
 def test_bytes_equal_unique_bytes(results):
     (info,) = [s["info"] for s in results["sections"] if s["name"] == "bytes"]
     n_tied = sum(M.is_tied_layer(i) for i in range(M.num_layers(SIZE)))
@@ -136,6 +142,7 @@ def test_bytes_equal_unique_bytes(results):
     assert info["num_unique"] == SIZE - n_tied and info["num_expanded"] == SIZE
 
 
+@pytest.mark.slow
 def test_lm_and_report(results, tmp_path):
     (lm,) = [s for s in results["sections"] if s["name"] == "transformer LM"]
     assert lm["checks"] and lm["checks"][0]["ok"]

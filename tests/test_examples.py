@@ -2,7 +2,8 @@
 
 One fresh Python process runs them all, one after the other (each example via
 ``runpy`` as ``__main__`` with its own ``sys.argv``), so JAX and Flax are
-imported once; XLA's fast-compile mode keeps the smoke runs short.
+imported once; XLA's fast-compile mode keeps the smoke runs short (about 25 s, still:
+the tests that read them are marked ``slow``).
 """
 
 import math
@@ -84,6 +85,7 @@ def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(TINY)
 
 
+@pytest.mark.slow  # the scripts run in one process: about 25 s
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_example_runs(output, name):
     sections, stdout = output
@@ -95,6 +97,7 @@ def test_example_runs(output, name):
     assert "1 view" in text  # the sharing graph was printed: one tie
 
 
+@pytest.mark.slow
 def test_integrations_doc_python_blocks_run(output):
     _, stdout = output
     assert re.search(r"=== docs ok \(([6-9]|\d\d) blocks\)", stdout), stdout[-4000:]

@@ -1,4 +1,4 @@
-"""Run every notebook in notebooks/ top to bottom, one test per notebook.
+"""Run every notebook in notebooks/ top to bottom, one test per notebook (marked ``slow``).
 
 The kernel is this interpreter (``sys.executable``), registered under a
 temporary kernel spec: the ``python3`` spec that ipykernel installs runs
@@ -51,6 +51,7 @@ def test_there_are_notebooks():
     assert {"01_quickstart.ipynb", "03_flat_vector.ipynb"} <= names
 
 
+@pytest.mark.slow  # 10-40 s a notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, kernel_name):
     nb = nbformat.read(path, as_version=4)

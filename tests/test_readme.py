@@ -19,6 +19,17 @@ def test_quick_start_has_the_two_commands():
     assert 'pip install -e ".[test]" && python -m pytest' in text
 
 
+def test_ci_runs_every_test_the_quick_run_skips():
+    # the README's command is the quick run (tests/conftest.py); CI's jobs pass --full
+    text = " ".join(README.read_text().split())
+    assert "`python -m pytest -n 2 --full` runs everything" in text
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "\nALL_TESTS=(--full)\n" in ci
+    for job in ("main_job", "lowest_job"):
+        body = ci.split(f"\n{job}() {{\n", 1)[1].split("\n}\n", 1)[0]
+        assert 'run_pytest -q "${WORKERS[@]}" "${ALL_TESTS[@]}"' in body, job
+
+
 def test_readme_summary_output_is_what_summary_prints(capsys):
     text = README.read_text()
     pattern = r"```python\n((?:(?!```).)*?print\(st\.summary\(params\)\)\n)```\n\n```text\n(.*?)```"
