@@ -48,7 +48,6 @@ MAX_MESSAGE = 4000
 
 FIXES: Mapping[str, str] = {
     "outside_jit": "call it outside jit, grad and vmap, on concrete arrays",
-    "tuple_ref": "write the ref as a tuple of keys, e.g. ('a/b', 0)",
     "functions": 'pass the function in, e.g. functions={"mylib.ops:softcap": softcap}',
     "resave": "save the tree again with st.save",
     "keyword": "leave the keyword out for its default",
@@ -206,6 +205,3 @@ def bounded(f: F) -> F:
             raise shorter from e
 
     return call  # type: ignore[return-value]
-
-
-safe_repr = short  # the old name, while call sites move to short()
