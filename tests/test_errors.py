@@ -413,7 +413,7 @@ def test_39_sharding_rule_jax_rejects_on_the_mesh():
     # JAX's reason is its own message: "not found in mesh", "duplicate entries"
     with raises("E39", "'w'", "(2, 3)", "('data',)", "{'model': 2}", "not found in mesh"):
         st.shardings_by_path({"w": W}, mesh, {"w": P("data")})
-    with raises("E39", "'w'", "(2, 4)", "P('model', 'model')", "duplicate entries"):
+    with raises("E39", "'w'", "(2, 4)", "('model', 'model')", "duplicate entries"):
         st.shardings_by_path({"w": jnp.ones((2, 4))}, mesh, {"w": P("model", "model")})
     mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
     with raises("E39", "'*'", "'a'", "UNCONSTRAINED"):
