@@ -10,22 +10,27 @@ from sharetree._grad_report import GradReport, grad_report
 from sharetree._labels import label_by_path, mask_by_path
 from sharetree._load import load
 from sharetree._materialize import materialize
-from sharetree._report import Buffer, SharingGraph, View, canonicalize
+from sharetree._report import Buffer, SharingGraph, View, ViewInput, canonicalize
 from sharetree._save import save
 from sharetree._sharding import shardings_by_path
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
+    ANY_NAMES,
     T,
     Transform,
+    add,
     astype,
     chain,
     fn,
     identity,
     index,
+    lora,
+    matmul,
     reshape,
     scale,
     slice,
+    take,
     transform_from_spec,
     transpose,
 )
@@ -33,6 +38,7 @@ from sharetree._treescope import MaterializedDisplay, treescope_materialized
 from sharetree._untie import untie, untie_state
 
 __all__ = [
+    "ANY_NAMES",
     "Buffer",
     "GradReport",
     "MaterializedDisplay",
@@ -44,6 +50,8 @@ __all__ = [
     "Tied",
     "Transform",
     "View",
+    "ViewInput",
+    "add",
     "astype",
     "canonicalize",
     "chain",
@@ -56,14 +64,17 @@ __all__ = [
     "index",
     "label_by_path",
     "load",
+    "lora",
     "mask_by_path",
     "materialize",
+    "matmul",
     "reshape",
     "save",
     "scale",
     "shardings_by_path",
     "slice",
     "summary",
+    "take",
     "tie",
     "tie_identical",
     "transform_from_spec",

@@ -25,6 +25,7 @@ __all__ = [
     "leaf_aval",
     "transform_error",
     "check_view_value",
+    "join_error",
     "leaf_view",
     "expanded_tree",
     "register_box_renamer",
@@ -104,7 +105,8 @@ def transform_error(
     at = leaf.tie or leaf.path
     tie, shown = structure.ties.get(at), format_aval(aval)
     view = f"view {path_str(leaf.path)!r} ({tie!r} at {path_str(at)!r})"
-    buffer = f"buffer {path_str(structure.buffer_paths[leaf.buffer])!r} of {shown}"
+    kind = "buffer" if leaf.buffer < len(structure.buffer_paths) else "view"
+    buffer = f"{kind} {path_str(structure.source_path(leaf.buffer))!r} of {shown}"
     if isinstance(err, TieError):
         add_context(err, f"computing the {view} from its {buffer}")
         raise err
@@ -135,10 +137,35 @@ def _transformable(x: Any) -> bool:
     return is_array_leaf(x) or hasattr(x, "shape")
 
 
+def join_error(
+    structure: Structure, j: int, inputs: dict[str, Any], err: BaseException
+) -> TieError:
+    """The error of a transform of several inputs that failed, to raise from ``err``.
+
+    Call it while handling ``err``; a :class:`TieError` (shapes that do not multiply) is
+    raised again at once with the view and its inputs named in a note.
+    """
+    join = structure.joins[j]
+    tie = structure.ties[join.tie]
+    shown = ", ".join(
+        f"{name} {path_str(structure.source_path(x.source))!r}"
+        + ("" if x.transform == identity else f" >> {x.transform!r}")
+        + f" {format_aval(aval_of(inputs[name]) or inputs[name])}"
+        for name, x in join.inputs
+    )
+    view = f"view {path_str(join.path)!r} ({tie!r} at {path_str(join.tie)!r})"
+    if isinstance(err, TieError):
+        add_context(err, f"computing the {view} from its inputs {shown}")
+        raise err
+    where = f"the transform {join.transform!r} of {view}"
+    fix = "give it inputs of the shapes and dtypes it accepts"
+    return error("E9", where, f"failed on its inputs {shown}", found=one_line(err), fix=fix)
+
+
 class _Plan(NamedTuple):
     """Index lists of a structure for ``expand_leaves`` (built once per structure)."""
 
-    sources: Callable[[Sequence[Any]], Any]  # leaves -> the buffer of every materialized leaf
+    sources: Callable[[Sequence[Any]], Any]  # sources -> the source of every materialized leaf
     views: tuple[tuple[int, Transform], ...]  # position and transform, other than identity
     batched: tuple[tuple[int, Transform], ...]  # the views that one compiled call can compute
     rest: tuple[tuple[int, Transform], ...]  # the views with ``st.fn``, called one by one
@@ -158,8 +185,9 @@ def _plan(structure: Structure) -> _Plan:
         for k, leaf in enumerate(structure.expanded)
         if leaf.transform is not None and leaf.transform is not identity
     )
-    batched = tuple(view for view in views if view[1].traceable())
-    rest = tuple(view for view in views if not view[1].traceable())
+    n = len(structure.buffer_paths)
+    batched = tuple(view for view in views if view[1].traceable() and sources[view[0]] < n)
+    rest = tuple(view for view in views if view not in batched)
     inputs = tuple(sorted({sources[k] for k, _ in batched}))
     return _Plan(getter, views, batched, rest, inputs)
 
@@ -189,7 +217,8 @@ def expand_leaves(
     built-in transforms run in one compiled call; ``st.fn`` views one by one.
     """
     plan = _plan(structure)
-    out = list(plan.sources(leaves))
+    values = _with_joins(structure, leaves, apply) if structure.joins else leaves
+    out = list(plan.sources(values))
     todo = plan.views
     if (
         apply is None
@@ -208,6 +237,38 @@ def expand_leaves(
     return out
 
 
+def _with_joins(
+    structure: Structure, leaves: list[Any], apply: Callable[[Transform, Any], Any] | None
+) -> list[Any]:
+    """The sources: the leaves, then each join computed once from its inputs."""
+    values = list(leaves)
+    n = len(leaves)
+    for j, join in enumerate(structure.joins):
+        inputs = {}
+        for name, x in join.inputs:
+            value = values[x.source]
+            if x.transform != identity and _transformable(value):
+                leaf = Leaf(x.source, x.transform, join.path, join.tie)
+                value = _leaf_value(structure, leaf, x.transform, value, apply)
+            inputs[name] = value
+        if not all(map(_transformable, inputs.values())):
+            first = next(iter(inputs.values()))
+            if all(v is first or v == first for v in inputs.values()):
+                values.append(first)  # static data, equal in every input: kept as it is
+                continue
+        try:
+            t = join.transform
+            values.append(check_view_value(t(inputs) if apply is None else apply(t, inputs), t))  # type: ignore[arg-type]
+        except Exception as e:
+            if apply is None and any(isinstance(v, jax.ShapeDtypeStruct) for v in inputs.values()):
+                where = f"view {path_str(join.path)!r}"
+                problem = "cannot be computed: an input is a jax.ShapeDtypeStruct (no values)"
+                raise error("E70", where, problem, fix=_FIX_SHAPES) from e
+            raise join_error(structure, j, inputs, e) from e
+    assert len(values) == n + len(structure.joins)
+    return values
+
+
 def leaf_view(
     structure: Structure,
     k: int,
@@ -216,12 +277,22 @@ def leaf_view(
     apply: Callable[[Transform, Any], Any] | None = None,
 ) -> Any:
     """The materialized leaf ``k``: ``t(x)`` (or ``apply(t, x)``), or the error naming it."""
+    return _leaf_value(structure, structure.expanded[k], t, x, apply)
+
+
+def _leaf_value(
+    structure: Structure,
+    leaf: Leaf,
+    t: Transform,
+    x: Any,
+    apply: Callable[[Transform, Any], Any] | None = None,
+) -> Any:
+    """``t(x)`` (or ``apply(t, x)``) for ``leaf``, or the error naming it."""
     try:
         return check_view_value(t(x) if apply is None else apply(t, x), t)
     except Exception as e:
-        leaf = structure.expanded[k]
         if apply is None and isinstance(x, jax.ShapeDtypeStruct):  # no value to compute from
-            buffer = path_str(structure.buffer_paths[leaf.buffer])
+            buffer = path_str(structure.source_path(leaf.buffer))
             where = f"view {path_str(leaf.path)!r} of {buffer!r}"
             problem = "cannot be computed: its buffer is a jax.ShapeDtypeStruct (no values)"
             raise error("E70", where, problem, fix=_FIX_SHAPES) from e

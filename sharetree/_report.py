@@ -13,16 +13,17 @@ import numpy as np
 
 from sharetree._materialize import (
     check_view_value,
+    join_error,
     leaf_aval,
     leaves_and_structure,
     transform_error,
 )
 from sharetree._paths import aval_nbytes, format_aval, path_key, plural
-from sharetree._resolve import Structure
+from sharetree._resolve import Leaf, Structure, ViewLeaf
 from sharetree._tied import DISPLAY, Tied
-from sharetree._transforms import Transform, is_described
+from sharetree._transforms import Transform, identity, is_described
 
-__all__ = ["SharingGraph", "Buffer", "View", "canonicalize"]
+__all__ = ["SharingGraph", "Buffer", "View", "ViewInput", "canonicalize"]
 
 
 class _Shaped:
@@ -57,8 +58,21 @@ class Buffer(_Shaped):
 
 
 @dataclasses.dataclass(frozen=True)
+class ViewInput:
+    """One input of a view of several positions: ``transform(value at source)``."""
+
+    source: str | tuple[str, ...]  # a buffer's path, or a view of several positions'
+    transform: Transform
+
+
+@dataclasses.dataclass(frozen=True)
 class View(_Shaped):
-    """A position whose value is ``transform(buffer)``; ``tie`` is the ``Tied`` that made it."""
+    """A position whose value is ``transform(buffer)``; ``tie`` is the ``Tied`` that made it.
+
+    A view of several positions (``Tied({name: ref}, transform)``) has ``inputs``, each
+    input's source and transform, and is its own ``buffer``; a view of it has that view
+    as its ``buffer``. ``buffers`` lists every buffer a view reads.
+    """
 
     path: str | tuple[str, ...]  # paths as every result's key: path_key
     buffer: str | tuple[str, ...]
@@ -67,11 +81,18 @@ class View(_Shaped):
     dtype: np.dtype | None
     nbytes: int
     tie: str | tuple[str, ...]
+    inputs: dict[str, ViewInput] = dataclasses.field(default_factory=dict)
+    buffers: tuple[str | tuple[str, ...], ...] = ()
 
     def __repr__(self) -> str:
-        return (
-            f"View({self.path!r} <- {self.buffer!r}, {self.transform!r}, {format_aval(self.aval)})"
-        )
+        source = repr(self.buffer)
+        if self.inputs:
+            named = ", ".join(
+                f"{n}: {x.source!r}" + ("" if x.transform == identity else f" >> {x.transform!r}")
+                for n, x in self.inputs.items()
+            )
+            source = f"{{{named}}}"
+        return f"View({self.path!r} <- {source}, {self.transform!r}, {format_aval(self.aval)})"
 
 
 class SharingGraph:
@@ -114,22 +135,34 @@ class SharingGraph:
         return [leaf_aval(x) for x in self._leaves]
 
     @functools.cached_property
-    def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
-        out: list[jax.ShapeDtypeStruct | None] = []
-        for view in self.structure.views:
-            # a stand-in for a transform a file names (inspect) is never called: shape unknown
-            aval = None if is_described(view.transform) else self._avals[view.buffer]
+    def _source_avals(self) -> list[jax.ShapeDtypeStruct | None]:
+        """The shape and dtype of every source: the buffers, then each join."""
+        out = list(self._avals)
+        for j, join in enumerate(self.structure.joins):
+            leaf = Leaf(0, None, join.path, join.tie)
+            inputs = {
+                n: _abstract(self.structure, Leaf(x.source, x.transform, *leaf[2:]), out[x.source])
+                for n, x in join.inputs
+            }
+            if any(a is None for a in inputs.values()) or is_described(join.transform):
+                out.append(None)
+                continue
             try:
-                t = view.transform
-                out.append(None if aval is None else check_view_value(t.abstract(aval), t))
+                out.append(check_view_value(join.transform.abstract(inputs), join.transform))  # type: ignore[arg-type]
             except Exception as e:
-                raise transform_error(self.structure, view, aval, e) from e
+                raise join_error(self.structure, j, inputs, e) from e
         return out
 
     @functools.cached_property
+    def _view_avals(self) -> list[jax.ShapeDtypeStruct | None]:
+        avals = self._source_avals
+        return [_abstract(self.structure, v, avals[v.buffer]) for v in self.structure.views]
+
+    @functools.cached_property
     def buffers(self) -> tuple[Buffer, ...]:
-        """Every buffer in flatten order."""
-        uses = collections.Counter(view.buffer for view in self.structure.views)
+        """Every buffer in flatten order (``num_views``: the views that read it)."""
+        parents = self.structure.parents
+        uses = collections.Counter(b for view in self.structure.views for b in parents[view.buffer])
         return tuple(
             Buffer(path_key(p), *_shape_fields(a), uses[i])
             for i, (p, a) in enumerate(zip(self.structure.buffer_paths, self._avals))
@@ -139,9 +172,19 @@ class SharingGraph:
     def views(self) -> dict[str | tuple[str, ...], View]:
         """Every view: materialized path -> :class:`View` (buffer path, composed transform)."""
         out = {}
-        for v, a in zip(self.structure.views, self._view_avals):
-            path, buffer = path_key(v.path), path_key(self.structure.buffer_paths[v.buffer])
-            out[path] = View(path, buffer, v.transform, *_shape_fields(a), path_key(v.tie))
+        st, n = self.structure, len(self.structure.buffer_paths)
+        for v, a in zip(st.views, self._view_avals):
+            path, buffer = path_key(v.path), path_key(st.source_path(v.buffer))
+            inputs, t = {}, v.transform
+            if v.buffer >= n and st.joins[v.buffer - n].path == v.path:  # the join itself
+                t = st.joins[v.buffer - n].transform
+                inputs = {
+                    name: ViewInput(path_key(st.source_path(x.source)), x.transform)
+                    for name, x in st.joins[v.buffer - n].inputs
+                }
+            buffers = tuple(path_key(st.buffer_paths[b]) for b in st.parents[v.buffer])
+            shape = _shape_fields(a)
+            out[path] = View(path, buffer, t, *shape, path_key(v.tie), inputs, buffers)
         return out
 
     @property
@@ -182,6 +225,20 @@ class SharingGraph:
             f"SharingGraph({counts}; params {self.size_unique:,} unique / {self.size_expanded:,} "
             f"expanded; bytes {self.nbytes_unique:,} / {self.nbytes_expanded:,})"
         )
+
+
+def _abstract(
+    structure: Structure, leaf: Leaf | ViewLeaf, aval: jax.ShapeDtypeStruct | None
+) -> jax.ShapeDtypeStruct | None:
+    """The shape and dtype of ``leaf.transform`` of a source's ``aval`` (``None``: unknown)."""
+    t = leaf.transform
+    # a stand-in for a transform a file names (inspect) is never called: shape unknown
+    if aval is None or t is None or is_described(t):
+        return None if t is not None and is_described(t) else aval
+    try:
+        return check_view_value(t.abstract(aval), t)
+    except Exception as e:
+        raise transform_error(structure, leaf, aval, e) from e
 
 
 def canonicalize(tree: Any) -> SharingGraph:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, error
+from sharetree._errors import TieError, error, short
 from sharetree._paths import (
     Path,
     Ref,
@@ -28,6 +28,8 @@ from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
 
 __all__ = [
+    "Input",
+    "Join",
     "Leaf",
     "ViewLeaf",
     "Structure",
@@ -49,7 +51,7 @@ _FIX_MISSING = "point the ref at an existing path, seen from the tie's subtree o
 class Leaf(NamedTuple):
     """One leaf of the materialized tree, as the resolver sees it."""
 
-    buffer: int  # index of the canonical leaf (the buffer) it is computed from
+    buffer: int  # the source it is computed from: a buffer (canonical leaf) i, or join n + j
     transform: Transform | None  # None at the buffer's own position, else the composed one
     path: Path  # its path in the materialized tree
     tie: Path | None  # the path of the Tied that produced it (None for a buffer)
@@ -64,20 +66,59 @@ class ViewLeaf(NamedTuple):
     tie: Path
 
 
+class Input(NamedTuple):
+    """One input of a :class:`Join`: ``transform(source)``, a buffer i or a join n + j."""
+
+    source: int
+    transform: Transform
+
+
+class Join(NamedTuple):
+    """A value computed from several: ``transform({name: input's value})``, once per call.
+
+    A view of several positions (``Tied({name: ref}, transform)``) is one join per leaf
+    of the value it computes; a join's inputs are buffers and earlier joins.
+    """
+
+    transform: Transform  # takes several inputs (a chain of it and one-value transforms)
+    inputs: tuple[tuple[str, Input], ...]  # by name, sorted
+    tie: Path  # the Tied of several refs that computes it
+    path: Path  # its leaf of the materialized tree (below ``tie`` for a subtree)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per treedef: identity is equality
 class Structure:
-    """What a canonical treedef resolves to (cached per treedef by :func:`structure_of`)."""
+    """What a canonical treedef resolves to (cached per treedef by :func:`structure_of`).
+
+    A *source* is a buffer ``i < len(buffer_paths)`` or the join ``joins[i - n]``; each
+    materialized leaf is ``transform(source)``.
+    """
 
     treedef: Any  # the canonical tree's structure
     buffer_paths: tuple[Path, ...]  # the path of each canonical leaf (buffer), in flatten order
     ties: dict[Path, Tied]  # each Tied position and the Tied written there, in flatten order
     expanded_treedef: Any  # the materialized tree's structure
     expanded: tuple[Leaf, ...]  # one Leaf per materialized leaf, in flatten order
+    joins: tuple[Join, ...] = ()  # the values computed from several, inputs before users
 
     @functools.cached_property
     def views(self) -> tuple[ViewLeaf, ...]:
         """The materialized leaves that are views (``transform`` is not ``None``)."""
         return tuple(ViewLeaf._make(leaf) for leaf in self.expanded if leaf.transform is not None)
+
+    @functools.cached_property
+    def parents(self) -> tuple[tuple[int, ...], ...]:
+        """For each source, the buffers it reads (sorted): ``(i,)`` for a buffer."""
+        n = len(self.buffer_paths)
+        out: list[tuple[int, ...]] = [(i,) for i in range(n)]
+        for join in self.joins:
+            out.append(tuple(sorted({b for _, x in join.inputs for b in out[x.source]})))
+        return tuple(out)
+
+    def source_path(self, i: int) -> Path:
+        """Where source ``i`` is: its buffer's path, or its join's materialized leaf."""
+        n = len(self.buffer_paths)
+        return self.buffer_paths[i] if i < n else self.joins[i - n].path
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -119,12 +160,17 @@ def _hop_text(hop: _Hop, nxt: Path) -> str:
     return text
 
 
-def _cycle_error(cycle: list[Path], hops: dict[Path, _Hop]) -> TieError:
+def _cycle_error(
+    cycle: list[Path], hops: dict[Any, _Hop], dep_hop: dict[tuple[Path, Path], Any]
+) -> TieError:
     """The whole cycle ``cycle[0] -> ... -> cycle[-1] == cycle[0]``, each ref as written."""
-    steps = [_hop_text(hops[a], b) for a, b in itertools.pairwise(cycle)]
+    keys = [dep_hop.get((a, b), (a, None)) for a, b in itertools.pairwise(cycle)]
+    steps = [
+        _hop_text(hops[key], b) + _input(key[1]) for key, b in zip(keys, cycle[1:], strict=True)
+    ]
     shown = steps if len(steps) <= 8 else [*steps[:4], "...", *steps[-4:]]
     text = " -> ".join([repr(path_str(cycle[0])), *shown])
-    ties = {*cycle, *(p for a in cycle[:-1] for p, _ in hops[a].via)}  # the views passed too
+    ties = {*cycle, *(p for key in keys for p, _ in hops[key].via)}  # the views passed too
     where = f"{plural(len(ties), 'tie')}, starting at {path_str(cycle[0])!r}"
     return error("E2", f"cycle of ties: {text} ({where})", fix=_FIX_CYCLE)
 
@@ -141,35 +187,56 @@ class _Resolver:
             (self.tied_at if isinstance(x, Tied) else self.memo)[path] = x
         self.buffer_paths = tuple(self.memo)
         self.nodes = node_paths([*self.memo, *self.tied_at])
-        self.targets: dict[Path, tuple[Path, Transform]] = {}
-        self.hops: dict[Path, _Hop] = {}  # how each target was reached (for cycle errors)
-        self.scoped: dict[Path, Path] = {}  # each Tied's ref, from the scope it is found in
+        self.joins: list[Join] = []
+        # by (Tied position, input name): None for a Tied of one ref
+        self.targets: dict[_Key, tuple[Path, Transform]] = {}
+        self.hops: dict[_Key, _Hop] = {}  # how each target was reached (for cycle errors)
+        self.scoped: dict[_Key, Path] = {}  # each ref, from the scope it is found in
+        self.dep_hop: dict[tuple[Path, Path], _Key] = {}  # the input a dependency comes from
 
-    def target(self, at: Path) -> tuple[Path, Transform]:
-        """The node the ``Tied`` at ``at`` lands on through any views, and its transform."""
-        if at in self.targets:
-            return self.targets[at]
+    def _several(self, at: Path | None) -> bool:
+        """Whether a ``Tied`` of several refs is at ``at`` (a view no path is followed through)."""
+        return at in self.tied_at and self.tied_at[at].inputs is not None
+
+    def target(self, at: Path, name: str | None = None) -> tuple[Path, Transform]:
+        """Where one ref of the ``Tied`` at ``at`` lands through any views, and its transform.
+
+        A path below a view of several refs (a subtree) is not followed further: its
+        template is read from that view's once it is built.
+        """
+        key = (at, name)
+        if key in self.targets:
+            return self.targets[key]
         t = self.tied_at[at]
-        first = self._scope(at)
+        first = self._scope(at, name)
         if _overlap(first, at):
             rel = "itself" if first == at else "a path inside itself"
             if len(first) < len(at):
                 rel = "a subtree that contains it"
             rel = f"refers to {path_str(first)!r}, {rel}"
-            raise error("E3", f"Tied at {path_str(at)!r}", rel, fix=_FIX_SELF)
+            raise error("E3", f"Tied at {path_str(at)!r}{_input(name)}", rel, fix=_FIX_SELF)
         via = [at]
         ref, prefix = self._follow(first, via)
-        if ref not in self.nodes:
+        if ref not in self.nodes and not self._several(prefix):
             if prefix in via:  # views that refer below each other in a loop
                 loop = [*via[via.index(prefix) :], prefix]
-                own = {p: (self._scope(p), self.tied_at[p].ref) for p in loop}  # as written
-                raise _cycle_error(loop, {p: _Hop(r, w, (), r) for p, (r, w) in own.items()})
-            raise self._missing(at, t, ref, prefix)
-        self.hops[at] = _Hop(first, t.ref, tuple((p, self.tied_at[p]) for p in via[1:]), ref)
+                names = {p: name if p == at else None for p in loop}
+                own = {
+                    p: (self._scope(p, nm), dict(self.tied_at[p].refs)[nm].keys)
+                    for p, nm in names.items()
+                }
+                hops = {(p, names[p]): _Hop(r, w, (), r) for p, (r, w) in own.items()}
+                deps = {(a, b): (a, names[a]) for a, b in itertools.pairwise(loop)}
+                raise _cycle_error(loop, hops, deps)
+            raise self._missing(at, name, ref, prefix)
+        written_ = dict(t.refs)[name].keys
+        self.hops[key] = _Hop(first, written_, tuple((p, self.tied_at[p]) for p in via[1:]), ref)
         # ``via`` lists the views outermost first: the value is via[0](via[1](...(x)))
-        transform = chain(*(self.tied_at[p].transform for p in reversed(via)))
-        self.targets[at] = (ref, transform)
-        return self.targets[at]
+        transform = chain(*(self.tied_at[p].transform for p in reversed(via[1:])))
+        if name is None:
+            transform = chain(transform, t.transform)
+        self.targets[key] = (ref, transform)
+        return self.targets[key]
 
     def _follow(self, ref: Path, via: list[Path]) -> tuple[Path, Path | None]:
         """Follow ``ref`` through views (added to ``via``): where it stops, and its node prefix."""
@@ -179,6 +246,8 @@ class _Resolver:
             prefix = next((p for p in above if p in self.nodes), None)
             if prefix is None or prefix not in self.tied_at or prefix in via:
                 break
+            if self._several(prefix):  # below a view of several refs: read from its template
+                break
             inner = self._scope(prefix)
             if not inner:  # a view whose own ref is being looked up: not through it
                 break
@@ -186,24 +255,31 @@ class _Resolver:
             ref = inner + ref[len(prefix) :]
         return ref, prefix
 
-    def _scope(self, at: Path) -> Path:
-        """The ref of the ``Tied`` at ``at`` from the innermost scope with it (``()`` meanwhile)."""
-        if at in self.scoped:
-            return self.scoped[at]
+    def _lands(self, ref: Path) -> bool:
+        """Whether ``ref`` names a node, through views."""
+        ref, prefix = self._follow(ref, [])
+        return ref in self.nodes or self._several(prefix)
+
+    def _scope(self, at: Path, name: str | None = None) -> Path:
+        """One ref of the ``Tied`` at ``at`` from the innermost scope with it (``()`` meanwhile)."""
+        key = (at, name)
+        if key in self.scoped:
+            return self.scoped[key]
         t = self.tied_at[at]
-        ref, self.scoped[at] = t.ref, ()
-        if t.up is not None:  # a ref that climbs: exactly there, no lookup
-            if t.up > len(at) - 1:
-                where = f"Tied at {path_str(at)!r}: ref {written(t)!r}"
-                problem = f"climbs {t.up} levels above its subtree"
+        ref_, self.scoped[key] = dict(t.refs)[name], ()
+        ref = ref_.keys
+        if ref_.up is not None:  # a ref that climbs: exactly there, no lookup
+            if ref_.up > len(at) - 1:
+                where = f"Tied at {path_str(at)!r}{_input(name)}: ref {written(ref_)!r}"
+                problem = f"climbs {ref_.up} levels above its subtree"
                 found = f"{plural(len(at) - 1, 'level')} above it", "climb fewer levels"
                 raise error("E163", where, problem, found=found[0], fix=found[1])
-            self.scoped[at] = at[: len(at) - 1 - t.up] + ref
-            return self.scoped[at]
+            self.scoped[key] = at[: len(at) - 1 - ref_.up] + ref
+            return self.scoped[key]
 
         def has(k: int) -> bool:
             scoped = at[:k] + ref
-            return not _overlap(scoped, at) and self._follow(scoped, [])[0] in self.nodes
+            return not _overlap(scoped, at) and self._lands(scoped)
 
         k = next((k for k in range(len(at) - 1, 0, -1) if has(k)), 0)
         # a same-named position further out, outside the subtree the ref is read in: the
@@ -212,12 +288,13 @@ class _Resolver:
         outer = (j for j in range(k - 1, -1, -1) if (at[:j] + ref)[:k] != at[:k] and has(j))
         if k and (far := next(outer, None)) is not None:
             _warn_shadowed(at, ref, k, far)
-        self.scoped[at] = at[:k] + ref
-        return self.scoped[at]
+        self.scoped[key] = at[:k] + ref
+        return self.scoped[key]
 
-    def _missing(self, at: Path, t: Tied, ref: Path, prefix: Path | None) -> TieError:
-        head = f"Tied at {path_str(at)!r}: ref {written(t)!r}"
-        if ref != t.ref:
+    def _missing(self, at: Path, name: str | None, ref: Path, prefix: Path | None) -> TieError:
+        ref_ = dict(self.tied_at[at].refs)[name]
+        head = f"Tied at {path_str(at)!r}{_input(name)}: ref {written(ref_)!r}"
+        if ref != ref_.keys:
             head += f" (followed through views to {path_str(ref)!r})"
         joined = "/".join(ref)
         split = next((p for p in self.nodes if "/".join(p) == joined and p != ref), None)
@@ -233,12 +310,24 @@ class _Resolver:
             hint = f"the tree has {split!r}, a key with '/' in it: write the ref as that tuple"
         return error("E1", head, f"does not exist in the tree; {hint}", fix=_FIX_MISSING)
 
+    def _names(self, at: Path) -> tuple[str | None, ...]:
+        return tuple(n for n, _ in self.tied_at[at].refs)
+
     def deps(self, at: Path) -> list[Path]:
         """The ``Tied`` positions whose resolution the ``Tied`` at ``at`` needs first."""
-        path = self.target(at)[0]
-        if path in self.memo or path in self.tied_at:  # a leaf (always in memo) or a Tied
-            return [path]
-        return [p for p in self.tied_at if p[: len(path)] == path]
+        out: dict[Path, None] = {}
+        for name in self._names(at):
+            path = self.target(at, name)[0]
+            if path in self.memo or path in self.tied_at:  # a leaf (always in memo) or a Tied
+                found = [path]
+            elif path not in self.nodes:  # below a view of several refs
+                found = [next(p for p in self.tied_at if path[: len(p)] == p)]
+            else:
+                found = [p for p in self.tied_at if p[: len(path)] == path]
+            for p in found:
+                self.dep_hop.setdefault((at, p), (at, name))
+                out[p] = None
+        return list(out)
 
     def resolve(self, start: Path) -> None:
         """Put the template of the ``Tied`` at ``start`` in memo, after every ``Tied`` it needs."""
@@ -252,7 +341,7 @@ class _Resolver:
             if nxt is not None:
                 if nxt in on_stack:
                     cycle = [p for p, _ in stack[on_stack[nxt] :]] + [nxt]
-                    raise _cycle_error(cycle, self.hops)
+                    raise _cycle_error(cycle, self.hops, self.dep_hop)
                 on_stack[nxt] = len(stack)
                 stack.append((nxt, iter(self.deps(nxt))))
                 continue
@@ -260,19 +349,68 @@ class _Resolver:
             del on_stack[at]
             self.memo[at] = self.build(at)
 
-    def build(self, at: Path) -> Any:
-        path, t = self.target(at)
+    def template(self, at: Path, name: str | None) -> Any:
+        """The template one ref of the ``Tied`` at ``at`` reads (its inputs resolved)."""
+        path, t = self.target(at, name)
         if path in self.memo:  # a leaf or a resolved Tied
             return _compose(self.memo[path], t)
-        found = nodes_at(self.placeholder, path)
+        if path in self.nodes:
+            found = nodes_at(self.placeholder, path)
+            if len(found) != 1:
+                where = f"path {path_str(path)!r}"
+                raise error("E16", where, f"names {len(found)} nodes", expected="one", fix=_FIX_KEY)
+
+            def visit(kp: Any, x: Any) -> Any:
+                return self.memo[path + keypath_to_path(kp)] if isinstance(x, Tied) else x
+
+            return _compose(jtu.tree_map_with_path(visit, found[0], is_leaf=is_tied), t)
+        # below a view of several refs, built already: a part of its template
+        view = next(p for p in self.tied_at if path[: len(p)] == p)
+        found = nodes_at(self.memo[view], path[len(view) :])
         if len(found) != 1:
-            where = f"path {path_str(path)!r}"
-            raise error("E16", where, f"names {len(found)} nodes", expected="one", fix=_FIX_KEY)
+            raise self._missing(at, name, path, None)
+        return _compose(found[0], t)
 
-        def visit(kp: Any, x: Any) -> Any:
-            return self.memo[path + keypath_to_path(kp)] if isinstance(x, Tied) else x
+    def build(self, at: Path) -> Any:
+        t = self.tied_at[at]
+        if t.inputs is None:
+            return self.template(at, None)
+        inputs = {name: self.template(at, name) for name in t.inputs}
+        flat = {n: jtu.tree_flatten_with_path(x) for n, x in inputs.items()}
+        kinds = {n: treedef for n, (_, treedef) in flat.items()}
+        if len(set(kinds.values())) > 1:
+            raise _structures_error(at, t, inputs)
+        first = flat[t.inputs[0]][0]
+        n = len(self.buffer_paths)
+        out = []
+        for k, (kp, _) in enumerate(first):
+            refs = {name: flat[name][0][k][1] for name in t.inputs}
+            ins = tuple((name, Input(r.i, r.transform)) for name, r in refs.items())
+            self.joins.append(Join(t.transform, ins, at, at + keypath_to_path(kp)))
+            out.append(_Ref(n + len(self.joins) - 1))
+        return jtu.tree_unflatten(kinds[t.inputs[0]], out)
 
-        return _compose(jtu.tree_map_with_path(visit, found[0], is_leaf=is_tied), t)
+
+_Key = tuple[Path, "str | None"]
+
+
+def _input(name: str | None) -> str:
+    """`` (input 'a')`` for one of several refs, ``""`` for the one ref of a ``Tied``."""
+    return "" if name is None else f" (input {name!r})"
+
+
+def _structures_error(at: Path, t: Tied, inputs: dict[str, Any]) -> TieError:
+    """E168: the inputs of a view of several refs are subtrees of different structures."""
+    shapes = {}
+    for name, x in inputs.items():
+        paths = [path_str(keypath_to_path(kp)) for kp, _ in jtu.tree_flatten_with_path(x)[0]]
+        leaves = f"a subtree of {plural(len(paths), 'leaf')} ({short(paths, 60)})"
+        shapes[name] = "a leaf" if paths == ["<root>"] else leaves
+    refs = dict(t.refs)
+    found = "; ".join(f"{n!r} ({written(refs[n])!r}) is {s}" for n, s in shapes.items())
+    where = f"Tied at {path_str(at)!r}: {t!r}"
+    fix = "refer to leaves, or to subtrees of one structure (the same keys and leaves)"
+    return error("E168", where, "reads inputs of different structures", found=found, fix=fix)
 
 
 def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Ref:
@@ -305,9 +443,9 @@ def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Ref:
     return Ref(buffer[common:], len(target) - 1 - common)
 
 
-def written(t: Tied) -> str:
-    """The ref of ``t`` as its user spells it (``'../0'``, ``'enc/w'``, a tuple's repr)."""
-    return key_str(ref_str(Ref(t.ref, t.up)))
+def written(ref: Tied | Ref) -> str:
+    """A ref as its user spells it (``'../0'``, ``'enc/w'``, a tuple's repr); a ``Tied``'s one."""
+    return key_str(ref_str(Ref(ref.ref, ref.up) if isinstance(ref, Tied) else ref))
 
 
 def _warn_shadowed(at: Path, ref: Path, near: int, far: int) -> None:
@@ -406,4 +544,6 @@ def structure_of(treedef: Any) -> Structure:
         Leaf(x.i, None if x.via is None else x.transform, keypath_to_path(kp), x.via)
         for kp, x in flat
     )
-    return Structure(treedef, res.buffer_paths, res.tied_at, expanded_treedef, spec)
+    return Structure(
+        treedef, res.buffer_paths, res.tied_at, expanded_treedef, spec, tuple(res.joins)
+    )

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
+from sharetree._errors import error, short, wrong_type
 from sharetree._paths import PathLike, Ref, path_str, ref_str, to_ref
-from sharetree._transforms import Transform, check_transform, identity, transform_from_spec
+from sharetree._transforms import (
+    Transform,
+    check_inputs,
+    check_transform,
+    identity,
+    transform_from_spec,
+)
 
 __all__ = ["Tied", "is_tied", "DISPLAY"]
 
@@ -18,10 +25,10 @@ DISPLAY: dict[str, Callable[..., Any]] = {}
 
 
 class Tied:
-    """A view of another position in the same tree: ``transform(value at ref)``.
+    """A view of other positions in the same tree: ``transform(value at ref)``.
 
-    An immutable pytree node with **no children** (``ref`` and ``transform``
-    are aux data, checked once), so tree maps, ``jax.grad``, optax and
+    An immutable pytree node with **no children** (its refs and transform are
+    aux data, checked once), so tree maps, ``jax.grad``, optax and
     checkpointers never see a duplicated buffer. :func:`sharetree.materialize`
     computes the value.
 
@@ -31,7 +38,10 @@ class Tied:
             from the innermost subtree holding this tie out to the root. A ref that
             starts with ``../`` climbs instead: ``"../0"`` is ``0`` one level above
             the subtree holding the tie, past a nearer ``0``; ``"./w"`` is the sibling
-            ``w`` exactly. Such a ref moves with its tree.
+            ``w`` exactly. Such a ref moves with its tree. A dict ``{name: ref}``
+            makes a view of several positions: the transform (one that takes several
+            inputs, such as :func:`sharetree.lora`) receives ``{name: value}``, leaf by
+            leaf where the inputs are subtrees of one structure.
         transform: applied to the referenced value (leaf-wise for a subtree).
         up: the climb of a ref given as a tuple of keys (``("a/b",), up=1`` is
             ``"../a/b"``, for keys with ``/`` in them; a key named ``".."`` is a key).
@@ -44,24 +54,58 @@ class Tied:
         >>> w = np.ones(2)
         >>> st.tie_identical((w, (np.ones(2), w)))[1][1]  # '1/0' shadows the root's '0'
         Tied('../0')
+        >>> st.Tied({"a": "x", "b": "y"}, st.add())
+        Tied({'a': 'x', 'b': 'y'}, add)
     """
 
-    __slots__ = ("_hash", "ref", "transform", "up")
-    ref: tuple[str, ...]
+    __slots__ = ("_hash", "refs", "transform")
+    refs: tuple[tuple[str | None, Ref], ...]
+    """Each input's name and ref: ``((None, ref),)`` for one ref, sorted by name for several."""
     transform: Transform
-    up: int | None
     _hash: int
 
     def __init__(
-        self, ref: PathLike, transform: Transform = identity, *, up: int | None = None
+        self,
+        ref: PathLike | Mapping[str, PathLike],
+        transform: Transform = identity,
+        *,
+        up: int | None = None,
     ) -> None:
-        path, up = to_ref(ref, up)
-        check_transform(transform, f"of Tied({path_str(path)!r})")
-        object.__setattr__(self, "ref", path)
+        refs: tuple[tuple[str | None, Ref], ...]
+        if isinstance(ref, Mapping):
+            refs = _named_refs(ref, up)
+            shown = f"{{{', '.join(repr(n) for n, _ in refs)}}}"
+        else:
+            refs = ((None, to_ref(ref, up)),)
+            shown = repr(path_str(refs[0][1].keys))
+        check_transform(transform, f"of Tied({shown})")
+        check_inputs(transform, tuple(n for n, _ in refs), f"Tied({shown}, {transform!r}):")
+        object.__setattr__(self, "refs", refs)
         object.__setattr__(self, "transform", transform)
-        object.__setattr__(self, "up", up)
         # hashed at every jit cache lookup of a tree holding it
-        object.__setattr__(self, "_hash", hash((Tied, path, transform, up)))
+        object.__setattr__(self, "_hash", hash((Tied, refs, transform)))
+
+    @property
+    def inputs(self) -> tuple[str, ...] | None:
+        """The input names of a view of several positions; ``None`` for one ref."""
+        names = tuple(n for n, _ in self.refs)
+        return None if names == (None,) else names  # type: ignore[return-value]
+
+    @property
+    def ref(self) -> tuple[str, ...]:
+        """The keys of the one ref (a view of several positions has :attr:`refs` instead)."""
+        return self._one().keys
+
+    @property
+    def up(self) -> int | None:
+        """How far the one ref climbs (``None``: looked up by scope)."""
+        return self._one().up
+
+    def _one(self) -> Ref:
+        if self.inputs is not None:
+            fix = "read t.refs, its (name, ref) pairs"
+            raise wrong_type("E166", "Tied.ref:", "a Tied of one ref", self, fix)
+        return self.refs[0][1]
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Tied is immutable; cannot set {name!r}")
@@ -69,31 +113,64 @@ class Tied:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Tied):
             return NotImplemented
-        return (self.ref, self.up, self.transform) == (other.ref, other.up, other.transform)
+        return (self.refs, self.transform) == (other.refs, other.transform)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.ref, self.transform, self.up))
+        if self.inputs is None:
+            return (_rebuild, (self.ref, self.transform, self.up))
+        return (_rebuild_named, (self.refs, self.transform))
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Treescope rendering: ref and transform, coloured like the buffer it refers to."""
         return DISPLAY["tied_treescope"](self, path, subtree_renderer)
 
     def __repr__(self) -> str:
-        spelled = ref_str(Ref(self.ref, self.up))
-        args = [repr(spelled)]
+        if self.inputs is not None:
+            named = ", ".join(f"{n!r}: {ref_str(r)!r}" for n, r in self.refs)
+            args = [f"{{{named}}}"]
+        else:
+            ref = self.refs[0][1]
+            spelled = ref_str(ref)
+            args = [repr(spelled)]
         if self.transform != identity:
             args.append(repr(self.transform))
-        if self.up is not None and not isinstance(spelled, str):  # keys with '/': a tuple
-            args.append(f"up={self.up}")
+        if self.inputs is None and ref.up is not None and not isinstance(spelled, str):
+            args.append(f"up={ref.up}")  # keys with '/': a tuple
         return f"Tied({', '.join(args)})"
+
+
+def _named_refs(refs: Mapping[Any, Any], up: Any) -> tuple[tuple[str | None, Ref], ...]:
+    """The ``(name, Ref)`` pairs of a dict of refs, sorted by name, each checked."""
+    where = f"Tied({short(dict(refs), 80)})"
+    if up is not None:
+        fix = "climb in each ref's string ('../w'); up= is for one ref"
+        raise error("E167", where, "has up= and several refs", found=f"up={up}", fix=fix)
+    if not refs:
+        fix = "name at least one input: Tied({'base': 'w', ...}, transform)"
+        raise error("E167", where, "has no refs", expected="a dict {name: ref}", fix=fix)
+    bad = next((n for n in refs if not isinstance(n, str) or not n.isidentifier()), None)
+    if bad is not None:
+        fix = "name each input with the name its transform takes ('base', 'a', 'b')"
+        raise wrong_type("E167", f"{where}: input name", "a str identifier", bad, fix)
+
+    def read(name: str) -> Ref:
+        r, what = refs[name], f"Tied ref {name!r}"
+        return to_ref(r.keys, r.up, what) if isinstance(r, Ref) else to_ref(r, None, what)
+
+    return tuple((n, read(n)) for n in sorted(refs))
 
 
 def _rebuild(ref: tuple[str, ...], transform: Transform, up: int | None = None) -> Tied:
     """A pickled ``Tied`` (its keys taken as keys, the climb as ``up``)."""
     return Tied(ref, transform, up=up)
+
+
+def _rebuild_named(refs: tuple[tuple[str, Ref], ...], transform: Transform) -> Tied:
+    """A pickled ``Tied`` of several refs (each ref's keys as keys)."""
+    return Tied({n: Ref(*r) for n, r in refs}, transform)
 
 
 def is_tied(x: Any) -> bool:
@@ -107,13 +184,19 @@ jax.tree_util.register_pytree_node(Tied, lambda t: ((), t), lambda t, _: t)
 
 
 def _tied_to_bytes(t: Tied) -> bytes:
-    up = {} if t.up is None else {"up": t.up}
-    return json.dumps({"ref": list(t.ref), **up, "transform": t.transform.spec()}).encode()
+    refs = [[n, list(r.keys), r.up] for n, r in t.refs]
+    return json.dumps({"refs": refs, "transform": t.transform.spec()}).encode()
 
 
 def _tied_from_bytes(data: bytes) -> Tied:  # a spec is read back, never imported or called
     node = json.loads(data)
-    return Tied(tuple(node["ref"]), transform_from_spec(node["transform"]), up=node.get("up"))
+    transform = transform_from_spec(node["transform"])
+    if "ref" in node:  # written before views of several positions
+        return Tied(tuple(node["ref"]), transform, up=node.get("up"))
+    (name, keys, up), *more = node["refs"]
+    if name is None and not more:
+        return Tied(tuple(keys), transform, up=up)
+    return Tied({n: Ref(tuple(k), u) for n, k, u in node["refs"]}, transform)
 
 
 # jax.export.Exported.serialize of a function taking or returning a canonical tree

@@ -154,6 +154,7 @@ NAMES = hst.sampled_from(["x", "w", "0", "1"])
 @hst.composite
 def _shadowed_trees(draw):
     """A nested dict tree reusing a few names at every depth, and positions to share at."""
+
     def node(depth):
         if depth == 0 or draw(hst.booleans()):
             return None  # a leaf slot
@@ -184,9 +185,13 @@ def test_tie_identical_recovers_every_sharing_on_shadowed_trees(drawn):
 
     def fill(t, path):
         return {
-            k: fill(v, (*path, k)) if isinstance(v, dict) else
-            (arrays[groups[slots.index((*path, k))]] if groups[slots.index((*path, k))] < 2
-             else np.full(2, float(next(own))))
+            k: fill(v, (*path, k))
+            if isinstance(v, dict)
+            else (
+                arrays[groups[slots.index((*path, k))]]
+                if groups[slots.index((*path, k))] < 2
+                else np.full(2, float(next(own)))
+            )
             for k, v in t.items()
         }
 
@@ -284,8 +289,9 @@ def test_flax_tied_takes_a_climbing_ref_between_partition_boxes():
         def __call__(self, x):
             init = nn.with_partitioning(nn.initializers.normal(), ("vocab", "embed"))
             e = self.param("embed", init, (8, 4))
-            head = self.param("head", nn.with_partitioning(nn.initializers.normal(),
-                                                          ("embed", "vocab")), (4, 8))
+            head = self.param(
+                "head", nn.with_partitioning(nn.initializers.normal(), ("embed", "vocab")), (4, 8)
+            )
             return e[x] @ head
 
     climbed = sharetree.flax.tied(Lm(), {"head": st.Tied("./embed", st.T)})

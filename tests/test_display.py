@@ -435,7 +435,6 @@ def test_treescope_escapes_tied_refs_in_html():
     assert "&lt;b onmouseover=" in page
 
 
-
 def test_treescope_texts_escape_what_moves_a_terminal_in_keys():
     # a tree loaded from a file may hold any key: no escape or newline reaches the terminal
     for key in ("k\x1b[2J", "a\nb"):
@@ -445,6 +444,7 @@ def test_treescope_texts_escape_what_moves_a_terminal_in_keys():
             assert repr(key)[1:-1] in text  # shown escaped, as Python writes it
         summary = st.summary(tree)
         assert "\x1b" not in summary and "a\nb" not in summary and repr(key)[1:-1] in summary
+
 
 def test_treescope_materialized_marks_views_and_buffers():
     tree = _tree()

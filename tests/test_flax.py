@@ -378,7 +378,6 @@ def test_a_tie_naming_boxes_gives_the_view_the_targets_own_partition_names():
     assert _num_boxes(model.materialize(variables)["params"]) == _num_boxes({"decoder": untied})
 
 
-
 def test_every_materialized_view_of_a_box_carries_the_untied_models_names():
     # st.materialize, restructure and the tree grad_by_use hands fun: each box copied from a
     # buffer gets the names Flax gives that parameter in the untied model (not the buffer's)
@@ -401,6 +400,7 @@ def test_every_materialized_view_of_a_box_carries_the_untied_models_names():
     st.grad_by_use(loss)(params)
     for got in (names(st.materialize(params)), names(re(flat)), seen[0]):
         assert got == want
+
 
 def test_partition_specs_of_a_tied_boxed_tree_are_one_per_buffer_none_for_views():
     mesh = _mesh()
@@ -518,7 +518,6 @@ def test_boxed_ties_that_would_shard_the_view_wrongly_are_errors_naming_the_valu
         tied(TwoDense(physical), {"b/kernel": st.Tied("a/kernel", st.T)}).init(jax.random.key(0), x)
 
 
-
 def test_a_box_tied_by_st_tie_whose_view_drops_the_axes_is_an_error_at_materialize():
     # st.tie (not tied(...)) does not check boxes: the view's names are unknown when it is made
     params = TwoDense().init(jax.random.key(0), jnp.ones((1, EMB)))["params"]
@@ -542,6 +541,7 @@ def test_a_view_that_does_not_fit_its_boxed_buffer_is_an_error_naming_the_view(t
         tied(TwoDense(), {"b/kernel": st.Tied("a/kernel", t)}).init(
             jax.random.key(0), jnp.ones((1, EMB))
         )
+
 
 def test_boxed_tied_params_round_trip_through_st_save_with_a_template(tmp_path):
     model = tied(Lm1b(), HEAD_BOX_TIE)

@@ -53,9 +53,7 @@ def test_split_gives_a_canonical_state_without_a_leaf_for_the_tied_variable():
     assert not np.array_equal(model.dec.kernel[...], model.enc.kernel[...].T)
     assert type(new.dec.kernel) is nnx.Param
     # "dec/kernel/value" names the same Variable
-    _, state2 = stnnx.split(
-        model, ties={"dec/kernel/value": st.Tied("enc/kernel/value", st.T)}
-    )
+    _, state2 = stnnx.split(model, ties={"dec/kernel/value": st.Tied("enc/kernel/value", st.T)})
     assert jax.tree.structure(state2) == jax.tree.structure(state)
 
 

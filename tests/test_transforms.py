@@ -39,10 +39,14 @@ ALL = [
     st.slice(-2, None),
     st.index(-1, axis=2),
     st.slice(0, 1) >> st.T >> st.index(0),
+    st.take((0, 1, 0, 1, 0, 1)),
+    st.take((2, -1), axis=1) >> st.T,
 ]
+# transforms of {name: value}
+SEVERAL = [st.lora(), st.lora(0.5) >> st.T, st.add(), st.matmul(), st.matmul() >> st.T]
 
 
-@pytest.mark.parametrize("t", ALL, ids=repr)
+@pytest.mark.parametrize("t", ALL + SEVERAL, ids=repr)
 def test_hashable_equal_picklable_and_spec_roundtrip(t):
     back = pickle.loads(pickle.dumps(t))
     assert back == t and hash(back) == hash(t)
@@ -217,11 +221,15 @@ def test_every_registered_transform_has_a_factory_and_spec_names():
         "fn",
         "slice",
         "index",
+        "take",
         "chain",
+        "lora",
+        "add",
+        "matmul",
     }
     for name, cls in REGISTRY.items():
         assert cls.spec_name == name
-    specs = {t.spec()["name"] for t in ALL}
+    specs = {t.spec()["name"] for t in ALL + SEVERAL}
     assert specs == builtin  # ALL covers every registered transform
 
 
@@ -282,7 +290,8 @@ def test_registry_refuses_a_taken_name_and_a_class_that_is_no_dataclass():
 
 def test_unknown_name_lists_the_known_ones():
     known = ", ".join(sorted(REGISTRY))  # the built-ins, and any defined by users
-    assert "astype, chain, fn, identity, index, reshape, scale, slice, transpose" in ", ".join(
+    names = "add, astype, chain, fn, identity, index, lora, matmul, reshape, scale, slice, take"
+    assert names + ", transpose" in ", ".join(
         n for n in sorted(REGISTRY) if not n.startswith(("doc_", "test_"))
     )
     own = "import (or define) the class registered as 'rot90'"

@@ -2,7 +2,8 @@
 
 ``protocol`` holds the base class, the registry of spec names and the chain normal form
 (with ``identity``, its unit); ``builtins`` the built-in transforms of whole arrays, ``views``
-those of part of a buffer (``slice``, ``index``); ``spec`` the reading of (untrusted) JSON
+those of part of a buffer (``slice``, ``index``, ``take``), ``combine`` those of several
+values (``lora``, ``add``, ``matmul``); ``spec`` the reading of (untrusted) JSON
 specs and the stand-ins that describe a file's transforms.
 docs/ties_and_transforms.md describes each transform and how to write your own.
 """
@@ -15,14 +16,18 @@ from sharetree._transforms.builtins import (
     scale,
     transpose,
 )
+from sharetree._transforms.combine import add, lora, matmul
 from sharetree._transforms.protocol import (
+    ANY_NAMES,
     REGISTRY,
     Names,
     Transform,
     canonical_dtype,
     chain,
+    check_inputs,
     check_transform,
     identity,
+    input_names,
     is_factory,
     is_int,
     is_real,
@@ -35,7 +40,7 @@ from sharetree._transforms.spec import (
     is_described,
     transform_from_spec,
 )
-from sharetree._transforms.views import index, slice
+from sharetree._transforms.views import index, slice, take
 
 # Pickles written before the split (sharetree/_transforms.py) name the built-in classes
 # here, as sharetree._transforms._Scale and so on: each old name stays bound to its class,
@@ -46,27 +51,34 @@ _Transpose, _Reshape, _AsType, _Scale, _Fn = (
 _Slice, _Index, _Chain, _Identity = (REGISTRY[n] for n in ("slice", "index", "chain", "identity"))
 
 __all__ = [
+    "ANY_NAMES",
     "REGISTRY",
     "Names",
     "T",
     "Transform",
+    "add",
     "astype",
     "canonical_dtype",
     "chain",
+    "check_inputs",
     "check_transform",
     "describe_spec",
     "describe_transform",
     "fn",
     "identity",
     "index",
+    "input_names",
     "is_described",
     "is_factory",
     "is_int",
     "is_real",
+    "lora",
+    "matmul",
     "parts_of",
     "reshape",
     "scale",
     "slice",
+    "take",
     "transform_from_spec",
     "transpose",
     "view_axis_names",

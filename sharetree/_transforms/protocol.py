@@ -21,6 +21,7 @@ from jax.typing import ArrayLike, DTypeLike
 from sharetree._errors import error, short, wrong_type
 
 __all__ = [
+    "ANY_NAMES",
     "REGISTRY",
     "SPEC_FIX",
     "ArrayFn",
@@ -30,10 +31,12 @@ __all__ = [
     "bad_field",
     "canonical_dtype",
     "chain",
+    "check_inputs",
     "check_transform",
     "field_doc",
     "fields_of",
     "identity",
+    "input_names",
     "is_factory",
     "is_int",
     "is_real",
@@ -103,6 +106,11 @@ class Transform:
     """
 
     spec_name: ClassVar[str]
+    inputs: ClassVar[tuple[str, ...] | None] = None
+    """The input names of a transform of several values (``("base", "a", "b")``, or
+    :data:`ANY_NAMES`); ``None`` (the default): a transform of one value. A transform of
+    several values is given ``{name: value}`` (to ``__call__``, ``abstract``, ``numpy``,
+    ``axis_names``) and comes first in a chain."""
     field_docs: ClassVar[Mapping[str, str]] = {}
     """What each field's spec value should be (error messages quote it; default: its type)."""
 
@@ -125,7 +133,7 @@ class Transform:
         REGISTRY[name] = cls
 
     def __call__(self, x: ArrayLike) -> jax.Array:  # pragma: no cover - abstract
-        """Compute the view of the buffer ``x``."""
+        """Compute the view of the buffer ``x`` (``{name: value}`` for several inputs)."""
         raise NotImplementedError
 
     def __rshift__(self, other: Transform) -> Transform:
@@ -282,7 +290,7 @@ class _Chain(Transform, name="chain"):
         return None if None in views else chain(*views)  # type: ignore[arg-type]
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
-        out: Names | None = tuple(names)
+        out: Names | None = names if isinstance(names, Mapping) else tuple(names)
         for part in self.parts:
             if out is None:
                 return None
@@ -337,6 +345,51 @@ identity: Transform = _Identity()
 """The identity transform: the view is the buffer itself (the same object); chains drop it."""
 
 
+ANY_NAMES = ("*",)
+"""``Transform.inputs`` of a transform that takes inputs of any names (``st.add``)."""
+
+
+def input_names(t: Transform) -> tuple[str, ...] | None:
+    """The input names ``t`` takes (a chain: its first part's); ``None`` for one value."""
+    return t.parts[0].inputs if isinstance(t, _Chain) else t.inputs
+
+
+def check_inputs(t: Transform, names: tuple[str | None, ...], where: str) -> None:
+    """A :class:`TieError` (E103) unless ``t`` takes inputs of exactly ``names``.
+
+    ``names`` is ``(None,)`` for one ref, else the sorted names of several refs.
+    """
+    takes = input_names(t)
+    named = isinstance(takes, tuple) and all(isinstance(n, str) for n in takes)
+    if takes is not None and not named:
+        fix = "declare inputs = ('base', 'a', 'b') on the class, or ANY_NAMES"
+        raise wrong_type("E103", f"{type(t).__qualname__}.inputs", "a tuple of str", takes, fix)
+    if names == (None,):
+        if takes is not None:
+            shown = "any names" if takes == ANY_NAMES else ", ".join(map(repr, takes))
+            names_ = ("x", "y") if takes == ANY_NAMES else takes
+            fix = f"name each input: Tied({{{', '.join(f'{n!r}: ...' for n in names_)}}}, {t!r})"
+            problem = f"{t!r} takes several inputs ({shown})"
+            raise error("E103", where, problem, found="one ref", fix=fix)
+        return
+    if takes is None:
+        fix = "use a transform of several inputs (st.add(), st.lora(), st.matmul()) or one ref"
+        found = f"{len(names)} named refs"
+        raise error("E103", where, f"{t!r} takes one value", found=found, fix=fix)
+    if takes == ANY_NAMES:
+        return
+    missing = sorted(set(takes) - set(names))
+    extra = sorted(set(names) - set(takes))  # type: ignore[type-var]
+    if missing or extra:
+        found = "; ".join(
+            [f"missing {', '.join(map(repr, missing))}"] * bool(missing)
+            + [f"not taken: {', '.join(map(repr, extra))}"] * bool(extra)
+        )
+        expected = f"the inputs {', '.join(map(repr, takes))}"
+        fix = "name the refs as the transform takes them"
+        raise error("E103", where, expected=expected, found=found, fix=fix)
+
+
 def chain(*parts: Transform) -> Transform:
     """Compose transforms left to right (``chain(a, b)`` is ``a >> b``) into a normal form.
 
@@ -350,6 +403,11 @@ def chain(*parts: Transform) -> Transform:
     out: list[Transform] = []
     for p in parts:
         for t in parts_of(check_transform(p)):
+            if out and t.inputs is not None:
+                where = f"{' >> '.join(map(repr, [*out, t]))}"
+                fix = f"apply {t!r} first: {t!r} >> ..., then transforms of its one value"
+                problem = f"{t!r} takes several inputs but is not first"
+                raise error("E104", where + ":", problem, fix=fix)
             while out and t != identity and (folded := out[-1].fold(t)) is not None:
                 if not isinstance(folded, Transform) or isinstance(folded, _Chain):
                     where = f"{type(out[-1]).__qualname__}.fold({t!r})"
@@ -371,12 +429,14 @@ def parts_of(t: Transform) -> tuple[Transform, ...]:
 
 def view_axis_names(t: Transform, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
     """``t.axis_names(names, aval)``, checked: a tuple of one name per axis of the view, or None."""
-    out = t.axis_names(tuple(names), aval)
+    names = names if isinstance(names, Mapping) else tuple(names)
+    out = t.axis_names(names, aval)
     if out is None:
         return None
     view = t.abstract(aval)
     if not isinstance(out, (tuple, list)) or len(out) != len(view.shape):
-        where = f"{t!r}.axis_names({tuple(names)}) of a buffer of shape {tuple(aval.shape)}"
+        shape = jax.tree.map(lambda a: tuple(a.shape), aval)
+        where = f"{t!r}.axis_names({names}) of a buffer of shape {shape}"
         expected = f"{len(view.shape)} names, one per axis of the view {tuple(view.shape)}, or None"
         fix = "return None where the view's axes are not the buffer's"
         raise error("E101", where, expected=expected, found=short(out, 80), fix=fix)
@@ -393,6 +453,10 @@ _FACTORY_EXAMPLES = {
     "fn": "st.fn(jnp.flipud)",
     "slice": "st.slice(0, 10)",
     "index": "st.index(0)",
+    "take": "st.take((0, 1, 0, 1))",
+    "lora": "st.lora(2.0)",
+    "add": "st.add()",
+    "matmul": "st.matmul()",
     "chain": "st.chain(st.T, st.scale(2.0))",
     "transform_from_spec": "st.transform_from_spec(st.T.spec())",
 }

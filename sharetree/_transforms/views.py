@@ -1,5 +1,6 @@
-"""Views into part of a buffer: ``slice`` (a range of one axis) and ``index`` (one entry).
+"""Views into part of a buffer: ``slice``, ``index`` and ``take`` of one axis.
 
+``slice`` is a range, ``index`` one entry, ``take`` entries in any order, repeated.
 Like the other built-ins, each is a private registered class and the public function that
 makes it, documented once (on the function). A view never clips: a range or entry outside
 the buffer is an error when the view is computed, a range empty for every buffer one when it
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
@@ -17,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from sharetree._errors import error, wrong_type
+from sharetree._errors import error, short, wrong_type
 from sharetree._transforms.builtins import Moves, set_fields
 from sharetree._transforms.protocol import Names, Transform, canonical_dtype, is_int
 
-__all__ = ["index", "slice"]
+__all__ = ["index", "slice", "take"]
 
 
 def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
@@ -160,6 +162,67 @@ class _Index(Moves, name="index"):
         return np.asarray(x[(builtins.slice(None),) * axis + (i,)])
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Take(Moves, name="take"):
+    """The class of :func:`take`."""
+
+    indices: tuple[int, ...]
+    axis: int = 0
+    field_docs: ClassVar = {"indices": "a non-empty list of integers", "axis": "an integer"}
+
+    def __post_init__(self) -> None:
+        call = f"st.take({short(self.indices, 40)}, axis={self.axis!r:.20})"
+        given = self.indices
+        if not isinstance(given, (tuple, list)) or not all(map(is_int, given)):
+            fix = "pass a tuple of integers, e.g. st.take((0, 1, 0, 1))"
+            raise wrong_type("E73", f"{call}: indices", "a tuple of integers", given, fix)
+        if not is_int(self.axis):
+            raise wrong_type("E73", f"{call}: axis", "an integer", self.axis, "pass axis=0")
+        if not given:
+            raise error("E72", call, "takes no entries", fix="pass at least one index")
+        set_fields(self, indices=tuple(int(i) for i in given), axis=int(self.axis))
+
+    def _where(self, shape: tuple[int, ...]) -> tuple[int, np.ndarray]:
+        """``(axis, indices)`` counted from 0 for a buffer of ``shape``, else E71."""
+        axis = _axis(self, self.axis, shape)
+        n = shape[axis]
+        bad = [i for i in self.indices if not -n <= i < n]
+        if bad:
+            where = f"{self!r} of a buffer of shape {tuple(shape)}:"
+            problem = f"takes {short(bad, 40)}, outside axis {axis} (size {n})"
+            raise error("E71", where, problem, fix=_within(n, f"indices between {-n} and {n - 1}"))
+        return axis, np.asarray([i % n for i in self.indices], np.int32)
+
+    def __call__(self, x: ArrayLike) -> jax.Array:
+        x = jnp.asarray(x)
+        axis, where = self._where(x.shape)
+        return jnp.take(x, where, axis=axis, unique_indices=False, indices_are_sorted=False)
+
+    def abstract(self, aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        axis, where = self._where(tuple(aval.shape))
+        shape = (*aval.shape[:axis], len(where), *aval.shape[axis + 1 :])
+        return jax.ShapeDtypeStruct(shape, canonical_dtype(aval.dtype))
+
+    def fold(self, after: Transform) -> Transform | None:
+        if not isinstance(after, _Take) or after.axis != self.axis or self.axis < 0:
+            return None
+        n = len(self.indices)
+        if not all(-n <= j < n for j in after.indices):
+            return None  # keep the error
+        return _Take(tuple(self.indices[j] for j in after.indices), self.axis)
+
+    def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
+        return tuple(names) if len(names) == len(aval.shape) else None
+
+    def numpy(self, x: np.ndarray) -> np.ndarray:
+        axis, where = self._where(np.shape(x))
+        return np.take(x, where, axis=axis)
+
+    def __repr__(self) -> str:
+        axis = f", axis={self.axis}" if self.axis else ""
+        return f"take({self.indices}{axis})"
+
+
 # --- the public functions: each documents its class ----------------------------------------
 
 
@@ -185,3 +248,19 @@ def index(i: int, axis: int = 0) -> Transform:
         ((3, 2), (4, 3))
     """
     return _Index(i, axis)
+
+
+def take(indices: Sequence[int], axis: int = 0) -> Transform:
+    """The entries ``indices`` of one axis, in that order, repeats allowed (``x[indices]``).
+
+    A static tuple of integers: ``L`` layers drawn from ``K`` stacked blocks. The
+    gradient of a block sums the layers that use it (JAX's scatter-add). Never clipped:
+    an index outside the axis is an error.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> blocks = np.arange(2.0)[:, None] * np.ones((2, 3))  # two blocks of 3
+        >>> st.take((0, 1, 0, 1, 0, 1))(blocks)[:, 0]
+        Array([0., 1., 0., 1., 0., 1.], dtype=float32)
+    """
+    return _Take(indices, axis)  # type: ignore[arg-type]
