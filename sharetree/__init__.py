@@ -1,5 +1,6 @@
 """sharetree: explicit parameter sharing (tied weights) in JAX pytrees (a tour: README.md)."""
 
+from sharetree._adapters import add_lora, merge_lora
 from sharetree._detect import find_ties, tie_identical
 from sharetree._display import summary
 from sharetree._errors import TieError, TieTypeError
@@ -52,6 +53,7 @@ __all__ = [
     "View",
     "ViewInput",
     "add",
+    "add_lora",
     "astype",
     "canonicalize",
     "chain",
@@ -68,6 +70,7 @@ __all__ = [
     "mask_by_path",
     "materialize",
     "matmul",
+    "merge_lora",
     "reshape",
     "save",
     "scale",

@@ -100,6 +100,9 @@ class Structure:
     expanded_treedef: Any  # the materialized tree's structure
     expanded: tuple[Leaf, ...]  # one Leaf per materialized leaf, in flatten order
     joins: tuple[Join, ...] = ()  # the values computed from several, inputs before users
+    reads: dict[Path, dict[str | None, Path]] = dataclasses.field(default_factory=dict)
+    """For each Tied, the path from the root each of its refs reads (by input name, ``None``
+    for one ref), as scoped or climbed, before following views."""
 
     @functools.cached_property
     def views(self) -> tuple[ViewLeaf, ...]:
@@ -404,7 +407,8 @@ def _structures_error(at: Path, t: Tied, inputs: dict[str, Any]) -> TieError:
     shapes = {}
     for name, x in inputs.items():
         paths = [path_str(keypath_to_path(kp)) for kp, _ in jtu.tree_flatten_with_path(x)[0]]
-        leaves = f"a subtree of {plural(len(paths), 'leaf')} ({short(paths, 60)})"
+        n = f"{len(paths)} {'leaf' if len(paths) == 1 else 'leaves'}"
+        leaves = f"a subtree of {n} ({short(paths, 60)})"
         shapes[name] = "a leaf" if paths == ["<root>"] else leaves
     refs = dict(t.refs)
     found = "; ".join(f"{n!r} ({written(refs[n])!r}) is {s}" for n, s in shapes.items())
@@ -544,6 +548,7 @@ def structure_of(treedef: Any) -> Structure:
         Leaf(x.i, None if x.via is None else x.transform, keypath_to_path(kp), x.via)
         for kp, x in flat
     )
+    reads = {at: {n: res.scoped[(at, n)] for n, _ in t.refs} for at, t in res.tied_at.items()}
     return Structure(
-        treedef, res.buffer_paths, res.tied_at, expanded_treedef, spec, tuple(res.joins)
+        treedef, res.buffer_paths, res.tied_at, expanded_treedef, spec, tuple(res.joins), reads
     )

@@ -125,7 +125,8 @@ def test_python_blocks_of_the_page_run_and_print_what_is_shown(page):
 
 def test_the_pages_with_code_are_the_ones_written_for_the_site():
     assert set(SITE_PAGES) >= {
-        "why_ties_as_data.md", "ties_and_transforms.md", "flat.md", "display.md"}  # fmt: skip
+        "why_ties_as_data.md", "ties_and_transforms.md", "flat.md", "display.md",
+        "adapters.md"}  # fmt: skip
 
 
 def test_the_display_page_shows_the_demo_models_graph_made_at_build_time():

@@ -777,6 +777,27 @@ def test_83_tied_in_static_data():
         st.materialize(Holder(W, st.Tied("w")))
 
 
+def test_103_refs_and_transform_disagree_on_the_inputs():
+    with raises("E103", "lora", "'a'", "'b'", "'base'", "one ref"):
+        st.Tied("w", st.lora())
+    with raises("E103", "missing 'b'", "not taken: 'c'"):
+        st.Tied({"base": "w", "a": "x", "c": "y"}, st.lora())
+    with raises("E103", "T", "2 named refs"):
+        st.Tied({"x": "w", "y": "v"}, st.T)
+
+
+def test_104_a_transform_of_several_inputs_not_first_in_a_chain():
+    with raises("E104", "T >> lora", "not first"):
+        st.T >> st.lora()
+
+
+def test_106_inputs_whose_shapes_do_not_fit():
+    tree = {"a": W, "b": jnp.ones((4, 2))}
+    tree["v"] = st.Tied({"a": "a", "b": "b"}, st.matmul())
+    with raises("E106", "'v'", "(2, 3)", "(4, 2)"):
+        st.materialize(tree)
+
+
 def test_163_a_ref_that_climbs_past_the_root():
     with raises("E163", "'1/0'", "'../../0'", "2 levels", "1 level"):
         st.materialize((W, (st.Tied("../../0"),)))
@@ -788,3 +809,38 @@ def test_165_a_plain_ref_shadowing_a_same_named_position_further_out_warns():
     (message,) = [str(w.message) for w in record if str(w.message).startswith("[E165]")]
     for fact in ("'1/1'", "'1/0'", "'0'", "'./0'", "'../0'"):
         assert fact in message, message
+
+
+def test_166_the_one_ref_of_a_view_of_several():
+    with raises("E166", "refs", cls=st.TieTypeError):
+        _ = st.Tied({"x": "a", "y": "b"}, st.add()).ref
+
+
+def test_167_refs_that_cannot_name_inputs():
+    with raises("E167", "no refs"):
+        st.Tied({}, st.add())
+    with raises("E167", "int 0", cls=st.TieTypeError):
+        st.Tied({0: "w"}, st.add())
+    with raises("E167", "up=1"):
+        st.Tied({"x": "w"}, st.add(), up=1)
+
+
+def test_168_subtree_inputs_of_different_structures():
+    tree = {"a": {"p": W, "q": W}, "b": {"p": W}, "v": st.Tied({"x": "a", "y": "b"}, st.add())}
+    with raises("E168", "'v'", "'x'", "'y'", "['p', 'q']"):
+        st.materialize(tree)
+
+
+def test_173_add_lora_pattern_that_matches_nothing():
+    with raises("E173", "'wx'", "'w'"):
+        st.add_lora({"w": W}, "wx", rank=1, key=jax.random.key(0))
+
+
+def test_174_add_lora_on_what_is_no_matrix():
+    with raises("E174", "'b'", "float32[3]"):
+        st.add_lora({"w": W, "b": jnp.ones(3)}, "b", rank=1, key=jax.random.key(0))
+
+
+def test_175_merge_lora_of_what_add_lora_did_not_return():
+    with raises("E175", "'lora'", "'params'", "['w']"):
+        st.merge_lora({"w": W})

@@ -1,0 +1,228 @@
+"""Low-rank adapters on a (tied) tree: :func:`add_lora` and :func:`merge_lora`.
+
+``add_lora`` moves each adapted position's value to ``lora/<path>/base``, next to its two
+factors ``a`` and ``b``, and puts a view of the three at the position:
+``Tied({"base": ..., "a": ..., "b": ...}, st.lora(scale))``. Every view that read the
+position reads the adapted value, so a tied lookup and head see one adapted table.
+``merge_lora`` computes each adapted value once and puts it back at its position.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from sharetree._errors import check_mapping, error, short, wrong_type
+from sharetree._materialize import expanded_by_path, leaves_and_structure
+from sharetree._paths import (
+    Path,
+    closest,
+    flattening,
+    keypath_to_path,
+    node_paths,
+    path_str,
+    prefixes,
+)
+from sharetree._resolve import Structure, ref_to
+from sharetree._tied import Tied, is_tied
+from sharetree._transforms import input_names, lora, parts_of
+
+__all__ = ["add_lora", "merge_lora", "PARAMS", "LORA"]
+
+PARAMS, LORA = "params", "lora"
+"""The keys of the tree :func:`add_lora` returns: the adapted tree, and the adapters."""
+
+_TAKES = ("a", "b", "base")
+
+
+def _matches(pattern: str, path: Path) -> bool:
+    """Whether ``pattern`` matches ``path`` or a node above it (as ``label_by_path`` reads it)."""
+    return any(fnmatch.fnmatchcase("/".join(p), pattern) for p in prefixes(path))
+
+
+def _positions(structure: Structure, patterns: list[str]) -> list[Path]:
+    """The materialized paths the patterns choose, each one array: a buffer or a whole view."""
+    paths = [leaf.path for leaf in structure.expanded]
+    chosen = [p for p in paths if any(_matches(q, p) for q in patterns)]
+    for q in patterns:
+        if not any(_matches(q, p) for p in paths):
+            hint = closest(q, [path_str(p) for p in paths])
+            where = f"add_lora: pattern {q!r}"
+            raise error("E173", where, f"matches no leaf; {hint}", fix="name a leaf's path")
+    for p in chosen:
+        leaf = structure.expanded[paths.index(p)]
+        if leaf.tie is not None and leaf.tie != p:  # a leaf inside a view of a subtree
+            where = f"add_lora: {path_str(p)!r}"
+            problem = f"is one leaf of the view {path_str(leaf.tie)!r} of a subtree"
+            fix = "adapt the buffer it reads, or tie that leaf on its own (st.Tied per leaf)"
+            raise error("E173", where, problem, fix=fix)
+    return chosen
+
+
+def add_lora(
+    tree: Any,
+    where: str | Iterable[str],
+    *,
+    rank: int,
+    key: jax.Array,
+    scale: float = 1.0,
+) -> dict[str, Any]:
+    """Put low-rank adapters on the positions ``where`` chooses; ties kept.
+
+    Each chosen position (a buffer, or a view that is one array) of shape
+    ``(..., rows, columns)`` becomes ``base + scale * a @ b``: its value moves to
+    ``lora/<path>/base``, ``a`` of shape ``(..., rows, rank)`` starts uniform in
+    ``±1/sqrt(rows)`` and ``b`` of ``(..., rank, columns)`` at zero (as LoRA does), so the
+    adapted tree computes what the tree did. Every view of an adapted buffer (a tied head)
+    sees the adapted value; an adapted view leaves its buffer's other readers alone.
+    Leading axes are a stack: one adapter per layer of a stacked buffer.
+
+    Args:
+        tree: a canonical tree (``Tied`` nodes allowed).
+        where: path patterns, as :func:`sharetree.label_by_path` reads them, each
+            matching at least one leaf of the materialized tree.
+        rank: the rank of each adapter (an int >= 1).
+        key: a ``jax.random`` key for the ``a`` factors.
+        scale: the adapter's scale (LoRA's ``alpha / rank``).
+
+    Returns:
+        ``{"params": adapted tree, "lora": {path...: {"base", "a", "b"}}}``: pass
+        ``st.materialize(out)["params"]`` to the model, freeze the bases with
+        ``st.mask_by_path(out, "lora/*/[ab]")`` (the trainable factors), and merge with
+        :func:`merge_lora`.
+
+    Example:
+        >>> import jax, numpy as np, sharetree as st
+        >>> params = {"embed": np.ones((10, 4), np.float32), "head": st.Tied("embed", st.T)}
+        >>> out = st.add_lora(params, "embed", rank=2, key=jax.random.key(0))
+        >>> out["params"]["embed"]
+        Tied({'a': 'lora/embed/a', 'b': 'lora/embed/b', 'base': 'lora/embed/base'}, lora)
+        >>> m = st.materialize(out)["params"]
+        >>> bool((m["head"] == m["embed"].T).all()), out["lora"]["embed"]["a"].shape
+        (True, (10, 2))
+    """
+    patterns = [where] if isinstance(where, str) else list(where)
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise wrong_type("E173", "add_lora: where=", "path patterns (str)", where, "pass 'embed'")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise wrong_type("E174", "add_lora: rank=", "an int >= 1", rank, "pass rank=8")
+    leaves, structure = leaves_and_structure(tree)
+    chosen = _positions(structure, patterns)
+    values = expanded_by_path(tree)
+    buffers = dict(zip(structure.buffer_paths, leaves, strict=True))
+    adapters: dict[Path, dict[str, Any]] = {}
+    keys = jax.random.split(key, len(chosen))
+    for k, p in zip(keys, chosen, strict=True):
+        value = values[p]
+        shape, dtype = tuple(np.shape(value)), getattr(value, "dtype", None)
+        if len(shape) < 2 or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            where_ = f"add_lora: {path_str(p)!r}"
+            found = f"{short(value, 40)}" if dtype is None else f"{dtype}{list(shape)}"
+            fix = "choose matrices (or stacks of them) of floats; narrow the pattern"
+            expected = "a float array of 2 or more axes"
+            raise error("E174", where_, expected=expected, found=found, fix=fix)
+        *lead, rows, cols = shape
+        bound = 1.0 / math.sqrt(rows)
+        a = jax.random.uniform(k, (*lead, rows, rank), dtype, -bound, bound)
+        b = jnp.zeros((*lead, rank, cols), dtype)
+        # a buffer moves; an adapted view moves with its refs rewritten
+        adapters[p] = {"a": a, "b": b, "base": structure.ties.get(p, buffers.get(p))}
+    return _assemble(tree, structure, adapters, scale)
+
+
+def _assemble(
+    tree: Any, structure: Structure, adapters: dict[Path, dict[str, Any]], scale: float
+) -> dict[str, Any]:
+    """``{"params": tree with the views, "lora": the adapters}``, refs written for their place."""
+    new_paths = {p: (PARAMS, *p) for p in adapters}
+    lora_paths = {p: {n: (LORA, *p, n) for n in _TAKES} for p in adapters}
+    positions = [(PARAMS, *p) for p in structure.buffer_paths if p not in adapters]
+    positions += [(PARAMS, *p) for p in structure.ties]
+    positions += [q for named in lora_paths.values() for q in named.values()]
+    nodes = node_paths(positions)
+
+    def moved(old: Path, at: Path, t: Tied) -> Tied:
+        """The view ``t`` that was at ``old`` in ``tree``, written for ``at`` instead."""
+        reads = structure.reads[old]
+        refs = {n: ref_to((PARAMS, *reads[n]), at, nodes) for n, _ in t.refs}
+        if t.inputs is None:
+            ref = refs[None]
+            return Tied(ref.keys, t.transform, up=ref.up)
+        return Tied(refs, t.transform)  # type: ignore[arg-type]
+
+    def visit(kp: Any, x: Any) -> Any:
+        p = keypath_to_path(kp)
+        if p in adapters:
+            refs = {n: ref_to(q, new_paths[p], nodes) for n, q in lora_paths[p].items()}
+            return Tied(refs, lora(scale))  # type: ignore[arg-type]
+        return x
+
+    with flattening(tree):
+        params = jtu.tree_map_with_path(visit, tree, is_leaf=is_tied)
+    nested: dict[str, Any] = {}
+    for p, named in adapters.items():
+        node = nested
+        for key in p:
+            node = node.setdefault(key, {})
+        for n, v in named.items():
+            node[n] = moved(p, (LORA, *p, n), v) if isinstance(v, Tied) else v
+    return {PARAMS: params, LORA: nested}
+
+
+def merge_lora(adapted: Any) -> Any:
+    """The tree :func:`add_lora` adapted, each adapter merged: ties kept, one tensor per buffer.
+
+    Each adapted position gets its adapted value, computed once (``base + scale * a @ b``,
+    as the model saw it): an adapted buffer is that tensor again and every view of it
+    reads it; an adapted view becomes a buffer holding its value (its buffer's other
+    readers never saw its adapter).
+
+    Example:
+        >>> import jax, numpy as np, sharetree as st
+        >>> params = {"embed": np.ones((10, 4), np.float32), "head": st.Tied("embed", st.T)}
+        >>> merged = st.merge_lora(st.add_lora(params, "embed", rank=2, key=jax.random.key(0)))
+        >>> merged["head"], merged["embed"].shape
+        (Tied('embed', T), (10, 4))
+    """
+    check_mapping(adapted, "E175", "merge_lora", "the dict add_lora returns")
+    if set(adapted) != {PARAMS, LORA}:
+        found = f"keys {sorted(map(str, adapted))}"
+        fix = "pass what add_lora returned, {'params': ..., 'lora': ...}"
+        raise error("E175", "merge_lora", expected="keys ['lora', 'params']", found=found, fix=fix)
+    _, structure = leaves_and_structure(adapted)
+    merged: dict[Path, Tied] = {}
+    for at, t in structure.ties.items():
+        if at[0] != PARAMS or input_names(t.transform) != _TAKES:
+            continue
+        if parts_of(t.transform)[0].spec_name != "lora" or structure.reads[at] != {
+            n: (LORA, *at[1:], n) for n in _TAKES
+        }:
+            continue
+        merged[at] = t
+    used = [
+        (at, path_str(r))
+        for at, named in structure.reads.items()
+        if at not in merged
+        for r in named.values()
+        if r[0] == LORA
+    ]
+    if used:
+        at, r = used[0]
+        where = f"merge_lora: Tied at {path_str(at)!r}"
+        fix = "merge before tying other positions to the adapters, or untie those first"
+        raise error("E175", where, f"reads {r!r}, which merging removes", fix=fix)
+    values = expanded_by_path(adapted)
+
+    def visit(kp: Any, x: Any) -> Any:
+        p = keypath_to_path(kp)
+        return values[(PARAMS, *p)] if (PARAMS, *p) in merged else x
+
+    with flattening(adapted[PARAMS]):
+        return jtu.tree_map_with_path(visit, adapted[PARAMS], is_leaf=is_tied)
