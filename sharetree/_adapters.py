@@ -161,7 +161,7 @@ def _assemble(
         p = keypath_to_path(kp)
         if p in adapters:
             refs = {n: ref_to(q, new_paths[p], nodes) for n, q in lora_paths[p].items()}
-            return Tied(refs, lora(scale))  # type: ignore[arg-type]
+            return Tied(refs, lora(scale))
         return x
 
     with flattening(tree):
