@@ -40,6 +40,7 @@ PARAMS, LORA = "params", "lora"
 """The keys of the tree :func:`add_lora` returns: the adapted tree, and the adapters."""
 
 _TAKES = ("a", "b", "base")
+_LORA = type(lora())  # the views add_lora writes start with it
 
 
 def _matches(pattern: str, path: Path) -> bool:
@@ -201,7 +202,7 @@ def merge_lora(adapted: Any) -> Any:
     for at, t in structure.ties.items():
         if at[0] != PARAMS or input_names(t.transform) != _TAKES:
             continue
-        if parts_of(t.transform)[0].spec_name != "lora" or structure.reads[at] != {
+        if type(parts_of(t.transform)[0]) is not _LORA or structure.reads[at] != {
             n: (LORA, *at[1:], n) for n in _TAKES
         }:
             continue

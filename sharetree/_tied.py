@@ -79,7 +79,7 @@ class Tied:
             refs = ((None, to_ref(ref, up)),)
             shown = repr(path_str(refs[0][1].keys))
         check_transform(transform, f"of Tied({shown})")
-        check_inputs(transform, tuple(n for n, _ in refs), f"Tied({shown}, {transform!r}):")
+        check_inputs(transform, tuple(n for n, _ in refs), shown)
         object.__setattr__(self, "refs", refs)
         object.__setattr__(self, "transform", transform)
         # hashed at every jit cache lookup of a tree holding it

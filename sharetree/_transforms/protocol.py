@@ -354,12 +354,14 @@ def input_names(t: Transform) -> tuple[str, ...] | None:
     return t.parts[0].inputs if isinstance(t, _Chain) else t.inputs
 
 
-def check_inputs(t: Transform, names: tuple[str | None, ...], where: str) -> None:
+def check_inputs(t: Transform, names: tuple[str | None, ...], tied: str) -> None:
     """A :class:`TieError` (E103) unless ``t`` takes inputs of exactly ``names``.
 
-    ``names`` is ``(None,)`` for one ref, else the sorted names of several refs.
+    ``names`` is ``(None,)`` for one ref, else the sorted names of several refs; ``tied``
+    shows the refs (``"'w'"``, ``"{'a', 'b'}"``) for the message, built only on an error.
     """
     takes = input_names(t)
+    where = f"Tied({tied}, {short(t, 100)}):"
     named = isinstance(takes, tuple) and all(isinstance(n, str) for n in takes)
     if takes is not None and not named:
         fix = "declare inputs = ('base', 'a', 'b') on the class, or ANY_NAMES"
@@ -368,14 +370,15 @@ def check_inputs(t: Transform, names: tuple[str | None, ...], where: str) -> Non
         if takes is not None:
             shown = "any names" if takes == ANY_NAMES else ", ".join(map(repr, takes))
             names_ = ("x", "y") if takes == ANY_NAMES else takes
-            fix = f"name each input: Tied({{{', '.join(f'{n!r}: ...' for n in names_)}}}, {t!r})"
-            problem = f"{t!r} takes several inputs ({shown})"
+            named = ", ".join(f"{n!r}: ..." for n in names_)
+            fix = f"name each input: Tied({{{named}}}, {short(t, 100)})"
+            problem = f"{short(t, 100)} takes several inputs ({shown})"
             raise error("E103", where, problem, found="one ref", fix=fix)
         return
     if takes is None:
         fix = "use a transform of several inputs (st.add(), st.lora(), st.matmul()) or one ref"
         found = f"{len(names)} named refs"
-        raise error("E103", where, f"{t!r} takes one value", found=found, fix=fix)
+        raise error("E103", where, f"{short(t, 100)} takes one value", found=found, fix=fix)
     if takes == ANY_NAMES:
         return
     missing = sorted(set(takes) - set(names))
