@@ -203,7 +203,7 @@ class Copies(NamedTuple):
 
     where: str
     target: str
-    buffer: str
+    buffer: str | tuple[str, ...]  # several for a view of several positions (``lora`` of them)
     transform: Transform = identity
     load: bool = False
 
@@ -251,23 +251,24 @@ def kinds_differ(c: Copies, view: str, held: str, other: str) -> TieError:
 
 def copies_differ(c: Copies, found: Difference | tuple[Any, Any], atol: float) -> TieError:
     """The E46 error: the two copies ``c`` differ by ``found`` (or hold these two leaves)."""
-    target, buffer, t = c.target, c.buffer, c.transform
-    back = t.inverse()
+    target, t, several = c.target, c.transform, not isinstance(c.buffer, str)
+    shown = ", ".join(map(repr, c.buffer)) if several else repr(c.buffer)
+    back = None if several else t.inverse()  # a view of several positions: no way back
     if back is None:
-        keep = f"write the values you want into {buffer!r} ({t!r} has no inverse to tie "
-        keep += f"{buffer!r} to {target!r})"
+        keep = f"write the values you want into {shown} ({t!r} has no inverse to tie "
+        keep += f"{'them' if several else shown} to {target!r})"
     elif c.load:
         keep = "tie the other way round"
     else:
-        keep = f"st.tie(tree, {{{buffer!r}: {Tied(target, back)!r}}})"
+        keep = f"st.tie(tree, {{{c.buffer!r}: {Tied(target, back)!r}}})"
     if isinstance(found, Difference):
-        seen = repr(buffer) if t == identity else f"{t!r} of {buffer!r}"
+        seen = shown if t == identity else f"{t!r} of {shown}"
         problem = f"{target!r} and {seen} differ by up to {found.worst:.6g} ({found.bad} of "
         problem += f"{found.size} elements above atol={atol})"
         keep += f"; or raise atol to {found.worst:.3g} if the difference is rounding"
     else:
-        problem = f"{target!r} holds {short(found[0])}, {buffer!r} holds {short(found[1])}"
-    first = "" if c.load else f"without atol, st.tie keeps {buffer!r} and drops {target!r}; "
+        problem = f"{target!r} holds {short(found[0])}, {shown} holds {short(found[1])}"
+    first = "" if c.load else f"without atol, st.tie keeps {shown} and drops {target!r}; "
     last = "load without ties" if c.load else "leave the two untied"
     fix = f"choose which copy wins: {first}to keep {target!r} instead, {keep}; or {last}"
     return error("E46", f"{c.where}:", f"the two copies differ: {problem}", fix=fix)

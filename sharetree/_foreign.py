@@ -70,6 +70,8 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
     out: dict[str, Tied] = {}
     for target, ref in ties.items():
         t = _name(target, "target")
+        if isinstance(ref, Tied) and ref.inputs is not None:
+            raise _several_error(t, ref)
         if isinstance(ref, Tied):
             # Tied("a/b") splits at '/'; a flat state dict has the one key 'a/b'
             tied = Tied(("/".join(map(str, ref.ref)),), ref.transform, up=ref.up)
@@ -79,6 +81,18 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
             raise error("E43", f"load: the tie target {t!r} is given twice", fix="keep one entry")
         out[t] = tied
     return out
+
+
+def _several_error(target: str, t: Tied) -> TieError:
+    """E169: ``ties=`` holds a view of several positions (a file's tensors tie one to one)."""
+    where = f"load: ties= {{{target!r}: {t!r}}}"
+    problem = "is a view of several positions; ties= of a file other tools wrote are one to one"
+    expected = "a tensor name or st.Tied(name, transform)"
+    fix = (
+        f"load without it, then add the view to the flat dict: tree[{target!r}] = {t!r} "
+        "(or st.tie(tree, {...}) to replace a tensor the file holds, its shape checked)"
+    )
+    return error("E169", where, problem, expected=expected, fix=fix)
 
 
 # ----------------------------------------------------------------------------- files

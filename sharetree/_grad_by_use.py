@@ -11,9 +11,10 @@ import jax
 from sharetree._errors import error, wrong_type
 from sharetree._materialize import expand_leaves, expanded_tree, leaf_aval, leaves_and_structure
 from sharetree._paths import Path, format_aval, path_key, path_str
-from sharetree._transforms import identity
+from sharetree._resolve import Structure
+from sharetree._transforms import Transform, identity
 
-__all__ = ["grad_by_use", "ByUse"]
+__all__ = ["grad_by_use", "join_view", "ByUse"]
 
 _ONE_INT = "one non-negative int, the position of the tied tree among the arguments"
 _FIX_ARGNUMS = "pass argnums=0 (or the tree's index); put trees that share buffers in one dict"
@@ -34,7 +35,9 @@ def grad_by_use(
     calls ``fun`` with the *materialized* tree and gives ``{buffer: {use:
     contribution}}`` (and ``aux`` with ``has_aux``) for :func:`sharetree.grad_report`.
     The uses of a buffer are its own position and each view, pulled back through
-    the view's transform by its VJP; they sum to the buffer's ``jax.grad``.
+    the view's transform by its VJP; they sum to the buffer's ``jax.grad``. A view
+    computed from several buffers (``Tied({name: ref}, st.lora())``, or a view of
+    one) is a use of each of them: the VJP of its whole path gives each its part.
 
     Raises:
         TieError: bad ``argnums``, too few positional arguments, a leaf with
@@ -80,8 +83,16 @@ def grad_by_use(
         out = jax.grad(on_materialized, has_aux=has_aux)(expanded)
         grads, aux = out if has_aux else (out, None)
         by_use: ByUse = {path_key(p): {} for p in structure.buffer_paths}
+        n = len(structure.buffer_paths)
         for leaf, g in zip(structure.expanded, grads, strict=True):
             t = leaf.transform
+            if leaf.buffer >= n:  # computed from a join: a contribution to each buffer it reads
+                parents = structure.parents[leaf.buffer]
+                use = functools.partial(join_view, structure, leaf.buffer, t or identity)
+                _, vjp = jax.vjp(use, {b: leaves[b] for b in parents})
+                for b, gb in vjp(g)[0].items():
+                    by_use[path_key(structure.buffer_paths[b])][path_key(leaf.path)] = gb
+                continue
             if t is not None and t != identity:
                 _, vjp = jax.vjp(t, leaves[leaf.buffer])
                 (g,) = vjp(g)
@@ -89,3 +100,25 @@ def grad_by_use(
         return (by_use, aux) if has_aux else by_use
 
     return by_use_fun
+
+
+def join_view(structure: Structure, source: int, t: Transform, buffers: dict[int, Any]) -> Any:
+    """``t`` of the join ``source``, computed from the ``buffers`` it reads (by index).
+
+    Only the joins ``source`` reads are computed (``buffers`` needs only its
+    ``structure.parents``); pure JAX, for ``jax.vjp`` by use and for comparing copies.
+    """
+    n = len(structure.buffer_paths)
+    needed: set[int] = set()
+    stack = [source]
+    while stack:  # the joins ``source`` reads, through other joins
+        i = stack.pop()
+        if i >= n and i not in needed:
+            needed.add(i)
+            stack += [x.source for _, x in structure.joins[i - n].inputs]
+    values: dict[int, Any] = dict(buffers)
+    for i in sorted(needed):  # joins are in dependency order: inputs first
+        join = structure.joins[i - n]
+        inputs = {name: x.transform(values[x.source]) for name, x in join.inputs}
+        values[i] = join.transform(inputs)  # type: ignore[arg-type]  # several: a dict
+    return t(values[source])

@@ -21,7 +21,7 @@ from sharetree._paths import (
     plural,
     prefixes,
 )
-from sharetree._resolve import structure_of
+from sharetree._resolve import Structure, structure_of
 from sharetree._tied import is_tied
 
 __all__ = ["label_by_path", "mask_by_path", "apply_rules", "exact_pattern", "rule_pairs"]
@@ -73,7 +73,7 @@ def _unused_error(
     views = [f"{path_str(p)!r} ({t!r})" for p, t in ties if _matches(pattern, p)]
     views += [
         f"{path_str(v.path)!r} (in {structure.ties[v.tie]!r} at {path_str(v.tie)!r}, a view of "
-        f"{path_str(structure.buffer_paths[v.buffer])!r})"
+        f"{_buffers_text(structure, v.buffer)})"
         for v in inside
         if not _matches(pattern, v.tie)
     ][:3]
@@ -81,6 +81,11 @@ def _unused_error(
     why = f"it names only tied position(s) {', '.join(views)}" if views else closest(pattern, nodes)
     fix = "write the pattern for the buffer's path, or pass strict=False"
     return error("E38", f"{fn}: pattern {pattern!r}", f"matches no leaf; {why}", fix=fix)
+
+
+def _buffers_text(structure: Structure, source: int) -> str:
+    """The buffer(s) a source reads, for a message: ``'w'``, or ``'a', 'b'`` for a join."""
+    return ", ".join(repr(path_str(structure.buffer_paths[b])) for b in structure.parents[source])
 
 
 def apply_rules(
@@ -130,28 +135,47 @@ def _warn_on_views(
     found: dict[str, tuple[Path, list[str]]] = {}  # by pattern: the first buffer it misses, views
     for view in structure.views:
         pattern, theirs = next(((p, v) for p, v in pairs if _matches(p, view.path)), (None, 0))
-        buffer = structure.buffer_paths[view.buffer]
-        if pattern is None or _matches(pattern, buffer) or buffer not in given:
+        if pattern is None:
             continue
-        ours = given[buffer].spec if what == "sharding" else given[buffer]  # a NamedSharding's
-        try:
-            if ours is theirs or (type(ours) is type(theirs) and bool(ours == theirs)):
-                continue
-        except Exception:  # labels that do not compare (arrays): only the same object is the same
-            pass
+        # a view of several positions (or a view of one) reads several buffers: each counts
+        parents = [structure.buffer_paths[b] for b in structure.parents[view.buffer]]
+        got = {b: given[b] for b in parents if not _matches(pattern, b) and b in given}
+        if what == "sharding":
+            got = {b: sharding.spec for b, sharding in got.items()}  # a NamedSharding's
+        differ = [(b, ours) for b, ours in got.items() if not _same(ours, theirs)]
+        if not differ:
+            continue
         tie = structure.ties[view.tie]
-        found.setdefault(pattern, (buffer, []))[1].append(
+        if len(parents) == 1:
+            gets = f"its buffer {path_str(differ[0][0])!r} gets {differ[0][1]!r}"
+        else:  # the parents that differ, grouped by what they get
+            by_value: dict[str, list[str]] = {}
+            for b, ours in differ:
+                by_value.setdefault(repr(ours), []).append(repr(path_str(b)))
+            gets = "of its parent buffers, " + ", ".join(
+                f"{', '.join(bs)} {'gets' if len(bs) == 1 else 'get'} {value}"
+                for value, bs in by_value.items()
+            )
+        found.setdefault(pattern, (differ[0][0], []))[1].append(
             f"{path_str(view.path)!r} ({tie!r} at {path_str(view.tie)!r}) would get "
-            f"{theirs!r}, but its buffer {path_str(buffer)!r} gets {ours!r}"
+            f"{theirs!r}, but {gets}"
         )
     for pattern, (buffer, views) in found.items():
         shown = "; ".join(views[:3]) + (f"; and {len(views) - 3} more" if len(views) > 3 else "")
-        where, n = f"{where}: pattern {pattern!r}", plural(len(views), "view")
-        shared = f"a view shares its buffer's {what}"
+        at, n = f"{where}: pattern {pattern!r}", plural(len(views), "view")
+        shared = f"a view has no {what} of its own"
         problem = f"matches {n} whose buffer it does not ({shared}): {shown}"
         fix = f"write the rule for the buffer's path ({path_str(buffer)!r}), or narrow the pattern"
         # stacklevel: the caller of label_by_path, mask_by_path or shardings_by_path
-        warnings.warn(str(error("E161", where, problem, fix=fix)), UserWarning, stacklevel=4)
+        warnings.warn(str(error("E161", at, problem, fix=fix)), UserWarning, stacklevel=4)
+
+
+def _same(ours: Any, theirs: Any) -> bool:
+    """Whether a buffer's label (or spec) ``ours`` is the rule's ``theirs``."""
+    try:
+        return ours is theirs or (type(ours) is type(theirs) and bool(ours == theirs))
+    except Exception:  # labels that do not compare (arrays): only the same object is the same
+        return ours is theirs
 
 
 def label_by_path(

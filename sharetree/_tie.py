@@ -22,6 +22,7 @@ from sharetree._compare import (
     kinds_differ,
 )
 from sharetree._errors import check_bool, check_mapping, error, short
+from sharetree._grad_by_use import join_view
 from sharetree._materialize import (
     abstract_expanded,
     expanded_by_path,
@@ -41,9 +42,17 @@ from sharetree._paths import (
     prefixes,
     to_path,
 )
-from sharetree._resolve import nodes_at, ref_to, skeleton, structure_of, treedef_nodes
+from sharetree._resolve import (
+    Leaf,
+    Structure,
+    nodes_at,
+    ref_to,
+    skeleton,
+    structure_of,
+    treedef_nodes,
+)
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import identity
+from sharetree._transforms import chain, identity
 
 __all__ = ["tie", "tie_entries", "bit_equal", "check_atol"]  # the last two: from _compare
 
@@ -124,11 +133,20 @@ def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
     (``"../w"``, exact already) is kept.
     """
     nodes = node_paths(p for p, _ in leaves_with_paths(tree, is_leaf=is_tied))
+
+    def written(target: Path, ref: Ref) -> Ref:
+        from_root = ref.up is None and ref.keys in nodes and target[: len(ref.keys)] != ref.keys
+        return ref_to(ref.keys, target, nodes) if from_root else ref
+
     out = {}
-    for target, t in new.items():
-        from_root = t.up is None and t.ref in nodes and target[: len(t.ref)] != t.ref
-        ref = ref_to(t.ref, target, nodes) if from_root else Ref(t.ref, t.up)
-        out[target] = t if ref == (t.ref, t.up) else Tied(ref.keys, t.transform, up=ref.up)
+    for target, t in new.items():  # a view of several positions: each of its refs
+        refs = {name: written(target, ref) for name, ref in t.refs}
+        if refs == dict(t.refs):
+            out[target] = t
+        elif t.inputs is None:
+            out[target] = Tied(refs[None].keys, t.transform, up=refs[None].up)
+        else:
+            out[target] = Tied(refs, t.transform)  # type: ignore[arg-type]
     return out
 
 
@@ -218,12 +236,25 @@ def _old_values(old_tree: Any, new: dict[Path, Tied]) -> dict[Path, Any]:
 def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: float) -> None:
     old = _old_values(old_tree, new)
     leaves, structure = leaves_and_structure(new_tree)
+    n = len(structure.buffer_paths)
     for leaf in structure.expanded:
         target = _under(leaf.path, new)
         if target is None:
             continue
-        where, buffer = path_str(leaf.path), path_str(structure.buffer_paths[leaf.buffer])
-        x, before, t = leaves[leaf.buffer], old.get(leaf.path), leaf.transform or identity
+        where, before = path_str(leaf.path), old.get(leaf.path)
+        if leaf.buffer >= n:  # computed from several buffers: compare the whole view's value
+            c = _join_copies(structure, leaf, f"tie {where!r} <- {new[target]!r}")
+            bufs = {b: leaves[b] for b in structure.parents[leaf.buffer]}
+            for b, x in bufs.items():  # no values: say so before computing
+                if isinstance(x, jax.ShapeDtypeStruct):
+                    buffer = path_str(structure.buffer_paths[b])
+                    concrete(x, f"{c.where}: the buffer {buffer!r}", LEAVE_ATOL_OUT)
+            with jax.enable_x64(True):  # keep float64 checkpoints in float64 while comparing
+                x = join_view(structure, leaf.buffer, leaf.transform or identity, bufs)
+            check_copies(c, before, x, atol)
+            continue
+        buffer = path_str(structure.buffer_paths[leaf.buffer])
+        x, t = leaves[leaf.buffer], leaf.transform or identity
         c = Copies(f"tie {where!r} <- {new[target]!r}", where, buffer, t)
         if arraylike(x) and arraylike(before):
             if isinstance(x, jax.ShapeDtypeStruct):  # no values: say so before computing
@@ -234,3 +265,11 @@ def _check_values(old_tree: Any, new_tree: Any, new: dict[Path, Tied], atol: flo
                 except Exception as e:
                     raise transform_error(structure, leaf, aval_of(x), e) from e
         check_copies(c, before, x, atol)
+
+
+def _join_copies(structure: Structure, leaf: Leaf, where: str) -> Copies:
+    """The two copies of a view computed from several buffers: their paths and the transform."""
+    join = structure.joins[leaf.buffer - len(structure.buffer_paths)]
+    buffers = tuple(path_str(structure.buffer_paths[b]) for b in structure.parents[leaf.buffer])
+    t = chain(join.transform, leaf.transform or identity)
+    return Copies(where, path_str(leaf.path), buffers, t)

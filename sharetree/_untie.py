@@ -11,8 +11,8 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import error
-from sharetree._materialize import BOX_RENAMERS, expand_leaves, leaves_and_structure, materialize
+from sharetree._errors import TieError, error
+from sharetree._materialize import BOX_RENAMERS, leaf_view, leaves_and_structure, materialize
 from sharetree._paths import (
     Path,
     PathLike,
@@ -25,9 +25,9 @@ from sharetree._paths import (
     prefixes,
     to_path,
 )
-from sharetree._resolve import Structure
+from sharetree._resolve import Structure, ViewLeaf
 from sharetree._tied import is_tied
-from sharetree._transforms import Transform
+from sharetree._transforms import Transform, identity
 
 __all__ = ["untie", "untie_state"]
 
@@ -36,6 +36,10 @@ _MOVES = "a transform that moves elements (state_view(): transpose, reshape, sli
 _FIX_STATE_VIEW = (
     "untie the tree with st.untie and initialize a fresh optimizer state, untie only views "
     "that move elements, or define state_view() on a transform of your own that only moves them"
+)
+_FIX_SEVERAL = (
+    "untie the tree with st.untie and initialize a fresh optimizer state, or untie only views "
+    "of one buffer that move elements"
 )
 _FIX_FRESH = "initialize a fresh optimizer state for the untied tree"
 _FIX_STATE = (
@@ -133,6 +137,44 @@ def _move_state(t: Transform, state: Any) -> Any:
     return state if move is None else move(state)
 
 
+def _moved_state(structure: Structure, state: list[Any]) -> list[Any]:
+    """Each materialized leaf's state: its buffer's, moved through its view's ``state_view``.
+
+    A view computed from several buffers (a join) has no state to move: its leaf is ``0``,
+    never used (``untie_state`` refuses to untie it, E25, and keeps the ``Tied`` otherwise).
+    """
+    n = len(structure.buffer_paths)
+    out = []
+    for k, leaf in enumerate(structure.expanded):
+        if leaf.buffer >= n:
+            out.append(0)
+        elif leaf.transform is None or leaf.transform is identity:
+            out.append(state[leaf.buffer])
+        else:
+            out.append(leaf_view(structure, k, leaf.transform, state[leaf.buffer], _move_state))
+    return out
+
+
+def _no_state_view(structure: Structure, leaf: ViewLeaf) -> TieError:
+    """E25: the moments of an untied view cannot be derived from its buffer's."""
+    where = f"untie_state: the view {path_str(leaf.path)!r}"
+    n = len(structure.buffer_paths)
+    if leaf.buffer < n:
+        problem = f"is {leaf.transform!r} of {path_str(structure.buffer_paths[leaf.buffer])!r}"
+        return error("E25", where, problem, expected=_MOVES, fix=_FIX_STATE_VIEW)
+    join = structure.joins[leaf.buffer - n]
+    parents = [repr(path_str(structure.buffer_paths[b])) for b in structure.parents[leaf.buffer]]
+    several = f"{join.transform!r} of several positions ({', '.join(parents)})"
+    if join.path == leaf.path:
+        problem = f"is {several}"
+    else:
+        through = "" if leaf.transform is identity else f" through {leaf.transform!r}"
+        problem = f"reads the view {path_str(join.path)!r}{through}, {several}"
+    problem += ": its moments cannot be derived from theirs (the view is not elementwise)"
+    want = "a view of one buffer through a transform that moves elements"
+    return error("E25", where, problem, expected=want, fix=_FIX_SEVERAL)
+
+
 def _top(x: Any) -> Any:
     """``x``'s structure one level deep if its children are named (a plain tuple: ``None``)."""
     children, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
@@ -169,8 +211,9 @@ def untie_state(
     Each part of the state shaped like ``tree`` (Adam's ``mu`` and ``nu``) is
     untied like it: a new buffer starts from its buffer's moments moved by the
     transform's :meth:`~sharetree.Transform.state_view` (transposed for ``T``;
-    a TieError where there is none, as for ``scale``). Other parts (``count``)
-    are kept. Pass the tree *before* untying.
+    a TieError where there is none, as for ``scale``, and for a view of several
+    positions or of one, whose moments no elementwise rule derives from its
+    buffers'). Other parts (``count``) are kept. Pass the tree *before* untying.
 
     Example:
         >>> import jax.numpy as jnp, optax, sharetree as st
@@ -184,11 +227,10 @@ def untie_state(
     at = _selected(structure, paths)
     if not at:
         return opt_state
+    n = len(structure.buffer_paths)
     for leaf in structure.views:
-        if leaf.tie in at and leaf.transform.state_view() is None:
-            where = f"untie_state: the view {path_str(leaf.path)!r}"
-            problem = f"is {leaf.transform!r} of {path_str(structure.buffer_paths[leaf.buffer])!r}"
-            raise error("E25", where, problem, expected=_MOVES, fix=_FIX_STATE_VIEW)
+        if leaf.tie in at and (leaf.buffer >= n or leaf.transform.state_view() is None):
+            raise _no_state_view(structure, leaf)
     treedef, top = structure.treedef, _top(tree)
 
     def params_like(x: Any) -> bool:
@@ -209,7 +251,7 @@ def untie_state(
                 want = f"the buffer's shape {np.shape(b)} (an elementwise state, e.g. Adam's mu)"
                 part = f"untie_state: the part {where!r} of the optimizer state"
                 raise error("E26", part, expected=want, found=found, fix=_FIX_FRESH)
-        moved = expand_leaves(structure, jtu.tree_leaves(x), _move_state)
+        moved = _moved_state(structure, jtu.tree_leaves(x))
         moved_tree = jtu.tree_unflatten(structure.expanded_treedef, moved)
         return _untie_positions(x, at, "untie_state", moved_tree)
 

@@ -831,6 +831,16 @@ def test_168_subtree_inputs_of_different_structures():
         st.materialize(tree)
 
 
+def test_169_load_ties_of_a_view_of_several_positions(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = str(tmp_path / "m.safetensors")
+    save_file({"w": np.ones((2, 3), np.float32), "d": np.ones((2, 3), np.float32)}, path)
+    view = st.Tied({"x": "w", "y": "d"}, st.add())
+    with raises("E169", "'v'", "several positions", "tree['v'] ="):
+        st.load(path, ties={"v": view})
+
+
 def test_173_add_lora_pattern_that_matches_nothing():
     with raises("E173", "'wx'", "'w'"):
         st.add_lora({"w": W}, "wx", rank=1, key=jax.random.key(0))
@@ -844,3 +854,22 @@ def test_174_add_lora_on_what_is_no_matrix():
 def test_175_merge_lora_of_what_add_lora_did_not_return():
     with raises("E175", "'lora'", "'params'", "['w']"):
         st.merge_lora({"w": W})
+
+
+def test_190_flax_view_of_several_boxes_of_other_names():
+    nn = pytest.importorskip("flax.linen")
+    from sharetree.flax import tied
+
+    class Boxes(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for name, names in (("t", ("r", "c")), ("w", ("r", "c")), ("d", ("c", "r"))):
+                self.param(name, nn.with_partitioning(nn.initializers.ones, names), (2, 2))
+            self.param("raw", nn.initializers.ones, (2, 2))
+            return x
+
+    fix = "{'t/value': st.Tied({'x': 'w/value', 'y': 'd/value'}, add)}"
+    with raises("E190", "'t'", "'y' ('d')", "('c', 'r')", fix):
+        tied(Boxes(), {"t": st.Tied({"x": "w", "y": "d"}, st.add())}).init(jax.random.key(0), 0)
+    with raises("E190", "'t'", "boxes and arrays", "'y' ('raw') is an array float32[2, 2]"):
+        tied(Boxes(), {"t": st.Tied({"x": "w", "y": "raw"}, st.add())}).init(jax.random.key(0), 0)
