@@ -17,11 +17,12 @@ from sharetree._foreign import metadata_ties
 from sharetree._format import KEY_LIBRARY, KEY_VERSION
 from sharetree._load import read_contents
 from sharetree._materialize import leaves_and_structure
+from sharetree._paths import key_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import PathOrStr, Reader, file_path
 from sharetree._save import save
-from sharetree._tables import check_max_rows, format_bytes, more_line, printable
-from sharetree._transforms import is_described
+from sharetree._tables import check_max_rows, format_bytes, more_line, printable, text_table
+from sharetree._transforms import identity, is_described
 
 EXIT_PIPE = 128 + 13  # 128 + SIGPIPE
 
@@ -186,7 +187,7 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         f"(written by sharetree {printable(meta.get(KEY_LIBRARY, '?'))})"
     )
     notes = []
-    named = sum(is_described(v.transform) for v in graph.structure.views)
+    named = sum(is_described(v.transform) for v in graph.views.values())
     if named:
         notes.append(
             f"note: {named:,} view(s) use st.fn functions the file names or transforms not "
@@ -195,7 +196,28 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         )
     if contents.keys:
         notes.append(f"note: {len(contents.keys):,} buffer(s) hold PRNG key data (uint32)")
-    return "\n".join([head, text, *notes])
+    return "\n".join([head, text, *_inputs_table(graph, max_rows), *notes])
+
+
+def _inputs_table(graph: SharingGraph, max_rows: int) -> list[str]:
+    """The lines naming each input of the views of several positions (none: no lines)."""
+    several = [v for v in graph.views.values() if v.inputs]
+    rows = [
+        (
+            key_str(v.path),
+            repr(v.transform),
+            ", ".join(
+                f"{name} <- {key_str(x.source)}"
+                + ("" if x.transform == identity else f" >> {x.transform!r}")
+                for name, x in v.inputs.items()
+            ),
+        )
+        for v in several[:max_rows]
+    ]
+    if not rows:
+        return []
+    more = more_line(len(several), max_rows, "views of several positions")
+    return ["inputs:", *text_table(("view", "transform", "inputs"), rows, more)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ __all__ = [
 ]
 
 LIBRARY_VERSION = "0.1.0.dev0"  # sharetree.__version__, written into every file
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The newest file format version: ``load`` reads versions up to it."""
 
 PREFIX = "sharetree."  # of sharetree's own metadata keys (refused in save(metadata=))

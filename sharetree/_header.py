@@ -34,7 +34,7 @@ from sharetree._format import (
     KEY_VERSION,
     MAX_DEPTH,
 )
-from sharetree._paths import Path, format_aval, path_str
+from sharetree._paths import Path, Ref, format_aval, path_str
 from sharetree._safetensors import (
     NATIVE_CODES,
     BufferLeaf,
@@ -45,9 +45,9 @@ from sharetree._safetensors import (
     unique_pairs,
 )
 from sharetree._tied import Tied
-from sharetree._transforms import Transform
+from sharetree._transforms import ANY_NAMES, Transform, describe_several, input_names
 
-__all__ = ["BAD", "FIELDS", "Field", "Header", "Unsaved", "read_header"]
+__all__ = ["BAD", "FIELDS", "REF_FIELDS", "Field", "Header", "Unsaved", "read_header"]
 
 RESAVE = FIXES["resave"] + " (its tensors alone: safetensors.numpy.load_file(path))"
 
@@ -104,6 +104,14 @@ _TYPE = Field("type", (str,), "a type name (printable, at most 500 characters)",
 _KEYS = Field("keys", (list,), "a list of str or int keys",
               _accept(lambda v: all(type(k) in (str, int) for k in v)))  # fmt: skip
 _CHILDREN = Field("children", (list,), "a list of nodes")
+_KEYS_OF_REF = _accept(lambda v: v and all(type(k) in (str, int) for k in v))
+_CLIMB = _accept(lambda v: type(v) is int and 0 <= v <= MAX_DEPTH)
+
+REF_FIELDS: tuple[Field, ...] = (
+    Field("ref", (list,), "a non-empty list of str or int keys", _KEYS_OF_REF),
+    Field("up", (int,), f"an int from 0 to {MAX_DEPTH}", _CLIMB, required=False),
+)
+"""The fields of each input of a tie's ``refs`` (a view of several positions, version 4)."""
 
 FIELDS: dict[str, tuple[Field, ...]] = {
     "none": (),
@@ -117,11 +125,13 @@ FIELDS: dict[str, tuple[Field, ...]] = {
         Field("type", (str,), ", ".join(_VALUES), _accept(lambda v: v in _VALUES)),
         Field("value", (bool, int, float, str, list, dict, type(None)), "a value"),  # see value()
     ),
-    "tied": (
-        Field("ref", (list,), "a non-empty list of str or int keys",
-              _accept(lambda v: v and all(type(k) in (str, int) for k in v))),
+    "tied": (  # one of ref (with its up) and refs: checked by _Walk.tied
+        Field("ref", (list,), "a non-empty list of str or int keys", _KEYS_OF_REF,
+              required=False),
         Field("up", (int,), f"an int from 0 to {MAX_DEPTH}, in a file of version 3",
-              _accept(lambda v: type(v) is int and 0 <= v <= MAX_DEPTH), required=False),
+              _CLIMB, required=False),
+        Field("refs", (dict,), 'a non-empty object {input name: {"ref": [...]}}, version 4',
+              _accept(bool), required=False),
         Field("transform", (dict,), "a transform spec (a JSON object)"),
     ),
     "buffer": (
@@ -138,8 +148,17 @@ FIELDS: dict[str, tuple[Field, ...]] = {
 
 _KIND = Field("t", (str,), "a node kind")
 _UPGRADE = "upgrade sharetree (pip install -U sharetree)"
-_READS = f"format versions up to {FORMAT_VERSION}"
-_DEFAULTS = {"scalar": False, "key": None, "up": None}
+_INPUTS_FIX = (
+    "load it with the transform classes that wrote it (their inputs), or save the tree again "
+    "with st.save"
+)
+_DEFAULTS = {"scalar": False, "key": None, "up": None, "ref": None, "refs": None}
+
+
+def _taken(takes: tuple[str, ...]) -> str:
+    """The inputs a transform takes, for a message."""
+    shown = ", ".join(map(repr, takes))
+    return "inputs of any names" if takes == ANY_NAMES else f"the inputs {shown}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +195,8 @@ def read_header(
     number = int(text) if text.isascii() and text.isdigit() and len(text) < 10 else 0
     if number > FORMAT_VERSION:
         problem = f"has format version {text} (by sharetree {by})"
-        raise error("E126", where, problem, expected=_READS, fix=_UPGRADE)
+        reads = f"format versions up to {FORMAT_VERSION}"
+        raise error("E126", where, problem, expected=reads, fix=_UPGRADE)
     if number < 1 or KEY_TREE not in meta:
         problem = f"has {KEY_VERSION} {short(text, 60)}" if number < 1 else f"has no {KEY_TREE!r}"
         want = "an integer from 1" if number < 1 else None
@@ -224,15 +244,15 @@ class _Walk:
         found = found or f"{type(v).__name__} {short(v, 60)}"
         return error("E29", self.at(path, field), expected=want, found=found, fix=RESAVE)
 
-    def field(self, node: dict[str, Any], path: Path, f: Field) -> Any:
-        """The value of the field ``f`` of ``node``, normalised."""
+    def field(self, node: dict[str, Any], path: Path, f: Field, within: str = "") -> Any:
+        """The value of the field ``f`` of ``node`` (``within`` a field: an input), normalised."""
         if f.name not in node and not f.required:
             return _DEFAULTS[f.name]
         v = node.get(f.name, BAD)
         value = BAD if type(v) not in f.json else v if f.norm is None else f.norm(v)
         if value is BAD:
             found = "nothing (the field is missing)" if v is BAD else ""
-            raise self.bad(path, f"field {f.name!r}", f.want, v, found)
+            raise self.bad(path, f"{within}{within and ', '}field {f.name!r}", f.want, v, found)
         return value
 
     def node(self, node: Any, path: Path) -> Any:
@@ -280,14 +300,84 @@ class _Walk:
         return float(value) if kind == "float" else value
 
     def tied(self, v: dict[str, Any], path: Path) -> Tied:
-        try:
-            if v["up"] is not None and self.version < 3:
-                found = f"'up' in a file of version {self.version}"
-                raise self.bad(path, "field 'up'", "no 'up' before format version 3", found=found)
-            return Tied(tuple(v["ref"]), self.resolve(v["transform"]), up=v["up"])
-        except TieError as e:  # a spec its class refuses, an fn not given: the file says where
+        refs = self.refs(v, path)
+        try:  # a spec its class refuses, an fn not given: the file says where
+            transform = self.resolve(v["transform"])
+            if refs is not None:  # describing: an unregistered class takes the names given
+                transform = describe_several(transform)
+        except TieError as e:
             add_context(e, self.at(path, "field 'transform'"))
             raise
+        self.inputs(transform, None if refs is None else tuple(sorted(refs)), path)
+        try:
+            if refs is None:
+                return Tied(tuple(v["ref"]), transform, up=v["up"])
+            return Tied(refs, transform)
+        except TieError as e:  # what Tied checks besides (E103 for a class's malformed inputs)
+            add_context(e, self.at(path, "field 'transform'"))
+            raise
+
+    def refs(self, v: dict[str, Any], path: Path) -> dict[str, Ref] | None:
+        """The named refs of a tie's ``refs`` field, each checked; ``None`` for one ``ref``."""
+        refs, ref, up = v["refs"], v["ref"], v["up"]
+        if refs is None:
+            if ref is None:
+                want = "a non-empty list of str or int keys (or 'refs', in version 4)"
+                raise self.bad(path, "field 'ref'", want, found="nothing (the field is missing)")
+            if up is not None and self.version < 3:
+                found = f"'up' in a file of version {self.version}"
+                raise self.bad(path, "field 'up'", "no 'up' before format version 3", found=found)
+            return None
+        if self.version < 4:
+            found = f"'refs' in a file of version {self.version}"
+            raise self.bad(path, "field 'refs'", "no 'refs' before format version 4", found=found)
+        if ref is not None or up is not None:
+            which = "ref" if ref is not None else "up"
+            want, found = "'refs' alone (each input has its own 'ref' and 'up')", f"'{which}' too"
+            raise self.bad(path, f"field {which!r}", want, found=found)
+        out = {}
+        for name, entry in refs.items():
+            within = f"field 'refs', input {short(name, 60)}"
+            if not name.isidentifier():
+                want = "an input name that is an identifier ('base', 'a')"
+                raise self.bad(path, within, want, found=f"the name {short(name, 60)}")
+            if type(entry) is not dict:
+                raise self.bad(path, within, 'a JSON object {"ref": [keys], "up": n}', entry)
+            keys, climb = (self.field(entry, path, f, within) for f in REF_FIELDS)
+            out[name] = Ref(tuple(keys), climb)
+        return out
+
+    def inputs(self, t: Transform, names: tuple[str, ...] | None, path: Path) -> None:
+        """E131 unless ``t`` takes the inputs the tie names (``None``: one ref)."""
+        takes = input_names(t)
+        if takes is not None and not (
+            isinstance(takes, tuple) and all(isinstance(n, str) for n in takes)
+        ):
+            return  # a class's malformed inputs: Tied says so (E103)
+        if names is None or takes is None:
+            if names is None and takes is None:
+                return
+            problem = (
+                f"has one ref, but its transform {short(t, 100)} takes several inputs"
+                if names is None
+                else f"names the inputs {', '.join(map(repr, names))}, but its transform "
+                f"{short(t, 100)} takes one value"
+            )
+            expected = "one ref" if takes is None else _taken(takes)
+            raise error("E131", self.at(path), problem, expected=expected, fix=_INPUTS_FIX)
+        if takes == ANY_NAMES:
+            return
+        missing, extra = sorted(set(takes) - set(names)), sorted(set(names) - set(takes))
+        if missing or extra:
+            name = (missing or extra)[0]
+            problem = f"its transform {short(t, 100)} " + (
+                "takes this input, which the tie does not name"
+                if missing
+                else "does not take this input"
+            )
+            found = f"the inputs {', '.join(map(repr, names))}"
+            at = self.at(path, f"input {short(name, 60)}")
+            raise error("E131", at, problem, expected=_taken(takes), found=found, fix=_INPUTS_FIX)
 
     def buffer(self, v: dict[str, Any], path: Path) -> Any:
         name, dtype, shape, raw, impl = v["tensor"], v["dtype"], v["shape"], v["raw"], v["key"]

@@ -206,7 +206,7 @@ class _Writer:
     def __init__(self, gather: bool) -> None:
         self.tensors: dict[str, np.ndarray] = {}
         self.gather = gather
-        self.version = 1  # the oldest format that holds the tree: 2 for keys, 3 for climbs
+        self.version = 1  # the oldest format that holds the tree: 2 keys, 3 climbs, 4 named refs
 
     def name_for(self, path: Path) -> str:
         # lone surrogates: a file holds UTF-8 names only
@@ -222,10 +222,7 @@ class _Writer:
             at = f"save: the tree at {path_str(path[:8])!r}/..."
             raise error("E30", at, f"is nested deeper than {MAX_DEPTH} levels", fix="flatten it")
         if isinstance(x, Tied):
-            if x.up is None:
-                return {"t": "tied", "ref": list(x.ref), "transform": _spec(x, path)}
-            self.version = 3  # a reader of an older version would read the keys as scoped
-            return {"t": "tied", "ref": list(x.ref), "up": x.up, "transform": _spec(x, path)}
+            return self.tied(x, path)
         if x is None:
             return {"t": "none"}
         kind, t = type(x), _KIND_OF.get(type(x))
@@ -267,6 +264,22 @@ class _Writer:
             return {"t": "static", "type": f"{kind.__module__}.{kind.__qualname__}"}
         children = [self.node(c, (*path, str(k))) for k, c in zip(keys, values)]
         return {**node, "children": children}
+
+    def tied(self, x: Tied, path: Path) -> dict[str, Any]:
+        """The node of a tie: ``ref`` (and ``up``) for one ref, ``refs`` by name for several."""
+        spec = _spec(x, path)
+        if x.inputs is None:
+            ref = x.refs[0][1]
+            if ref.up is None:
+                return {"t": "tied", "ref": list(ref.keys), "transform": spec}
+            self.version = max(self.version, 3)  # an older reader would read the keys as scoped
+            return {"t": "tied", "ref": list(ref.keys), "up": ref.up, "transform": spec}
+        self.version = 4  # an older reader would miss the refs (a file without them stays older)
+        refs = {
+            name: {"ref": list(r.keys)} if r.up is None else {"ref": list(r.keys), "up": r.up}
+            for name, r in x.refs
+        }
+        return {"t": "tied", "refs": refs, "transform": spec}
 
     def array(self, x: Any, path: Path) -> dict[str, Any]:
         at = _at("the buffer", path)

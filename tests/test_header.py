@@ -19,6 +19,7 @@ from _raises import message, raises
 
 import sharetree as st
 from sharetree.__main__ import describe
+from sharetree._format import FORMAT_VERSION
 from sharetree._header import FIELDS
 
 # ------------------------------------------------------------------- the table
@@ -41,11 +42,12 @@ def test_the_table_of_fields_is_the_documented_format() -> None:
 
 def test_newer_format_version(tmp_path) -> None:
     def bump(tensors, meta, structure):
-        meta["sharetree.format_version"] = "4"
+        meta["sharetree.format_version"] = str(FORMAT_VERSION + 1)
         meta["sharetree.library_version"] = "9.0"
 
     bad = tampered(tmp_path, TIED, bump)
-    with raises("E126", "bad.safetensors", "version 4", "'9.0'", "up to 3", "pip install -U"):
+    newer, reads = f"version {FORMAT_VERSION + 1}", f"up to {FORMAT_VERSION}"
+    with raises("E126", "bad.safetensors", newer, "'9.0'", reads, "pip install -U"):
         st.load(bad)
 
 

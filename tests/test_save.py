@@ -48,7 +48,7 @@ def test_metadata_keys_and_version(tmp_path) -> None:
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     _, meta = read_raw(path)
-    assert meta["sharetree.format_version"] == "1" and FORMAT_VERSION == 3
+    assert meta["sharetree.format_version"] == "1" and FORMAT_VERSION == 4
     assert meta["sharetree.library_version"] == st.__version__
     tree = json.loads(meta["sharetree.tree"])
     assert tree["t"] == "dict"

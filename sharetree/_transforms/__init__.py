@@ -35,6 +35,7 @@ from sharetree._transforms.protocol import (
     view_axis_names,
 )
 from sharetree._transforms.spec import (
+    describe_several,
     describe_spec,
     describe_transform,
     is_described,
@@ -62,6 +63,7 @@ __all__ = [
     "chain",
     "check_inputs",
     "check_transform",
+    "describe_several",
     "describe_spec",
     "describe_transform",
     "fn",

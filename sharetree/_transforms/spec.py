@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from jax.typing import ArrayLike
@@ -19,10 +19,12 @@ from jax.typing import ArrayLike
 from sharetree._errors import FIXES, TieError, add_context, check_mapping, error, one_line, short
 from sharetree._transforms.builtins import fn
 from sharetree._transforms.protocol import (
+    ANY_NAMES,
     REGISTRY,
     SPEC_FIX,
     ArrayFn,
     Transform,
+    chain,
     field_doc,
     fields_of,
     is_real,
@@ -31,6 +33,7 @@ from sharetree._transforms.protocol import (
 
 __all__ = [
     "MAX_NESTING",
+    "describe_several",
     "describe_spec",
     "describe_transform",
     "is_described",
@@ -154,6 +157,33 @@ class _Described(Transform):
 
     def __repr__(self) -> str:
         return self.text
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _DescribedSeveral(_Described):
+    """Stands for an unregistered transform of several inputs (a file's view of several refs)."""
+
+    inputs: ClassVar = ANY_NAMES  # the file's names: what the class takes is not known here
+
+
+def describe_several(t: Transform) -> Transform:
+    """``t`` taking inputs of any names where it starts with a stand-in; others as they are.
+
+    A file's view of several positions whose transform is not registered in this process
+    is described by a stand-in that cannot know the names its class takes: it takes the
+    names the file gives (only describing, never computing, reads it).
+
+    Example:
+        >>> import sharetree as st
+        >>> from sharetree._transforms import describe_several, describe_transform
+        >>> t = describe_several(describe_transform({"name": "mylib_mix", "w": 2}))
+        >>> t, st.Tied({"x": "a", "y": "b"}, t).inputs
+        ({"name":"mylib_mix","w":2}, ('x', 'y'))
+    """
+    first, *rest = parts_of(t)
+    if type(first) is not _Described:
+        return t
+    return chain(_DescribedSeveral(first.text), *rest)
 
 
 def is_described(t: Transform) -> bool:
