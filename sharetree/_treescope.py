@@ -11,7 +11,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from sharetree._materialize import expand_leaves, leaves_and_structure
-from sharetree._paths import path_str, plural
+from sharetree._paths import key_str, path_str, plural, ref_str
 from sharetree._report import SharingGraph
 from sharetree._tables import first_of, headline, printable, saved_percent
 from sharetree._tied import DISPLAY, Tied
@@ -20,10 +20,16 @@ from sharetree._transforms import Transform, identity
 __all__ = ["MaterializedDisplay", "tied_treescope_repr", "treescope_materialized"]
 
 
-def _color(buffer: str) -> str:
+_NEUTRAL = "#e5e7eb"
+"""The colour of a ``Tied`` of several refs: it reads several buffers, none of them its own."""
+_MAX_INPUTS = 4  # inputs named in a note before "... (K more)"
+
+
+def _color(source: str) -> str:
+    """The colour of a buffer, or of a view of several positions (by path), and of its views."""
     from treescope import formatting_util
 
-    return formatting_util.color_from_string(buffer)
+    return formatting_util.color_from_string(source)
 
 
 def _via(t: Transform) -> str:
@@ -31,12 +37,21 @@ def _via(t: Transform) -> str:
 
 
 def tied_treescope_repr(tied: Tied, path: str | None, subtree_renderer: Any) -> Any:
-    """``Tied('enc/w', T)  # view of enc/w``, coloured as the buffer at its ref is."""
+    """``Tied('enc/w', T)  # view of enc/w``, coloured as the buffer at its ref is.
+
+    A ``Tied`` of several refs names each (``# view of a=lora/a, b=lora/b via lora``) on
+    a neutral grey: it reads several buffers.
+    """
     from treescope import rendering_parts as rp
 
-    ref = path_str(tied.ref)
+    if tied.inputs is None:
+        ref = path_str(tied.ref)
+        color = _color(ref)
+    else:
+        named = [f"{n}={key_str(ref_str(r))}" for n, r in tied.refs]
+        ref, color = first_of(named, _MAX_INPUTS), _NEUTRAL
     line = rp.siblings(rp.maybe_qualified_type_name(Tied), repr(tied).removeprefix("Tied"))
-    node = rp.build_one_line_tree_node(line, path, background_color=_color(ref))
+    node = rp.build_one_line_tree_node(line, path, background_color=color)
     note = printable(f"  # \u2192 view of {ref}{_via(tied.transform)}")
     return rp.siblings_with_annotations(node, extra_annotations=[rp.comment_color(rp.text(note))])
 
@@ -81,21 +96,35 @@ class MaterializedDisplay:
         self.graph = SharingGraph(structure, self._leaves)
 
     def marked_tree(self) -> Any:
-        """The materialized tree whose buffer and view leaves are wrapped with their notes."""
+        """The materialized tree whose buffer and view leaves are wrapped with their notes.
+
+        A view is coloured as its source is: its buffer, or the view of several positions
+        it reads (which has its own colour, from its path); a buffer counts every view
+        that reads it, through views of several positions too.
+        """
         structure = self.graph.structure
+        n = len(structure.buffer_paths)
         uses: dict[int, list[str]] = {}
         for view in structure.views:
-            uses.setdefault(view.buffer, []).append(path_str(view.path))
+            for b in structure.parents[view.buffer]:
+                uses.setdefault(b, []).append(path_str(view.path))
         marked = []
         values = expand_leaves(structure, self._leaves)
         for (i, t, p, at), x in zip(structure.expanded, values, strict=True):
-            buf = path_str(structure.buffer_paths[i])
+            src = path_str(structure.source_path(i))
             if t is not None:
                 note = f"from Tied at {path_str(at)}" if at not in (None, p) else ""
-                marked.append(_Mark(x, f"[view of {buf}{_via(t)}]", note, _color(buf)))
+                of = f"{src}{_via(t)}"
+                if i >= n and structure.joins[i - n].path == p:  # a view of several itself
+                    join = structure.joins[i - n]
+                    named = [f"{name}={path_str(structure.source_path(inp.source))}"
+                             + ("" if inp.transform == identity else f" >> {inp.transform!r}")
+                             for name, inp in join.inputs]  # fmt: skip
+                    of = first_of(named, _MAX_INPUTS) + _via(join.transform)
+                marked.append(_Mark(x, f"[view of {of}]", note, _color(src)))
             elif i in uses:
                 badge = f"[buffer: {plural(len(uses[i]), 'view')}]"
-                marked.append(_Mark(x, badge, f"shared with {first_of(uses[i], 3)}", _color(buf)))
+                marked.append(_Mark(x, badge, f"shared with {first_of(uses[i], 3)}", _color(src)))
             else:
                 marked.append(x)
         return jtu.tree_unflatten(structure.expanded_treedef, marked)
