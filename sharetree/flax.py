@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, NamedTuple
 
 try:
     import flax.linen as nn
@@ -31,6 +31,7 @@ from sharetree._paths import (
     keypath_to_path,
     leaves_with_paths,
     path_str,
+    ref_str,
 )
 from sharetree._resolve import (
     STRUCTURE_CACHE_SIZE,
@@ -68,22 +69,110 @@ def _value_fix(target: Path, t: Tied) -> str:
     return f"tie the value leaves, {{{target_value!r}: st.Tied({ref_value!r}, {t.transform!r})}}"
 
 
-def _view_names(ref: Any, t: Tied, where: str) -> tuple[Any, ...] | None:
-    """The partition names of ``t``'s view of the box ``ref``; ``None`` if its axes are unknown."""
-    aval = leaf_aval(ref.value)
+def _view_names(t: Tied, names: Any, aval: Any, where: str, what: str) -> tuple[Any, ...] | None:
+    """The partition names of ``t``'s view of boxes (``what``); ``None`` if its axes are unknown.
+
+    ``names`` and ``aval`` are one box's, or ``{input: ...}`` for a view of several positions.
+    """
     try:
-        return None if aval is None else view_axis_names(t.transform, ref.names, aval)
+        return view_axis_names(t.transform, names, aval)
     except TieError as e:
-        add_context(e, f"{where}: on the partition box {path_str(t.ref)!r} of {format_aval(aval)}")
+        add_context(e, f"{where}: on {what}")
         raise
     except Exception as e:  # the view does not fit its buffer
-        what = f"fails on the partition box {path_str(t.ref)!r} of {format_aval(aval)}"
-        raise error("E9", where, what, found=one_line(e), fix="use a transform that fits it") from e
+        raise error(
+            "E9", where, f"fails on {what}", found=one_line(e), fix="use a transform that fits it"
+        ) from e
+
+
+def _box_of(x: Any) -> Any:
+    """What makes a box one structure with another: its kind, names, mesh and rules."""
+    if not isinstance(x, meta.AxisMetadata):
+        return None
+    return (
+        type(x),
+        tuple(getattr(x, "names", ())),
+        getattr(x, "mesh", None),
+        getattr(x, "rules", None),
+    )
+
+
+def _shown_node(x: Any) -> str:
+    """An input as the E190 message shows it: ``a LogicallyPartitioned box ('vocab', None) ...``."""
+    if not isinstance(x, meta.AxisMetadata):
+        return f"an array {format_aval(leaf_aval(x))} (no box)"
+    aval = leaf_aval(getattr(x, "value", None))
+    return f"a {type(x).__name__} box {tuple(getattr(x, 'names', ()))} of {format_aval(aval)}"
+
+
+def _joined_value_fix(target: Path, t: Tied, boxed: Collection[str], target_boxed: bool) -> str:
+    """The tie that reads (and, at a box, writes) the boxes' ``value`` leaves instead."""
+    at = target + ("value",) if target_boxed else target
+    refs = {
+        n: ref_str(Ref(r.keys + ("value",), r.up)) if n in boxed else ref_str(r) for n, r in t.refs
+    }
+    named = ", ".join(f"{n!r}: {r!r}" for n, r in refs.items())
+    return f"tie the value leaves, {{{path_str(at)!r}: st.Tied({{{named}}}, {t.transform!r})}}"
+
+
+def _check_joined_boxes(params: Any, target: Path, t: Tied, check: bool, where: str) -> None:
+    """The boxes of a view of several positions: inputs of one kind and names, the target's own."""
+    inputs: dict[str, Any] = {}
+    for name, ref in t.refs:
+        path = from_root(target, ref)
+        found = None if path is None else next(iter(nodes_at(params, path)), None)
+        if found is None:
+            return  # a climb past the root or a missing ref, which st.tie names
+        inputs[str(name)] = found
+    box = next(iter(nodes_at(params, target)), None)
+    target_boxed = isinstance(box, meta.AxisMetadata)
+    boxed = [n for n, x in inputs.items() if isinstance(x, meta.AxisMetadata)]
+    if not boxed and not target_boxed:
+        return
+    view = f"{where}: the view {path_str(target)!r} ({t!r})"
+    fix = _joined_value_fix(target, t, boxed, target_boxed)
+    kinds = [_box_of(x) for x in inputs.values()]
+    if any(k != kinds[0] for k in kinds) or not boxed:
+        refs = dict(t.refs)
+        found = "; ".join(
+            f"{n!r} ({ref_str(refs[n])!r}) is {_shown_node(x)}" for n, x in inputs.items()
+        )
+        if not boxed:
+            what = f"puts a view of arrays in the partition box {path_str(target)!r}"
+        elif len(boxed) < len(inputs):
+            what = "reads partition boxes and arrays (it maps over inputs of one structure)"
+        else:
+            what = "reads partition boxes of different names or kinds (it maps over inputs of one"
+            what += " structure)"
+        raise error("E190", view, what, found=found, fix=fix)
+    if not target_boxed:
+        return  # the view is a copy of its inputs' box, named by the renamer
+    first = inputs[boxed[0]]
+    if not isinstance(box, meta.Partitioned) or type(first) is not type(box):
+        kinds_ = f"a {type(box).__name__} box and {type(first).__name__} inputs"
+        raise error("E42", view, f"joins {kinds_}", expected="one kind of box", fix=fix)
+    names_in = {n: tuple(x.names) for n, x in inputs.items()}
+    avals = {n: leaf_aval(x.value) for n, x in inputs.items()}
+    if any(a is None for a in avals.values()):
+        return  # no arrays (st.tie names what it finds)
+    shown = ", ".join(f"{n!r} {names_in[n]} of {format_aval(avals[n])}" for n in names_in)
+    names = _view_names(t, names_in, avals, view, f"the partition boxes {shown}")
+    if names is None:
+        what = f"{t.transform!r} does not map the axes of its inputs ({shown})"
+        raise error("E42", view, what, expected="axes the view keeps", fix=fix)
+    own = (tuple(box.names), box.mesh, getattr(box, "rules", None))
+    if check and own != (names, first.mesh, getattr(first, "rules", None)):
+        mesh = "" if own[1:] == (first.mesh, getattr(first, "rules", None)) else ", another mesh"
+        what = f"would carry the partition names {names} (from its inputs {shown})"
+        raise error("E42", view, what, expected=f"its own box's {own[0]}{mesh}", fix=fix)
 
 
 def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, where: str) -> None:
     """A tie that names a partition box must give the view the target's own partition names."""
     for target, t in ties:
+        if t.inputs is not None:
+            _check_joined_boxes(params, target, t, check, where)
+            continue
         if (ref_path := from_root(target, Ref(t.ref, t.up))) is None:
             continue  # a climb past the root, which st.tie names
         box, ref = (next(iter(nodes_at(params, p)), None) for p in (target, ref_path))
@@ -94,7 +183,9 @@ def _check_boxes(params: Any, ties: tuple[tuple[Path, Tied], ...], check: bool, 
         if not isinstance(box, meta.Partitioned) or type(ref) is not type(box):
             kinds = f"a {type(box).__name__} box and a {type(ref).__name__}"
             raise error("E42", view, f"joins {kinds}", expected="one kind of box", fix=fix)
-        names = _view_names(ref, t, view)
+        aval = leaf_aval(ref.value)
+        what = f"the partition box {path_str(t.ref)!r} of {format_aval(aval)}"
+        names = None if aval is None else _view_names(t, ref.names, aval, view, what)
         if names is None:
             what = f"{t.transform!r} does not map the axes of {path_str(t.ref)!r} {ref_names}"
             raise error("E42", view, what, expected="axes the view keeps", fix=fix)
@@ -116,48 +207,120 @@ def _with_params(variables: Any, params: Any) -> Any:
     return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
 
-@functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
-def _copied_boxes(structure: Structure) -> tuple[tuple[Path, Any, ViewLeaf], ...]:
-    """``(where, buffer's box, view)`` of each view that copies its buffer's partition box.
+class _Copied(NamedTuple):
+    """A view whose box is copied from its source's: from a buffer's box, or a join's inputs'."""
 
-    From the treedefs alone (a box's names are static), so once per structure; a box that
-    holds a ``Tied`` value keeps its own names.
-    """
+    at: Path  # the box's path in the materialized tree
+    leaf: ViewLeaf  # the view's leaf (its source: a buffer or a join)
+
+
+class _BoxPlan(NamedTuple):
+    """The boxes of a structure (from its treedefs: a box's names are static)."""
+
+    own: dict[Path, Any]  # each box of the canonical tree, by path
+    copied: tuple[_Copied, ...]  # each box of the materialized tree copied into a view
+
+
+@functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
+def _box_plan(structure: Structure) -> _BoxPlan:
+    """The boxes that views copy, once per structure; a box holding a ``Tied`` keeps its names."""
     own = _boxes(skeleton(structure.treedef))
     if not own:
-        return ()
+        return _BoxPlan(own, ())
     copied = _boxes(skeleton(structure.expanded_treedef))
+    n = len(structure.buffer_paths)
     out = []
     for leaf in structure.views:
-        at, source = leaf.path[:-1], structure.buffer_paths[leaf.buffer][:-1]
-        if at not in own and at in copied and source in own:
-            out.append((at, own[source], leaf))
-    return tuple(out)
+        at = leaf.path[:-1]
+        if at in own or at not in copied:
+            continue
+        if leaf.buffer >= n or structure.buffer_paths[leaf.buffer][:-1] in own:
+            out.append(_Copied(at, leaf))
+    return _BoxPlan(own, tuple(out))
+
+
+class _Named(NamedTuple):
+    """A source's partition names (``None``: no box, or names not derived) and shape."""
+
+    names: tuple[Any, ...] | None
+    aval: Any
+
+
+def _source_names(
+    structure: Structure, own: dict[Path, Any], leaves: Any, source: int, memo: dict[int, _Named]
+) -> _Named:
+    """The names of a source's box: its own box's, else derived from a join's inputs' boxes.
+
+    A join's names are its transform's ``axis_names({input: names}, {input: aval})``; an
+    input with no box, or a transform that declares no names, gives ``None``.
+    """
+    if source in memo:
+        return memo[source]
+    n = len(structure.buffer_paths)
+    box = own.get(structure.source_path(source)[:-1])
+    if source < n:
+        memo[source] = _Named(None if box is None else tuple(box.names), leaf_aval(leaves[source]))
+        return memo[source]
+    join = structure.joins[source - n]
+    names: dict[str, Any] = {}
+    avals: dict[str, Any] = {}
+    for name, x in join.inputs:
+        got = _source_names(structure, own, leaves, x.source, memo)
+        if got.aval is None:
+            memo[source] = _Named(None, None)
+            return memo[source]
+        names[name] = (
+            None if got.names is None else view_axis_names(x.transform, got.names, got.aval)
+        )
+        avals[name] = x.transform.abstract(got.aval)
+    aval = join.transform.abstract(avals)  # type: ignore[arg-type]
+    if box is not None:  # the join is the value of a box that holds the Tied: its own names
+        memo[source] = _Named(tuple(box.names), aval)
+    elif any(v is None for v in names.values()):
+        memo[source] = _Named(None, aval)
+    else:
+        joined = view_axis_names(join.transform, names, avals)  # type: ignore[arg-type]
+        memo[source] = _Named(joined, aval)
+    return memo[source]
 
 
 def _rename_boxes(structure: Structure, leaves: Any, materialized: Any, where: str) -> Any:
     """``materialized`` with each box copied from a buffer given the view's axis names.
 
+    A box copied from the inputs of a view of several positions gets the names its
+    transform derives from theirs; where none can be derived, the view has no box.
     Registered with the core: ``st.materialize``, ``restructure``, ``grad_by_use`` and
     ``st.untie`` all call it.
     """
+    plan = _box_plan(structure)
     fixed: dict[Path, Any] = {}
-    for at, box, leaf in _copied_boxes(structure):
-        aval = leaf_aval(leaves[leaf.buffer])
-        names = None if aval is None else view_axis_names(leaf.transform, box.names, aval)
+    memo: dict[int, _Named] = {}
+    n = len(structure.buffer_paths)
+    for at, leaf in plan.copied:
+        source = _source_names(structure, plan.own, leaves, leaf.buffer, memo)
+        if source.names is None and leaf.buffer >= n:
+            fixed[at] = None  # a join whose names cannot be derived: no box
+            continue
+        names = None
+        if source.names is not None and source.aval is not None:
+            names = view_axis_names(leaf.transform, source.names, source.aval)
         if names is None:
             view = f"{where}: the view {path_str(at)!r} ({structure.ties[leaf.tie]!r} at "
-            source = path_str(structure.buffer_paths[leaf.buffer][:-1])
-            what = f"copies the partition box of {source!r}; {leaf.transform!r} drops its axes"
+            src = path_str(structure.source_path(leaf.buffer)[:-1])
+            what = f"copies the partition box of {src!r}; {leaf.transform!r} drops its axes"
             fix = "tie the box's 'value' leaf instead"
             raise error("E42", f"{view}{path_str(leaf.tie)!r})", what, fix=fix)
         fixed[at] = names
     if not fixed:
         return materialized
+
+    def rename(kp: Any, x: Any) -> Any:
+        if (p := keypath_to_path(kp)) not in fixed:
+            return x
+        return x.value if fixed[p] is None else x.replace(names=fixed[p])
+
     return jtu.tree_map_with_path(
-        lambda kp, x: x.replace(names=fixed[p]) if (p := keypath_to_path(kp)) in fixed else x,
-        materialized,
-        is_leaf=lambda x: isinstance(x, meta.AxisMetadata),
+        rename, materialized, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
     )
 
 
@@ -265,8 +428,11 @@ class TiedModule:
             if after.get(view.path) is not before.get(view.path):
                 at = f"{COLLECTION}/{path_str(view.path)}"
                 what = f"the view {structure.ties[view.tie]!r} at {path_str(view.tie)!r}"
-                buffer = path_str(structure.buffer_paths[view.buffer])
-                fix = f"write the buffer {buffer!r} instead, or untie that parameter"
+                reads = [
+                    path_str(structure.buffer_paths[b]) for b in structure.parents[view.buffer]
+                ]
+                buffers = f"the buffer {reads[0]!r}" if len(reads) == 1 else f"the buffers {reads}"
+                fix = f"write {buffers} instead, or untie that parameter"
                 raise error("E185", self._where("apply"), f"wrote to {at!r}, {what}", fix=fix)
         return out, _with_params(updated, tie(returned, structure.ties, check=False))
 

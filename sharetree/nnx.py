@@ -7,8 +7,8 @@ docs/integrations.md, "Flax NNX".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, NamedTuple
 
 try:
     from flax import nnx
@@ -117,6 +117,88 @@ def _strip_value(path: Path, variables: Mapping[Path, Any]) -> Path:
     return path[:-1] if len(path) > 1 and path[-1] == "value" and path[:-1] in variables else path
 
 
+class _StateTie(NamedTuple):
+    """A tie of ``split``'s ``ties=`` as written into one state (its paths from the root)."""
+
+    state: int  # the index of the state it is in
+    path: Path  # where the Tied goes
+    tied: Tied
+
+
+def _rooted(path: Path, t: Tied, where: Mapping[Path, int]) -> dict[str | None, Path]:
+    """Each ref of the tie at ``path`` as a path from the root (``"value"`` stripped), or E163."""
+    out = {}
+    for name, ref in t.refs:
+        rooted = from_root(path, Ref(_strip_value(ref.keys, where), ref.up))
+        if rooted is None:  # a climb past the root
+            at = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
+            at += "" if name is None else f", input {name!r}"
+            raise error("E163", at, f"climbs {ref.up} levels", fix="climb fewer levels")
+        out[name] = rooted
+    return out
+
+
+def _nnx_tie(
+    path: Path,
+    t: Tied,
+    where: Mapping[Path, int],
+    nodes: Collection[Path],
+    aliases: Mapping[Path, tuple[int, Path]],
+) -> _StateTie | None:
+    """The tie at ``path`` with its refs from the root, checked; ``None``: an identity tie already.
+
+    A view of several positions reads the ``value`` leaf of each Variable it names (the
+    inputs may be Variables of other kinds, ``Param`` and ``LoRAParam``) and is written at
+    the target Variable's ``value``: the target keeps its own kind and metadata.
+    """
+    refs = _rooted(path, t, where)
+    if t.inputs is None:
+        t = Tied(refs[None], t.transform)
+    else:
+        t = Tied(dict(refs), t.transform)  # type: ignore[arg-type]
+    named = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
+    fix = "write the path as NNX prints the state, naming the Variable ('dec/kernel')"
+    if path not in nodes:
+        near = closest(path_str(path), map(path_str, nodes))
+        raise error("E5", named, f"names {path_str(path)!r}, not in the NNX state; {near}", fix=fix)
+    for name, ref in refs.items():
+        if ref not in nodes:
+            near = closest(path_str(ref), map(path_str, nodes))
+            input_ = "" if name is None else f"its input {name!r} "
+            what = f"{input_}names {path_str(ref)!r}, not in the NNX state; {near}"
+            raise error("E1", named, what, fix=fix)
+
+    def states(r: Path) -> set[int]:
+        return {i for p, i in where.items() if p[: len(r)] == r}
+
+    spans = set().union(*map(states, [path, *refs.values()]))
+    if len(spans) > 1 and t.inputs is None:
+        fix = "change the filters, or tie within one state"
+        expected = "its view and buffer in one state"
+        raise error("E180", named, f"spans states {sorted(spans)}", expected=expected, fix=fix)
+    if len(spans) > 1:
+        found = "; ".join(
+            f"{label} {path_str(r)!r} in state {', '.join(map(str, sorted(states(r))))}"
+            for label, r in [("the view", path), *((f"input {n!r}", r) for n, r in refs.items())]
+        )
+        fix = "split with one filter and freeze inputs with st.mask_by_path, or change the filters"
+        expected = "the view and every input in one state"
+        raise error(
+            "E180", named, f"spans states {sorted(spans)}", expected=expected, found=found, fix=fix
+        )
+    if path in aliases and t == Tied(aliases[path][1]):
+        return None  # already this identity tie
+    for a, (_, owner) in aliases.items():
+        if a[: len(path)] == path or path[: len(a)] == a:
+            what = f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r}"
+            fix = f"tie {path_str(owner)!r} instead, or build the model with two Variables"
+            raise error("E181", named, f"meets an identity tie: {what}", fix=fix)
+    if t.inputs is not None and path in where:
+        value = {n: r + ("value",) if r in where else r for n, r in refs.items()}
+        return _StateTie(spans.pop(), path + ("value",), Tied(value, t.transform))  # type: ignore[arg-type]
+    return _StateTie(spans.pop(), path, t)
+
+
 def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = True) -> Any:
     """``nnx.split`` with ties: ``(graphdef, state, *more_states)``, each state canonical.
 
@@ -170,33 +252,9 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
         check_mapping(ties, "E69", "sharetree.nnx.split: ties=", "a mapping or None", _TIES_FIX)
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for path, t in tie_entries(ties or {}).items():
-        path, ref = _strip_value(path, where), _strip_value(t.ref, where)
-        if (rooted := from_root(path, Ref(ref, t.up))) is None:  # a climb past the root
-            where_up = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
-            raise error("E163", where_up, f"climbs {t.up} levels", fix="climb fewer levels")
-        t = Tied(rooted, t.transform)
-        named = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
-        missing = next((p for p in (path, t.ref) if p not in nodes), None)
-        if missing is not None:  # the target (E5) or the ref (E1)
-            near = closest(path_str(missing), map(path_str, nodes))
-            what = f"names {path_str(missing)!r}, not in the NNX state; {near}"
-            fix = "write the path as NNX prints the state, naming the Variable ('dec/kernel')"
-            if missing is path:
-                raise error("E5", named, what, fix=fix)
-            raise error("E1", named, what, fix=fix)
-        spans = {i for p, i in where.items() if p[: len(path)] == path or p[: len(t.ref)] == t.ref}
-        if len(spans) > 1:
-            fix = "change the filters, or tie within one state"
-            expected = "its view and buffer in one state"
-            raise error("E180", named, f"spans states {sorted(spans)}", expected=expected, fix=fix)
-        if path in aliases and t == Tied(aliases[path][1]):
-            continue  # already this identity tie
-        for a, (_, owner) in aliases.items():
-            if a[: len(path)] == path or path[: len(a)] == a:
-                what = f"{path_str(a)!r} is the same Variable object as {path_str(owner)!r}"
-                fix = f"tie {path_str(owner)!r} instead, or build the model with two Variables"
-                raise error("E181", named, f"meets an identity tie: {what}", fix=fix)
-        per_state[spans.pop()][path] = t
+        found = _nnx_tie(_strip_value(path, where), t, where, nodes, aliases)
+        if found is not None:
+            per_state[found.state][found.path] = found.tied
 
     out = []
     for i, (state, flat) in enumerate(zip(states, flats)):
