@@ -28,7 +28,7 @@ pytest.importorskip("optax")
 
 from benchmarks import models as M  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
-from benchmarks import suite, views  # noqa: E402
+from benchmarks import several, suite, views  # noqa: E402
 
 SIZE = 16  # materialized leaves: 8 layers, 2 of them tied
 EAGER = 40
@@ -76,6 +76,53 @@ def test_partial_and_whole_buffer_views_agree_with_the_views_by_hand(results):
     targets = {t["target"] for t in results["targets"] if t.get("label") == "views"}
     assert "views (partial): hvp: sharetree / ravel_pytree" in targets
     assert "views: sharetree/ravel_pytree hvp: partial / whole-buffer views" in targets
+
+
+@pytest.mark.slow
+def test_views_of_several_buffers_agree_with_the_models_by_hand():
+    # LoRA on a tied LM and shared blocks for a scanned stack, each against the same model
+    # written by hand: every check is asserted as it is made (a failed one raises), so
+    # what is left to check is that each model made every check
+    sec = several.several_section(several.LMDims.quick(), several.StackDims.quick(), 1, 2)
+    checks = {c["check"] for c in sec.checks}
+    assert all(c["ok"] for c in sec.checks)
+    for model in (several.LM_NAME, several.STACK_NAME):
+        for method in (several.ST_TREE, several.RAVEL, several.ST_FLAT):
+            assert f"{model}: {method}: gradient == by hand" in checks
+            assert f"{model}: forward dot_generals: {method} == by hand" in checks
+    dots = sec.info[several.LM_NAME]["forward dot_generals"]
+    layers = several.LMDims.quick().layers
+    assert dots[several.ST_TREE] == 1 + 8 * layers + 1  # a @ b once, 8 per layer, the head
+
+
+def test_a_table_computed_once_per_view_fails_the_product_count(monkeypatch):
+    # the count must catch a forward program that computes the adapted table once per view
+    # (here the hand model's; sharetree's is then one product short of it)
+    real = several.lm_case
+
+    def twice(dims):
+        case = real(dims)
+        hand = case.by_hand
+
+        def by_hand(u):
+            f = u["lora"]["embed"]
+            return {**hand(u), "head": (f["base"] + dims.scale * (f["a"] @ f["b"])).T}
+
+        case.by_hand = by_hand
+        return case
+
+    monkeypatch.setattr(several, "lm_case", twice)
+    with pytest.raises(AssertionError, match="forward dot_generals"):
+        several.several_section(several.LMDims.quick(), several.StackDims.quick(), 1, 1)
+
+
+def test_dot_generals_counts_a_nested_jit_at_each_call():
+    # a nested jit is one private function in the text, run at each of its calls
+    mm = jax.jit(jnp.matmul)
+    x = jnp.ones((3, 3))
+    text = jax.jit(lambda a: mm(a, a) + mm(a, a.T)).lower(x).as_text()
+    assert text.count("stablehlo.dot_general") == 1
+    assert several.dot_generals(text) == 2
 
 
 def test_a_method_with_a_wrong_gradient_fails_the_suite(monkeypatch):
