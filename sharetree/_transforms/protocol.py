@@ -370,8 +370,8 @@ def check_inputs(t: Transform, names: tuple[str | None, ...], tied: str) -> None
         if takes is not None:
             shown = "any names" if takes == ANY_NAMES else ", ".join(map(repr, takes))
             names_ = ("x", "y") if takes == ANY_NAMES else takes
-            named = ", ".join(f"{n!r}: ..." for n in names_)
-            fix = f"name each input: Tied({{{named}}}, {short(t, 100)})"
+            refs = ", ".join(f"{n!r}: ..." for n in names_)
+            fix = f"name each input: Tied({{{refs}}}, {short(t, 100)})"
             problem = f"{short(t, 100)} takes several inputs ({shown})"
             raise error("E103", where, problem, found="one ref", fix=fix)
         return
