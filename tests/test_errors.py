@@ -873,3 +873,66 @@ def test_190_flax_view_of_several_boxes_of_other_names():
         tied(Boxes(), {"t": st.Tied({"x": "w", "y": "d"}, st.add())}).init(jax.random.key(0), 0)
     with raises("E190", "'t'", "boxes and arrays", "'y' ('raw') is an array float32[2, 2]"):
         tied(Boxes(), {"t": st.Tied({"x": "w", "y": "raw"}, st.add())}).init(jax.random.key(0), 0)
+
+
+QUANTIZED = {"q": "t/q", "scales": "t/scales", "biases": "t/biases"}
+
+
+def _quantized(q, scales, biases, transform):
+    return {"t": {"q": q, "scales": scales, "biases": biases}, "v": st.Tied(QUANTIZED, transform)}
+
+
+def test_200_bits_or_group_size_mlx_does_not_define():
+    with raises("E200", "dequantize(7, 64)", "bits 7", "2, 3, 4, 5, 6, 8"):
+        st.dequantize(7, 64)
+    with raises("E200", "bits 64, group_size 4", "MLX (group_size, bits): (4, 64)"):
+        st.quantize(np.ones((1, 64), np.float32), 64, 4)
+
+
+def test_201_a_mode_other_than_affine():
+    with raises("E201", "mode='mxfp4'", "e8m0", "mode 'affine'"):
+        st.dequantize(4, 32, mode="mxfp4")
+
+
+def test_202_q_that_is_not_uint32():
+    scales = np.ones((2, 1), np.float32)
+    tree = _quantized(np.zeros((2, 8), np.int32), scales, scales, st.dequantize(4, 64))
+    with raises("E202", "'v'", "'t/q' int32[2, 8]", "q.view(np.uint32)"):
+        st.materialize(tree)
+
+
+def test_203_scales_and_biases_that_are_not_one_float_dtype():
+    q, scales = np.zeros((2, 8), np.uint32), np.ones((2, 1), np.float32)
+    with raises("E203", "float32[2, 1]", "float16[2, 1]", "one dtype"):
+        st.materialize(_quantized(q, scales, scales.astype(np.float16), st.dequantize(4, 64)))
+    with raises("E203", "scales int32[2, 1]", "float scales"):
+        st.materialize(_quantized(q, scales.astype(np.int32), scales, st.dequantize(4, 64)))
+
+
+def test_204_quantized_inputs_of_shapes_that_disagree():
+    q, scales = np.zeros((2, 8), np.uint32), np.ones((3, 1), np.float32)
+    with raises("E204", "'v'", "q uint32[2, 8]", "scales float32[3, 1]", "(2, groups)"):
+        st.materialize(_quantized(q, scales, scales, st.dequantize(4, 64)))
+
+
+def test_205_last_axes_that_do_not_match_bits_and_group_size():
+    q, scales = np.zeros((2, 8), np.uint32), np.ones((2, 2), np.float32)
+    tree = _quantized(q, scales, scales, st.dequantize(4, 64))
+    with raises("E205", "'v'", "64 4-bit values: 1 group;", "(2, 1)", "dequantize(4, 32)"):
+        st.materialize(tree)
+    with raises("E205", "dequantize(4, 64)"):
+        jax.eval_shape(st.materialize, tree)
+
+
+def test_206_a_table_quantize_cannot_quantize():
+    with raises("E206", "quantize(w, 4, 64)", "float32[2, 96]", "whole groups of 64"):
+        st.quantize(np.ones((2, 96), np.float32), 4, 64)
+    with raises("E206", "int32[2, 64]", "real floats"):
+        st.materialize({"w": np.ones((2, 64), np.int32), "v": st.Tied("w", st.fake_quant(4, 64))})
+
+
+def test_207_quantize_of_a_group_holding_nan():
+    w = np.ones((3, 128), np.float32)
+    w[2, 70] = np.nan
+    with raises("E207", "row 2 group 1 (columns 64:128)", "NaN"):
+        st.quantize(w, 4, 64)

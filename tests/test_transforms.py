@@ -44,9 +44,11 @@ ALL = [
 ]
 # transforms of {name: value}
 SEVERAL = [st.lora(), st.lora(0.5) >> st.T, st.add(), st.matmul(), st.matmul() >> st.T]
+# transforms of quantized tables, whose last axis is whole groups (X's is not): tests/test_quant.py
+QUANTIZED = [st.dequantize(4, 64), st.dequantize(3, 32) >> st.T, st.fake_quant(6, 128)]
 
 
-@pytest.mark.parametrize("t", ALL + SEVERAL, ids=repr)
+@pytest.mark.parametrize("t", ALL + SEVERAL + QUANTIZED, ids=repr)
 def test_hashable_equal_picklable_and_spec_roundtrip(t):
     back = pickle.loads(pickle.dumps(t))
     assert back == t and hash(back) == hash(t)
@@ -226,10 +228,12 @@ def test_every_registered_transform_has_a_factory_and_spec_names():
         "lora",
         "add",
         "matmul",
+        "dequantize",
+        "fake_quant",
     }
     for name, cls in REGISTRY.items():
         assert cls.spec_name == name
-    specs = {t.spec()["name"] for t in ALL + SEVERAL}
+    specs = {t.spec()["name"] for t in ALL + SEVERAL + QUANTIZED}
     assert specs == builtin  # ALL covers every registered transform
 
 
@@ -290,7 +294,8 @@ def test_registry_refuses_a_taken_name_and_a_class_that_is_no_dataclass():
 
 def test_unknown_name_lists_the_known_ones():
     known = ", ".join(sorted(REGISTRY))  # the built-ins, and any defined by users
-    names = "add, astype, chain, fn, identity, index, lora, matmul, reshape, scale, slice, take"
+    names = "add, astype, chain, dequantize, fake_quant, fn, identity, index, lora, matmul"
+    names += ", reshape, scale, slice, take"
     assert names + ", transpose" in ", ".join(
         n for n in sorted(REGISTRY) if not n.startswith(("doc_", "test_"))
     )

@@ -3,8 +3,9 @@
 ``protocol`` holds the base class, the registry of spec names and the chain normal form
 (with ``identity``, its unit); ``builtins`` the built-in transforms of whole arrays, ``views``
 those of part of a buffer (``slice``, ``index``, ``take``), ``combine`` those of several
-values (``lora``, ``add``, ``matmul``); ``spec`` the reading of (untrusted) JSON
-specs and the stand-ins that describe a file's transforms.
+values (``lora``, ``add``, ``matmul``), ``quant`` those of tables quantized in MLX's affine
+layout (``dequantize``, ``fake_quant``; ``quantize`` makes such a table); ``spec`` the
+reading of (untrusted) JSON specs and the stand-ins that describe a file's transforms.
 docs/ties_and_transforms.md describes each transform and how to write your own.
 """
 
@@ -34,6 +35,7 @@ from sharetree._transforms.protocol import (
     parts_of,
     view_axis_names,
 )
+from sharetree._transforms.quant import Quantized, dequantize, fake_quant, quantize
 from sharetree._transforms.spec import (
     describe_several,
     describe_spec,
@@ -55,6 +57,7 @@ __all__ = [
     "ANY_NAMES",
     "REGISTRY",
     "Names",
+    "Quantized",
     "T",
     "Transform",
     "add",
@@ -66,6 +69,8 @@ __all__ = [
     "describe_several",
     "describe_spec",
     "describe_transform",
+    "dequantize",
+    "fake_quant",
     "fn",
     "identity",
     "index",
@@ -77,6 +82,7 @@ __all__ = [
     "lora",
     "matmul",
     "parts_of",
+    "quantize",
     "reshape",
     "scale",
     "slice",

@@ -460,6 +460,8 @@ _FACTORY_EXAMPLES = {
     "lora": "st.lora(2.0)",
     "add": "st.add()",
     "matmul": "st.matmul()",
+    "dequantize": "st.dequantize(4, 64)",
+    "fake_quant": "st.fake_quant(4, 64)",
     "chain": "st.chain(st.T, st.scale(2.0))",
     "transform_from_spec": "st.transform_from_spec(st.T.spec())",
 }
