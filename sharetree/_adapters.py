@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import check_mapping, error, short, wrong_type
+from sharetree._errors import check_bool, check_mapping, error, short, wrong_type
 from sharetree._materialize import expanded_by_path, leaves_and_structure
 from sharetree._paths import (
     Path,
@@ -32,7 +32,7 @@ from sharetree._paths import (
 )
 from sharetree._resolve import Structure, ref_to
 from sharetree._tied import Tied, is_tied
-from sharetree._transforms import input_names, lora, parts_of
+from sharetree._transforms import dequantize, input_names, lora, parts_of, quantize
 
 __all__ = ["add_lora", "merge_lora", "PARAMS", "LORA"]
 
@@ -41,6 +41,7 @@ PARAMS, LORA = "params", "lora"
 
 _TAKES = ("a", "b", "base")
 _LORA = type(lora())  # the views add_lora writes start with it
+_DEQUANTIZE = type(dequantize(4, 64))  # the base requantize= writes back
 
 
 def _matches(pattern: str, path: Path) -> bool:
@@ -177,13 +178,20 @@ def _assemble(
     return {PARAMS: params, LORA: nested}
 
 
-def merge_lora(adapted: Any) -> Any:
+def merge_lora(adapted: Any, *, requantize: bool = False) -> Any:
     """The tree :func:`add_lora` adapted, each adapter merged: ties kept, one tensor per buffer.
 
     Each adapted position gets its adapted value, computed once (``base + scale * a @ b``,
     as the model saw it): an adapted buffer is that tensor again and every view of it
     reads it; an adapted view becomes a buffer holding its value (its buffer's other
     readers never saw its adapter).
+
+    With ``requantize=True``, every adapted position must be a quantized table (QLoRA):
+    a ``st.dequantize(bits, group_size)`` view of a packed ``q``, ``scales``, ``biases``
+    that nothing else reads. Its merged value is quantized again with the same sizes
+    (:func:`sharetree.quantize`) into those three buffers, and the position stays their
+    ``dequantize`` view, so the tree keeps one packed table (its views, a tied head, read
+    the re-quantized table). Anything else is E208.
 
     Example:
         >>> import jax, numpy as np, sharetree as st
@@ -220,10 +228,60 @@ def merge_lora(adapted: Any) -> Any:
         fix = "merge before tying other positions to the adapters, or untie those first"
         raise error("E175", where, f"reads {r!r}, which merging removes", fix=fix)
     values = expanded_by_path(adapted)
+    if check_bool(requantize, "E208", "merge_lora: requantize="):
+        packed = _requantized(adapted, structure, merged, values)
+    else:
+        packed = {}
 
     def visit(kp: Any, x: Any) -> Any:
-        p = keypath_to_path(kp)
-        return values[(PARAMS, *p)] if (PARAMS, *p) in merged else x
+        p = (PARAMS, *keypath_to_path(kp))
+        if p in packed:
+            return packed[p]
+        return values[p] if p in merged else x
 
     with flattening(adapted[PARAMS]):
         return jtu.tree_map_with_path(visit, adapted[PARAMS], is_leaf=is_tied)
+
+
+def _requantized(
+    adapted: Any, structure: Structure, merged: dict[Path, Tied], values: dict[Path, Any]
+) -> dict[Path, Any]:
+    """``merge_lora(requantize=True)``: path -> new value of each packed buffer and position.
+
+    Each adapted position's base must be a ``dequantize`` view of buffers no other view
+    reads; its merged value is quantized with the same sizes into those buffers, and the
+    position becomes the view again, its refs written for where it stands.
+    """
+    with flattening(adapted[PARAMS]):
+        kps = jtu.tree_flatten_with_path(adapted[PARAMS], is_leaf=is_tied)[0]
+    nodes = node_paths([keypath_to_path(kp) for kp, _ in kps])
+    out: dict[Path, Any] = {}
+    fix = "merge to floats (requantize=False), or adapt dequantize views of their own tables"
+    for at in merged:
+        base_at = (LORA, *at[1:], "base")
+        base = structure.ties.get(base_at)
+        where = f"merge_lora(requantize=True): {path_str(at[1:])!r}"
+        if base is None or type(base.transform) is not _DEQUANTIZE:
+            found = "a float buffer" if base is None else repr(base)
+            expected = "a base st.Tied({'q': ..., 'scales': ..., 'biases': ...}, st.dequantize())"
+            problem = "has no quantized base"
+            raise error("E208", where, problem, expected=expected, found=found, fix=fix)
+        reads = structure.reads[base_at]
+        readers = [
+            path_str(other)
+            for other, named in structure.reads.items()
+            if other != base_at and any(r in reads.values() for r in named.values())
+        ]
+        if readers:
+            shown = ", ".join(repr(r) for r in readers[:3])
+            problem = f"reads a packed table that {shown} also read{'s' * (len(readers) == 1)}"
+            problem += ": re-quantizing it would change what they compute"
+            raise error("E208", where, problem, fix=fix)
+        t = base.transform
+        table = quantize(values[at], t.bits, t.group_size)  # type: ignore[attr-defined]
+        refs: dict[str | None, Any] = {}
+        for name, path in reads.items():
+            out[path] = table[name]  # type: ignore[literal-required]
+            refs[name] = ref_to(path[1:], at[1:], nodes)
+        out[at] = Tied(refs, t)  # type: ignore[arg-type]
+    return out

@@ -362,3 +362,116 @@ def test_add_lora_on_each_position_keeps_the_models_value(where):
     np.testing.assert_allclose(
         _lm_tree(st.materialize(back)), _lm_tree(st.materialize(params)), rtol=1e-6
     )
+
+
+# --- QLoRA: an adapter on a packed tied table (st.dequantize), merged to floats or packed -----
+
+G = 32  # the group size of the packed tables below (4 bits: 8 values per uint32 word)
+
+
+def _dequantize_by_hand(q, scales, biases):
+    """MLX's 4-bit affine layout unpacked with NumPy: 8 values a word, lowest bits first."""
+    q = np.asarray(q)
+    values = (q[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+    values = values.reshape(*q.shape[:-1], -1, G).astype(np.float32)
+    return (values * np.asarray(scales)[..., None] + np.asarray(biases)[..., None]).reshape(
+        *q.shape[:-1], -1
+    )
+
+
+def _packed_tree():
+    """A tied LM whose lookup and head read one 4-bit table: no float copy is a buffer."""
+    packed = st.quantize(_rand(1, V, 2 * G), 4, G)
+    refs = {n: f"packed/{n}" for n in ("q", "scales", "biases")}
+    return {
+        "packed": packed,
+        "embed": st.Tied(refs, st.dequantize(4, G)),
+        "w": _rand(2, 2 * G, 2 * G),
+        "head": st.Tied("embed", st.T),
+    }
+
+
+def _qlora():
+    out = st.add_lora(_packed_tree(), "embed", rank=R, key=jax.random.key(0), scale=S)
+    out["lora"]["embed"]["b"] = _rand(3, R, 2 * G)
+    return out
+
+
+def _with_factors(out, ab):
+    """``out`` with the adapter's factors replaced: the packed base stays out of the gradient."""
+    lora = {"embed": {**out["lora"]["embed"], **ab}}
+    return {"params": out["params"], "lora": lora}
+
+
+def test_qlora_on_a_packed_tied_table_matches_the_hand_model_and_its_gradients():
+    out = _qlora()
+    packed, w = out["params"]["packed"], out["params"]["w"]
+    assert out["lora"]["embed"]["base"].transform == st.dequantize(4, G)
+    assert out["params"]["head"] == st.Tied("embed", st.T)
+    ab = {k: out["lora"]["embed"][k] for k in "ab"}
+    table = jnp.asarray(_dequantize_by_hand(packed["q"], packed["scales"], packed["biases"]))
+
+    def hand(ab):
+        adapted = table + S * ab["a"] @ ab["b"]  # one adapted table, lookup and head
+        return _lm(adapted, w, adapted.T)
+
+    loss, g = jax.value_and_grad(lambda ab: _loss_st(_with_factors(out, ab)))(ab)
+    hand_loss, hand_g = jax.value_and_grad(hand)(ab)
+    np.testing.assert_allclose(loss, hand_loss, rtol=1e-5)
+    for k in "ab":
+        np.testing.assert_allclose(g[k], hand_g[k], rtol=1e-4, atol=1e-6)
+    m = st.materialize(out)["params"]
+    np.testing.assert_array_equal(m["head"], m["embed"].T)
+
+
+def test_qlora_merged_to_floats_keeps_the_tie_and_the_packed_table():
+    out = _qlora()
+    packed, lora = out["params"]["packed"], out["lora"]["embed"]
+    merged = st.merge_lora(out)
+    table = _dequantize_by_hand(packed["q"], packed["scales"], packed["biases"])
+    np.testing.assert_allclose(merged["embed"], table + S * lora["a"] @ lora["b"], atol=1e-5)
+    assert merged["head"] == st.Tied("embed", st.T)
+    np.testing.assert_array_equal(merged["packed"]["q"], packed["q"])  # nothing dropped
+
+
+def test_qlora_merged_and_requantized_is_one_packed_table_again():
+    out = _qlora()
+    packed, lora = out["params"]["packed"], out["lora"]["embed"]
+    table = _dequantize_by_hand(packed["q"], packed["scales"], packed["biases"])
+    by_hand = np.asarray(table + S * lora["a"] @ lora["b"])
+    merged = st.merge_lora(out, requantize=True)
+    assert merged["head"] == st.Tied("embed", st.T)
+    assert merged["embed"].transform == st.dequantize(4, G)
+    new = merged["packed"]
+    assert new["q"].dtype == np.uint32 and new["q"].shape == packed["q"].shape
+    assert not np.array_equal(new["q"], packed["q"])  # the adapter reached the packed table
+    m = st.materialize(merged)
+    by_words = _dequantize_by_hand(new["q"], new["scales"], new["biases"])
+    np.testing.assert_array_equal(m["embed"], by_words)
+    np.testing.assert_array_equal(m["head"], m["embed"].T)
+    # each value within a step of the merged table (MLX's rule makes zero exact, which may
+    # move the far end of a group by half a step more than rounding does), mostly within half
+    step = np.repeat(np.abs(np.asarray(new["scales"])), G, axis=-1)
+    error = np.abs(m["embed"] - by_hand)
+    assert (error <= step + 1e-5).all() and (error <= step / 2 + 1e-5).mean() > 0.95
+    mx = pytest.importorskip("mlx.core")
+    wq, scales, biases = mx.quantize(mx.array(by_hand), group_size=G, bits=4)
+    # MLX's rounding of the merged floats (computed here in float32 by hand) gives the same words
+    np.testing.assert_array_equal(np.asarray(new["q"]), np.array(wq))
+    np.testing.assert_allclose(np.asarray(new["scales"]), np.array(scales), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(new["biases"]), np.array(biases), rtol=1e-6)
+
+
+def test_requantize_refuses_a_float_base_and_a_table_other_views_read():
+    float_base = st.add_lora(_params(), "embed", rank=R, key=jax.random.key(0))
+    with raises("E208", "'embed'", "float buffer"):
+        st.merge_lora(float_base, requantize=True)
+    tree = _packed_tree()
+    tree["probe"] = st.Tied(
+        {n: f"packed/{n}" for n in ("q", "scales", "biases")}, st.dequantize(4, G) >> st.T
+    )
+    out = st.add_lora(tree, "embed", rank=R, key=jax.random.key(0))
+    with raises("E208", "'embed'", "'params/probe'"):
+        st.merge_lora(out, requantize=True)
+    with raises("E208", "requantize="):
+        st.merge_lora(out, requantize="yes")

@@ -27,8 +27,8 @@ pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 from benchmarks import models as M  # noqa: E402
+from benchmarks import quantized, several, suite, views  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
-from benchmarks import several, suite, views  # noqa: E402
 
 SIZE = 16  # materialized leaves: 8 layers, 2 of them tied
 EAGER = 40
@@ -93,6 +93,21 @@ def test_views_of_several_buffers_agree_with_the_models_by_hand():
     dots = sec.info[several.LM_NAME]["forward dot_generals"]
     layers = several.LMDims.quick().layers
     assert dots[several.ST_TREE] == 1 + 8 * layers + 1  # a @ b once, 8 per layer, the head
+
+
+def test_quantized_ties_agree_by_hand_and_the_lookup_makes_no_float_table():
+    # the packed lookup and head against the same computation written by hand (asserted as
+    # they are made), then the compiler's own memory figures: a lookup from the packed table
+    # allocates nothing the size of the table (XLA fuses the unpacking into the gather)
+    dims = quantized.Dims.quick()
+    sec = quantized.quantized_section(dims)
+    assert len(sec.checks) == 3 and all(c["ok"] for c in sec.checks)
+    memory = sec.info["compiled memory"]
+    table = dims.vocab * dims.width * 4
+    assert memory["lookup"][quantized.PACKED]["temp_bytes"] < table // 16
+    assert memory["head"][quantized.PACKED]["temp_bytes"] >= table  # the float table, once
+    sizes = sec.info["checkpoint bytes"]
+    assert sizes[quantized.PACKED] < sizes[quantized.FLOAT] / 5
 
 
 def test_a_table_computed_once_per_view_fails_the_product_count(monkeypatch):

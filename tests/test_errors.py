@@ -936,3 +936,9 @@ def test_207_quantize_of_a_group_holding_nan():
     w[2, 70] = np.nan
     with raises("E207", "row 2 group 1 (columns 64:128)", "NaN"):
         st.quantize(w, 4, 64)
+
+
+def test_208_merge_lora_requantize_of_a_float_base():
+    out = st.add_lora({"w": np.ones((2, 32), np.float32)}, "w", rank=1, key=jax.random.key(0))
+    with raises("E208", "'w'", "float buffer"):
+        st.merge_lora(out, requantize=True)
