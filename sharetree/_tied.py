@@ -123,6 +123,33 @@ class Tied:
             return (_rebuild, (self.ref, self.transform, self.up))
         return (_rebuild_named, (self.refs, self.transform))
 
+    def _not_a_value(self, use: str) -> Any:
+        """E240: a ``Tied`` reached code that wanted its value (a layer, ``jnp``, NumPy)."""
+        problem = f"was {use}, but a Tied stands for a value it does not hold"
+        fix = (
+            "call st.materialize(tree) on the model or tree (inside the step, under "
+            "jit/grad/scan) and pass what it returns to the layer"
+        )
+        raise error("E240", f"{self!r}", problem, expected="an array", found="a Tied", fix=fix)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._not_a_value("indexed")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._not_a_value("converted to a NumPy array")
+
+    def __jax_array__(self) -> Any:
+        return self._not_a_value("converted to a JAX array")
+
+    def _operand(self, other: Any) -> Any:
+        return self._not_a_value("an operand of an array operation")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _operand
+    __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = __pow__ = __rpow__ = _operand
+
+    def __neg__(self) -> Any:
+        return self._not_a_value("an operand of an array operation")
+
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Treescope rendering: ref and transform, coloured like the buffer it refers to."""
         return DISPLAY["tied_treescope"](self, path, subtree_renderer)

@@ -1,4 +1,8 @@
-"""Flax NNX integration: ``split(model, *filters, ties=...)``, ``merge`` and ``update``.
+"""Flax NNX integration: ``tie`` a module in place, ``split(model, *filters, ties=...)``, ``merge``.
+
+``tie`` puts each ``Tied`` into its Variable (the kind and metadata stay), for graph and
+tree mode (``nnx.set_graph_mode(False)``); ``split`` / ``merge`` / ``update`` are graph mode's
+``nnx.split`` / ``nnx.merge`` / ``nnx.update`` with ties in the state.
 
 Import it explicitly (``import sharetree`` never needs flax); see
 docs/integrations.md, "Flax NNX".
@@ -31,10 +35,11 @@ from sharetree._paths import (
     prefixes,
 )
 from sharetree._resolve import nodes_at, structure_of
-from sharetree._tie import tie, tie_entries
+from sharetree._tie import tie as tie_tree
+from sharetree._tie import tie_entries
 from sharetree._tied import Tied
 
-__all__ = ["GraphDef", "split", "merge", "update"]
+__all__ = ["GraphDef", "split", "merge", "update", "tie"]
 
 _TIES_FIX = "split(model, ties={'dec/kernel': st.Tied('enc/kernel', st.T)})"
 
@@ -125,13 +130,15 @@ class _StateTie(NamedTuple):
     tied: Tied
 
 
-def _rooted(path: Path, t: Tied, where: Mapping[Path, int]) -> dict[str | None, Path]:
+def _rooted(
+    path: Path, t: Tied, where: Mapping[Path, Any], fn: str = "split"
+) -> dict[str | None, Path]:
     """Each ref of the tie at ``path`` as a path from the root (``"value"`` stripped), or E163."""
     out = {}
     for name, ref in t.refs:
         rooted = from_root(path, Ref(_strip_value(ref.keys, where), ref.up))
         if rooted is None:  # a climb past the root
-            at = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
+            at = f"sharetree.nnx.{fn}: the tie {path_str(path)!r} <- {t!r}"
             at += "" if name is None else f", input {name!r}"
             raise error("E163", at, f"climbs {ref.up} levels", fix="climb fewer levels")
         out[name] = rooted
@@ -263,7 +270,7 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
             state = nnx.from_flat_state(flat + extra)
         if per_state[i]:
             try:
-                state = tie(state, per_state[i], check=check)
+                state = tie_tree(state, per_state[i], check=check)
             except TieError as e:
                 add_context(e, f"in sharetree.nnx.split, state {i}")
                 raise
@@ -342,3 +349,141 @@ def update(model: Any, graphdef: GraphDef, *states: Any) -> None:
         Array([1., 1.], dtype=float32)
     """
     nnx.update(model, *_to_nnx(graphdef, states)[1:])
+
+
+def _variables_at(model: Any) -> dict[RawPath, Any]:
+    """The Variable object at every path (NNX keys) of the model, shared ones at each path."""
+    found: dict[RawPath, Any] = {}
+
+    def visit(node: Any, path: RawPath, ancestors: frozenset[int]) -> None:
+        impl = graphlib.get_node_impl(node)
+        if impl is None:
+            return
+        for key, child in impl.node_dict(node).items():
+            if isinstance(child, nnx.Variable):
+                found[(*path, key)] = child
+            elif graphlib.is_node(child) and id(child) not in ancestors:
+                visit(child, (*path, key), ancestors | {id(child)})
+
+    visit(model, (), frozenset({id(model)}))
+    return dict(sorted(found.items(), key=lambda e: _str_path(e[0])))
+
+
+def _attribute_paths(paths: Collection[Path], limit: int = 8) -> str:
+    """The module's Variable paths as a fix lists them: ``'enc/kernel', ... (12 in all)``."""
+    shown = sorted(map(path_str, paths))
+    more = f", ... ({len(shown)} in all)" if len(shown) > limit else ""
+    return ", ".join(map(repr, shown[:limit])) + more
+
+
+def _in_module(path: Path, what: str, named: str, variables: Collection[Path]) -> None:
+    """E241 unless ``path`` names a Variable or a submodule holding Variables."""
+    if path in node_paths(variables):
+        return
+    near = closest(path_str(path), map(path_str, node_paths(variables)))
+    fix = f"name a Variable or submodule by its attribute path: {_attribute_paths(variables)}"
+    problem = f"{what} {path_str(path)!r}, which is no Variable or submodule of the module; {near}"
+    raise error("E241", named, problem, fix=fix)
+
+
+def _variable_ties(
+    target: Path, t: Tied, variables: Mapping[Path, Any], named: str
+) -> dict[Path, Tied]:
+    """The tie of a Variable or submodule as ties of each Variable's ``value`` leaf."""
+    refs = _rooted(target, t, variables, "tie")
+    _in_module(target, "names", named, variables)
+    for name, ref in refs.items():
+        _in_module(ref, "refers to" if name is None else f"has input {name!r} at", named, variables)
+
+    def under(p: Path) -> list[Path]:
+        return sorted(v[len(p) :] for v in variables if v[: len(p)] == p)
+
+    inner = under(target)
+    for ref in refs.values():
+        if (theirs := under(ref)) != inner:
+            miss = sorted(set(inner) ^ set(theirs))[0]
+            mine, at = (target, ref) if miss in inner else (ref, target)
+            what = f"{path_str(mine + miss)!r} has no counterpart {path_str(at + miss)!r}"
+            fix = "tie modules of one layout (the same Variable paths below both), or each Variable"
+            raise error(
+                "E242", named, "ties submodules that hold different Variables", found=what, fix=fix
+            )
+    out = {}
+    for rel in inner:
+        value = {n: r + rel + ("value",) for n, r in refs.items()}
+        tied = Tied(value[None], t.transform) if t.inputs is None else Tied(value, t.transform)  # type: ignore[arg-type]
+        out[target + rel + ("value",)] = tied
+    return out
+
+
+def tie(model: Any, ties: TieMap, *, check: bool = True, atol: float | None = None) -> Any:
+    """Tie Variables of an NNX module in place: each tied Variable keeps its kind and metadata.
+
+    The ``Tied`` goes *into* the Variable (``Param(value=Tied('enc/kernel/value', T))``), so a
+    ``Param`` stays a ``Param`` with its own metadata (partition names, ...): ``nnx.state``,
+    ``nnx.split`` / ``nnx.merge``, ``wrt=nnx.Param`` filters, ``nnx.Optimizer`` (one state per
+    buffer) and Orbax see the tie, in graph mode and in tree mode (``nnx.set_graph_mode(False)``).
+    Call :func:`sharetree.materialize` on the module inside the step, before calling it.
+
+    Args:
+        model: an NNX module.
+        ties: ``{target: ref or Tied(ref, transform)}`` with attribute paths as NNX prints
+            them (``"dec/kernel"``; a trailing ``/value`` is accepted). A path naming a
+            submodule ties each Variable below it to the one at the same place below the
+            ref (``{"block_1": "block_0"}``).
+        check: require each view to have the shape and dtype of the Variable's value it
+            replaces.
+        atol: as for :func:`sharetree.tie`: ``None`` drops the replaced values unseen; a
+            number requires them to equal the view within ``atol``.
+
+    Returns:
+        ``model`` itself, tied (the same object, for chaining).
+
+    Raises:
+        TieError: a path that names no Variable or submodule (E241), submodules of other
+            layouts (E242), a target Variable the model holds in several places (E243), or
+            what :func:`sharetree.tie` refuses (a shape or dtype that differs, a cycle, ...);
+            nothing is changed then.
+
+    Example:
+        >>> import jax.numpy as jnp, sharetree as st, sharetree.nnx
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> tied = st.nnx.tie(model, {"bias": st.Tied("kernel", st.index(0))})
+        >>> type(tied.bias).__name__, tied.bias.get_raw_value()
+        ('Param', Tied('kernel/value', index(0)))
+        >>> bool(jnp.all(st.materialize(model).bias[...] == model.kernel[0]))
+        True
+    """
+    if graphlib.get_node_impl(model) is None or isinstance(model, nnx.Variable):
+        fix = "pass an NNX module; for an nnx.State or another pytree use st.tie"
+        raise wrong_type("E69", "sharetree.nnx.tie(model, ties)", "an NNX module", model, fix)
+    check_mapping(ties, "E69", "sharetree.nnx.tie: ties=", "a mapping {target: ref}", _TIES_FIX)
+    held = _variables_at(model)
+    variables = {_str_path(r): v for r, v in held.items()}
+    value_ties: dict[Path, Tied] = {}
+    for path, t in tie_entries(ties).items():
+        target = _strip_value(path, variables)
+        named = f"sharetree.nnx.tie: the tie {path_str(target)!r} <- {t!r}"
+        value_ties.update(_variable_ties(target, t, variables, named))
+    paths_of: dict[int, list[Path]] = {}
+    for p, v in variables.items():
+        paths_of.setdefault(id(v), []).append(p)
+    for p in value_ties:
+        if len(others := paths_of[id(variables[p[:-1]])]) > 1:
+            named = f"sharetree.nnx.tie: the tie {path_str(p[:-1])!r} <- {value_ties[p]!r}"
+            found = "one Variable object at " + ", ".join(repr(path_str(o)) for o in others)
+            fix = "build the model with a Variable at each place, then tie them"
+            raise error(
+                "E243", named, "ties a Variable held in several places", found=found, fix=fix
+            )
+    state = nnx.from_flat_state(list(held.items()))
+    try:
+        tied = tie_tree(state, value_ties, check=check, atol=atol)
+    except TieError as e:
+        add_context(e, "in sharetree.nnx.tie (the module is unchanged)")
+        raise
+    for p in value_ties:
+        (node,) = nodes_at(tied, p)
+        variables[p[:-1]].set_raw_value(node)
+    return model

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import sharetree
+import sharetree.equinox
 import sharetree.flax
 import sharetree.nnx
 
@@ -41,6 +42,7 @@ def _public_names() -> list[str]:
         [f"sharetree.{n}" for n in sharetree.__all__]
         + [f"sharetree.flax.{n}" for n in sharetree.flax.__all__]
         + [f"sharetree.nnx.{n}" for n in sharetree.nnx.__all__]
+        + [f"sharetree.equinox.{n}" for n in sharetree.equinox.__all__]
     )
 
 

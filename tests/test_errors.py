@@ -942,3 +942,73 @@ def test_208_merge_lora_requantize_of_a_float_base():
     out = st.add_lora({"w": np.ones((2, 32), np.float32)}, "w", rank=1, key=jax.random.key(0))
     with raises("E208", "'w'", "float buffer"):
         st.merge_lora(out, requantize=True)
+def test_240_a_tied_used_as_a_value():
+    t = st.Tied("enc/kernel", st.T)
+    for use, what in [
+        (lambda: t[...], "indexed"),
+        (lambda: jnp.ones(3) @ t, "converted to a JAX array"),
+        (lambda: np.asarray(t), "NumPy array"),
+        (lambda: t * 2, "operand"),
+    ]:
+        with raises("E240", "Tied('enc/kernel', T)", what, "found a Tied", "st.materialize"):
+            use()
+
+
+def _nnx_ae():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class AE(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.Linear(4, 2, rngs=rngs)
+            self.dec = nnx.Linear(2, 4, use_bias=False, rngs=rngs)
+
+    return nnx, AE(nnx.Rngs(0))
+
+
+def test_241_nnx_tie_path_not_in_the_module():
+    _, model = _nnx_ae()
+    import sharetree.nnx
+
+    paths = "'dec/kernel', 'enc/bias', 'enc/kernel'"
+    with raises("E241", "'dec/kernel'", "'enc/kernal'", "closest", "'enc/kernel'", paths):
+        sharetree.nnx.tie(model, {"dec/kernel": st.Tied("enc/kernal", st.T)})
+    with raises("E241", "'dec/kernl'", "'dec/kernel'", paths):
+        sharetree.nnx.tie(model, {"dec/kernl": st.Tied("enc/kernel", st.T)})
+
+
+def test_242_nnx_tie_of_submodules_of_other_layouts():
+    _, model = _nnx_ae()
+    import sharetree.nnx
+
+    with raises("E242", "'dec' <- Tied('enc')", "'enc/bias' has no counterpart 'dec/bias'"):
+        sharetree.nnx.tie(model, {"dec": "enc"})
+
+
+def test_243_nnx_tie_of_a_variable_held_in_several_places():
+    nnx, model = _nnx_ae()
+    import sharetree.nnx
+
+    model.other = nnx.Linear(2, 4, use_bias=False, rngs=nnx.Rngs(1))
+    model.other.kernel = model.dec.kernel  # one Variable object, two places
+    with raises("E243", "'dec/kernel'", "'other/kernel'", "a Variable at each place"):
+        sharetree.nnx.tie(model, {"dec/kernel": st.Tied("enc/kernel", st.T)})
+
+
+def test_250_from_shared_of_a_tree_without_shared():
+    pytest.importorskip("equinox")
+    import sharetree.equinox
+
+    with raises("E250", "from_shared", "eqx.nn.Shared", "found dict", cls=st.TieTypeError):
+        sharetree.equinox.from_shared({"w": W})
+
+
+def test_251_from_shared_of_a_get_that_is_no_view():
+    eqx = pytest.importorskip("equinox")
+    import sharetree.equinox
+
+    pair = (eqx.nn.Linear(3, 2, key=jax.random.key(0)), eqx.nn.Linear(3, 2, key=jax.random.key(1)))
+    shared = eqx.nn.Shared(pair, lambda p: p[1].weight, lambda p: jnp.sin(p[0].weight))
+    with raises("E251", "'1/weight'", "sin", "jnp.transpose"):
+        sharetree.equinox.from_shared(shared)
+
+

@@ -34,6 +34,7 @@ TINY = {
     ],
     "equinox_tied_autoencoder.py": ["--steps", "3", "--din", "8", "--latent", "2"],
     "nnx_tied_autoencoder.py": ["--steps", "3", "--din", "8", "--latent", "2"],
+    "nnx_tree_mode_stack.py": ["--steps", "3", "--din", "8", "--latent", "2", "--layers", "2"],
 }
 
 DRIVER = r"""
