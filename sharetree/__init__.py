@@ -11,6 +11,7 @@ from sharetree._grad_report import GradReport, grad_report
 from sharetree._labels import label_by_path, mask_by_path
 from sharetree._load import load
 from sharetree._materialize import materialize
+from sharetree._mlx import save_mlx
 from sharetree._report import Buffer, SharingGraph, View, ViewInput, canonicalize
 from sharetree._save import save
 from sharetree._sharding import shardings_by_path
@@ -81,6 +82,7 @@ __all__ = [
     "quantize",
     "reshape",
     "save",
+    "save_mlx",
     "scale",
     "shardings_by_path",
     "slice",

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from sharetree._display import summary
 from sharetree._errors import TieError, add_context, bounded, error, one_line
-from sharetree._foreign import metadata_ties
+from sharetree._foreign import checkpoint_readers
 from sharetree._format import KEY_LIBRARY, KEY_VERSION
 from sharetree._load import read_contents
 from sharetree._materialize import leaves_and_structure
@@ -21,6 +21,7 @@ from sharetree._paths import key_str
 from sharetree._report import SharingGraph
 from sharetree._safetensors import PathOrStr, Reader, file_path
 from sharetree._save import save
+from sharetree._suggest import suggest_ties
 from sharetree._tables import check_max_rows, format_bytes, more_line, printable, text_table
 from sharetree._transforms import identity, is_described
 
@@ -81,11 +82,15 @@ def _parser() -> _Parser:
     demo.set_defaults(run=functools.partial(_demo, demo))  # its errors name the command
     inspect = sub.add_parser(
         "inspect",
-        help="print the sharing graph of a checkpoint saved by sharetree.save",
+        help="print the sharing graph of a checkpoint, or the ties another tool's shows",
         description="Print the sharing graph (buffers, views, unique vs expanded counts and "
-        "bytes) of a checkpoint written by sharetree.save. Runs no code from the file.",
+        "bytes) of a checkpoint written by sharetree.save; for a safetensors file or "
+        "save_pretrained directory another tool wrote, its tensors and the ties it shows, "
+        "with the ties= to pass to sharetree.load. Runs no code from the file.",
     )
-    inspect.add_argument("file", metavar="FILE", help="the checkpoint (.safetensors)")
+    inspect.add_argument(
+        "file", metavar="FILE_OR_DIR", help="the checkpoint (.safetensors, or a directory)"
+    )
     inspect.add_count("--max-rows", "N", 1, 50, "rows per table before cutting")
     inspect.set_defaults(run=functools.partial(_inspect, inspect))
     return parser
@@ -121,8 +126,6 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     path = args.file
     if not os.path.exists(path):
         parser.error(f"no such file: {path!r}")
-    if os.path.isdir(path):
-        parser.error(f"{path!r} is a directory, not a checkpoint file")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -151,29 +154,19 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         >>> print(describe(path).splitlines()[1])
         sharing graph: 1 buffer, 1 view
     """
-    path = file_path(path, "inspect")
     check_max_rows(max_rows, "inspect")
+    path = file_path(path, "inspect")
+    if os.path.isdir(path):
+        return _describe_foreign(path, checkpoint_readers(path), max_rows)
     try:
         size = os.path.getsize(path)
     except OSError as e:
         what, fix = f"cannot read {path!r}", "give the path of a readable .safetensors file"
         raise error("E37", "inspect:", what, found=one_line(e), fix=fix) from e
-    reader = Reader(path, "inspect")  # a directory, a pipe or a device: a TieError
+    reader = Reader(path, "inspect")  # a pipe or a device: a TieError
     meta = reader.metadata
     if KEY_VERSION not in meta:
-        infos = list(reader.infos.values())
-        data = sum(info.nbytes for info in infos)
-        ties = metadata_ties(meta, reader.infos)  # restored by load, unasked
-        said = ", ".join(f"{printable(k)} <- {printable(v)}" for k, v in list(ties.items())[:5])
-        head = (
-            f"{path}: {size:,} bytes; a safetensors file not written by sharetree (no "
-            f"{KEY_VERSION!r} metadata): {len(infos):,} tensors, "
-            f"{format_bytes(data)} of tensor data, "
-            + (f"{len(ties):,} tie(s) in its metadata: {said}" if ties else "no ties recorded")
-        )
-        rows = [f"  {printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
-        more = more_line(len(infos), max_rows, "tensors")
-        return "\n".join([head, *rows, *(["  " + more] if more else [])])
+        return _describe_foreign(path, [reader], max_rows, size)
     contents = read_contents(reader, describe=True)  # fn and unknown transforms: stand-ins
     try:
         leaves, structure = leaves_and_structure(contents.tree)
@@ -197,6 +190,38 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
     if contents.keys:
         notes.append(f"note: {len(contents.keys):,} buffer(s) hold PRNG key data (uint32)")
     return "\n".join([head, text, *_inputs_table(graph, max_rows), *notes])
+
+
+def _describe_foreign(
+    path: str, readers: list[Reader], max_rows: int, size: int | None = None
+) -> str:
+    """A checkpoint another tool wrote: its tensors, and the ties it shows with their ``ties=``."""
+    infos = [info for r in readers for info in r.infos.values()]
+    data = sum(info.nbytes for info in infos)
+    where = f"{size:,} bytes" if size is not None else f"a directory of {len(readers)} file(s)"
+    head = (
+        f"{path}: {where}; a checkpoint not written by sharetree (no {KEY_VERSION!r} "
+        f"metadata): {len(infos):,} tensors, {format_bytes(data)} of tensor data"
+    )
+    rows = [f"  {printable(i.name)}  {i.code}{list(i.shape)}" for i in infos[:max_rows]]
+    more = more_line(len(infos), max_rows, "tensors")
+    lines = [head, *rows, *(["  " + more] if more else [])]
+    seen = suggest_ties(readers, path)
+    if not seen:
+        return "\n".join([*lines, "ties it shows: none"])
+    lines.append(f"ties it shows ({len(seen)}):")
+    for t in seen[:max_rows]:
+        shown = "" if t.transform == identity else f" ({printable(repr(t.transform))})"
+        lines.append(f"  {printable(t.target)} <- {printable(t.ref)}{shown}: {t.why}")
+    more = more_line(len(seen), max_rows, "ties")
+    lines += ["  " + more] if more else []
+    asked = [t for t in seen if not t.recorded]
+    if asked:
+        code = ", ".join(printable(t.code()) for t in asked)
+        lines.append(f"load it tied: st.load({printable(repr(path))}, ties={{{code}}})")
+    else:
+        lines.append("st.load restores these ties unasked (its metadata records them)")
+    return "\n".join(lines)
 
 
 def _inputs_table(graph: SharingGraph, max_rows: int) -> list[str]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ from sharetree._compare import Copies, check_atol, check_copies, kind, kinds_dif
 from sharetree._errors import TieError, add_context, check_mapping, error, one_line, short
 from sharetree._format import KEY_VERSION
 from sharetree._materialize import abstract_expanded, leaf_view, leaves_and_structure
+from sharetree._mlx import INDEX_FILE, SINGLE_FILE, MlxConfig, mlx_tree, read_config
 from sharetree._paths import closest, format_aval
 from sharetree._safetensors import (
     CODES,
@@ -38,13 +40,7 @@ from sharetree._transforms import (
     view_axis_names,
 )
 
-__all__ = ["load_foreign", "metadata_ties", "SINGLE_FILE", "INDEX_FILE"]
-
-SINGLE_FILE = "model.safetensors"
-"""The weights file of a ``save_pretrained`` directory."""
-
-INDEX_FILE = "model.safetensors.index.json"
-"""The index of a sharded ``save_pretrained`` directory (``weight_map``: tensor -> shard)."""
+__all__ = ["load_foreign", "metadata_ties", "checkpoint_readers", "SINGLE_FILE", "INDEX_FILE"]
 
 _MAX_INDEX_BYTES = 64 << 20  # an index names tensors and files; anything larger is not one
 _TIES = "pass ties={'lm_head.weight': 'model.embed_tokens.weight'} (transformers 5: ties="
@@ -108,14 +104,48 @@ def _readers(path: str, reader: Reader | None = None) -> list[Reader]:
     single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
     where = f"load: the directory {path!r}"
     if os.path.isfile(single) and os.path.isfile(index):
-        both = f"holds both {SINGLE_FILE!r} and {INDEX_FILE!r}"
-        raise error("E47", where, both, fix="remove the stale one, or load the file itself")
-    readers = [Reader(single)] if os.path.isfile(single) else _shards(path, index)
+        readers = [_single_with_index(where, single, index)]
+    else:
+        readers = [Reader(single)] if os.path.isfile(single) else _shards(path, index)
     for r in readers:  # as a state dict, a file st.save wrote would lose its tree and ties
         if KEY_VERSION in r.metadata:
             ours = f"holds {os.path.basename(r.path)!r}, written by st.save"
             raise error("E53", where, ours, fix=f"load the file itself: st.load({r.path!r})")
     return readers
+
+
+def _single_with_index(where: str, single: str, index: str) -> Reader:
+    """``model.safetensors`` beside an index that names its tensors exactly, in it (``mlx_lm``).
+
+    ``mlx_lm`` writes the index even for one file; an index that names another file, or
+    other tensors, contradicts the file: E47.
+    """
+    reader, weight_map = Reader(single), _weight_map(index)
+    both = f"holds both {SINGLE_FILE!r} and {INDEX_FILE!r}"
+    if not isinstance(weight_map, dict):
+        found = f"{INDEX_FILE!r} has no 'weight_map' object"
+    elif others := sorted({str(v) for v in weight_map.values()} - {SINGLE_FILE}):
+        found = f"the index names the shard(s) {short(others, 200)}"
+    elif weight_map.keys() != reader.infos.keys():
+        only_index = sorted(weight_map.keys() - reader.infos.keys())
+        only_file = sorted(reader.infos.keys() - weight_map.keys())
+        found = (
+            f"tensors only in the index: {short(only_index[:5], 200) if only_index else 'none'}; "
+        )
+        found += f"only in the file: {short(only_file[:5], 200) if only_file else 'none'}"
+    else:
+        return reader
+    fix = "remove the stale one, or load the file itself"
+    raise error("E47", where, f"{both}, which disagree", found=found, fix=fix)
+
+
+def checkpoint_readers(path: str) -> list[Reader]:
+    """The safetensors files of a checkpoint other tools wrote: a file or a directory.
+
+    A ``save_pretrained`` directory's ``model.safetensors``, or its shards checked against
+    their index; a file sharetree wrote inside a directory is refused (load it itself).
+    """
+    return _readers(path)
 
 
 def _shards(path: str, index: str) -> list[Reader]:
@@ -229,8 +259,17 @@ def _apply_ties(
     }
     for dropped, kept in file_ties.items():
         reversed_ = kept in asked and asked[kept].ref == (dropped,)
+        given_other = dropped in asked and asked[dropped] != Tied((kept,))
+        if given_other or (reversed_ and asked[kept].transform != identity):
+            given = f"{dropped!r} <- {asked[dropped]!r}" if dropped in asked else ""
+            given = given or f"{kept!r} <- {asked[kept]!r}"
+            where = f"load {label}: ties= {given}"
+            problem = f"contradicts the file's own tie {dropped!r} <- {kept!r} (its metadata: "
+            problem += "one tensor stored for both names, equal by construction)"
+            fix = f"drop {given.split(' <- ')[0]} from ties=, or tie it as the file does"
+            raise error("E261", where, problem, fix=fix)
         if dropped not in asked and not reversed_:
-            tree[dropped] = Tied((kept,))  # the file's own tie, unless ties= says otherwise
+            tree[dropped] = Tied((kept,))  # the file's own tie
     try:
         out = tie(tree, compare, check=False)
         views = abstract_expanded(out)  # every view computes (shapes of absent targets included)
@@ -310,12 +349,81 @@ def _check_copies(
             check_copies(c, copies[name].place(view.sharding), view, atol, on_devices=True)
 
 
-def metadata_ties(metadata: Mapping[str, str], names: Container[str]) -> dict[str, str]:
-    """The ``{dropped: kept}`` entries of safetensors metadata, as ``save_model`` writes them.
+def metadata_ties(metadata: Mapping[str, str], tensors: Mapping[str, Any]) -> dict[str, str]:
+    """The ``{removed: kept}`` ties safetensors metadata records, as ``save_model`` writes them.
 
-    ``format`` is the framework (``"pt"``), never a tensor name, even if a tensor is named so.
+    ``tensors``: the file's tensors by name (each with a ``shape`` and a ``dtype`` or a
+    dtype ``code``). An entry is read as a tie when its key or value is a tensor of the
+    file, or both look like its tensor names (a dotted name sharing its first or last part
+    with one, ``lm_head.weight``); other entries are plain metadata (``format``, the
+    framework, never a tie). A recorded tie that cannot be honoured is E260: the kept
+    tensor missing, the removed name stored too, or entries that lead round in a cycle.
+
+    Example:
+        >>> import numpy as np
+        >>> held = {"embed.weight": np.zeros((4, 2))}
+        >>> metadata_ties({"format": "pt", "head.weight": "embed.weight"}, held)
+        {'head.weight': 'embed.weight'}
     """
-    return {k: v for k, v in metadata.items() if k != "format" and k not in names and v in names}
+    # in sorted order: a file's metadata has no order of its own (safetensors hashes it)
+    items = sorted(metadata.items())
+    entries = {k: v for k, v in items if k != "format" and _tie_like(k, v, tensors)}
+    out: dict[str, str] = {}
+    for removed, kept in entries.items():
+        where = f"load: the tie {removed!r} <- {kept!r} the file's safetensors metadata records"
+        fix = "save the model again (safetensors.torch.save_model writes these entries)"
+        if removed in tensors:
+            found = f"{removed!r} {_aval_of(tensors[removed])} stored too"
+            if kept in tensors:
+                found += f", beside {kept!r} {_aval_of(tensors[kept])}"
+            problem = "names as removed (stored once, under the kept name) a tensor the file holds"
+            raise error("E260", where, problem, found=found, fix=fix)
+        seen = [removed, kept]
+        while kept not in tensors and kept in entries and kept not in seen[:-1]:
+            kept = entries[kept]  # a chain of removed names ends at the stored one
+            seen.append(kept)
+        if kept in seen[:-1]:
+            cycle = " <- ".join(map(repr, seen))
+            problem = "forms a cycle: no name of it is stored"
+            raise error("E260", where, problem, found=cycle, fix=fix)
+        if kept not in tensors:
+            found = f"no tensor {kept!r}; {closest(kept, set(tensors))}"
+            raise error("E260", where, "keeps a tensor the file lacks", found=found, fix=fix)
+        out[removed] = kept
+    return out
+
+
+_NAME = re.compile(r"[\w\-]+(\.[\w\-]+)+")
+
+
+def _tie_like(key: str, value: Any, tensors: Mapping[str, Any]) -> bool:
+    """Whether a metadata entry is meant as a tie.
+
+    It is when it keeps a tensor of the file, or when each of its names is a tensor or
+    looks like one (a dotted name sharing its first or last part with a tensor's).
+    """
+    if not isinstance(value, str):
+        return False
+    if value in tensors and key not in tensors:  # as save_model writes it
+        return True
+    firsts = {n.split(".", 1)[0] for n in tensors}
+    lasts = {n.rsplit(".", 1)[-1] for n in tensors if "." in n}
+
+    def named(x: str) -> bool:
+        if x in tensors:
+            return True
+        return _NAME.fullmatch(x) is not None and (
+            x.split(".", 1)[0] in firsts or x.rsplit(".", 1)[-1] in lasts
+        )
+
+    return named(key) and named(value)
+
+
+def _aval_of(tensor: Any) -> str:
+    """``float32[4, 2]`` of a file's tensor (a ``Tensor``, or a header's ``TensorInfo``)."""
+    dtype = getattr(tensor, "dtype", None)
+    name = np.dtype(dtype).name if dtype is not None else str(getattr(tensor, "code", "?"))
+    return f"{name}[{', '.join(map(str, tensor.shape))}]"
 
 
 def _tensor(reader: Reader, name: str) -> Tensor:
@@ -351,6 +459,9 @@ def load_foreign(
     if atol is not None and ties is None:
         fix = "pass ties={'lm_head.weight': 'model.embed_tokens.weight'} too, or drop atol"
         raise error("E60", f"load: atol={short(atol, 40)} without ties= for {label}", fix=fix)
+    mlx = read_config(path) if os.path.isdir(path) else None
+    if mlx is not None:
+        return _load_mlx(label, foreign, readers, mlx, ties, atol, shardings)
     atol = 0.0 if atol is None else check_atol(atol, "load")
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: _tensor(r, name) for r in readers for name in r.infos}
@@ -371,4 +482,35 @@ def load_foreign(
         said += f"; tied as asked (ties=): {shown}"
     note = error("E142", f"load: {label}", f"{foreign}: {said}", fix="" if asked else _UNTIED)
     warnings.warn(str(note), stacklevel=3)
+    return tree
+
+
+def _load_mlx(
+    label: str,
+    foreign: str,
+    readers: list[Reader],
+    config: MlxConfig,
+    ties: Any,
+    atol: float | None,
+    shardings: Any,
+) -> dict[str, Any]:
+    """An MLX directory whose ``config.json`` quantizes it: its packed layers and their views."""
+    if atol is not None:
+        where = f"load: atol={short(atol, 40)} for {label}"
+        problem = "compares a tie's copies, and an MLX directory stores a tied head once"
+        raise error("E214", where, problem, fix="drop atol")
+    asked = None if ties is None else _parse_ties(ties)
+    tensors = {name: _tensor(r, name) for r in readers for name in r.infos}
+    file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
+    made = mlx_tree(label, tensors, config, asked, file_ties)
+    tree = read_tree(label, made.tree, shardings)
+    n = f"{len(readers)} files" if len(readers) > 1 else "one file"
+    sizes = sorted({(q.bits, q.group_size) for q in made.layers.values()})
+    said = f"loaded as a flat dict from {n} with {config.path!r}: {len(made.layers)} quantized "
+    said += "layers, each {'q', 'scales', 'biases'} under its name and its float '<name>.weight' "
+    said += f"a dequantize view (bits, group_size: {', '.join(map(str, sizes)) or 'none'})"
+    if made.ties:
+        shown = ", ".join(f"{k!r} <- {v!r}" for k, v in made.ties.items())
+        said += f"; tied {shown}" + (" (tie_word_embeddings)" if ties is None else " (ties=)")
+    warnings.warn(str(error("E142", f"load: {label}", f"{foreign}: {said}")), stacklevel=5)
     return tree

@@ -65,7 +65,11 @@ def load(
 
     Buffers come back as NumPy arrays, or on devices with ``shardings``. A file
     or directory that sharetree did not write (a PyTorch or Hugging Face
-    checkpoint) loads as a flat dict ``{tensor name: array}`` with a warning.
+    checkpoint) loads as a flat dict ``{tensor name: array}`` with a warning;
+    a directory in MLX's quantized layout (``config.json`` with
+    ``quantization``) has each packed layer ``{"q", "scales", "biases"}`` under
+    its name, its ``<name>.weight`` a ``dequantize`` view, and the tied head
+    the same view of the embedding (write it back with :func:`save_mlx`).
     Nothing the file names is imported or called. Details:
     ``docs/saving_and_scaling.md``.
 

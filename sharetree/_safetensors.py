@@ -41,7 +41,9 @@ __all__ = [
     "TensorInfo",
     "read_tree",
     "atomic_write",
+    "create_temp",
     "file_path",
+    "replaced_mode",
     "unique_pairs",
 ]
 
@@ -370,14 +372,34 @@ def _serialize_file(
     save_file(tensors, filename, metadata=metadata)
 
 
-def _create_temp(directory: str, base: str) -> str:
-    """Create a new file next to the target with mode ``0o666``, which the kernel masks."""
-    for _ in range(100):
-        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+def create_temp(directory: str, base: str, token: str | None = None) -> str:
+    """Create a new file ``.{base}.{token}.tmp`` in ``directory``, mode ``0o666`` less the umask.
+
+    ``token``: the hex token of its name (a fresh random one by default).
+    """
+    for _ in range(1 if token else 100):
+        tmp = os.path.join(directory, f".{base}.{token or secrets.token_hex(6)}.tmp")
         with contextlib.suppress(FileExistsError):
             os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
             return tmp
     raise FileExistsError(f"cannot create a temporary file in {directory!r}")  # pragma: no cover
+
+
+def replaced_mode(path: str, target: str) -> int | None:
+    """The mode of the file ``target`` (``path`` resolved) that a save replaces, ``None`` if none.
+
+    Raises:
+        PermissionError: the file is read-only (as ``open(path, "wb")`` refuses).
+    """
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not os.access(target, os.W_OK):
+        raise PermissionError(
+            errno.EACCES, f"cannot write {path!r}: the file is read-only (left as it was)"
+        )
+    return mode
 
 
 def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
@@ -387,16 +409,9 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
     """
     target = os.path.realpath(path)  # through a symlink: the link stays, its target is replaced
     directory = os.path.dirname(target)
+    mode = replaced_mode(path, target)
     try:
-        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and not os.access(target, os.W_OK):  # as open(path, "wb") refuses
-        raise PermissionError(
-            errno.EACCES, f"cannot write {path!r}: the file is read-only (left as it was)"
-        )
-    try:
-        tmp = _create_temp(directory, os.path.basename(target))
+        tmp = create_temp(directory, os.path.basename(target))
     except OSError as e:  # a missing or read-only directory: name the file, not the temporary
         raise type(e)(e.errno, f"cannot write {path!r}: {e.strerror} ({directory!r})") from e
     try:

@@ -72,9 +72,9 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_the_page_has_its_blocks() -> None:
-    # save/load, find_ties, tie by hand, Hugging Face with and without torch, Orbax, sharding
-    # (the multi-host sketch is ```text)
-    assert len(BLOCKS) == 7
+    # save/load, find_ties, tie by hand, Hugging Face with and without torch, MLX quantized,
+    # Orbax, sharding (the multi-host sketch is ```text)
+    assert len(BLOCKS) == 8
     assert all("import sharetree as st" in code for code in BLOCKS)  # each block stands alone
     assert "jax.distributed.initialize()" in DOC.read_text()
     assert "jax.distributed.initialize()" not in "".join(BLOCKS)

@@ -1,5 +1,7 @@
 """One test per row of docs/errors.md, in the same order."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -386,9 +388,10 @@ def test_36_ties_for_a_sharetree_file(tmp_path):
 def test_37_describe_problems_are_one_line(tmp_path):
     from sharetree.__main__ import describe
 
-    missing = tmp_path / "none.safetensors"
-    cases = [("E37", missing, (f"{missing}'", "FileNotFoundError")), ("E51", tmp_path, ())]
-    for code, bad, facts in cases:  # a directory is not a regular file: row 51
+    missing, pipe = tmp_path / "none.safetensors", tmp_path / "pipe"
+    os.mkfifo(pipe)
+    cases = [("E37", missing, (f"{missing}'", "FileNotFoundError")), ("E51", pipe, ())]
+    for code, bad, facts in cases:  # a pipe is not a regular file: row 51
         with raises(code, f"'{bad}'", *facts) as e:
             describe(bad)
         assert "\n" not in str(e.value)
@@ -942,6 +945,76 @@ def test_208_merge_lora_requantize_of_a_float_base():
     out = st.add_lora({"w": np.ones((2, 32), np.float32)}, "w", rank=1, key=jax.random.key(0))
     with raises("E208", "'w'", "float buffer"):
         st.merge_lora(out, requantize=True)
+def _mlx_dir(path, config, **tensors):
+    """A directory in MLX's layout: ``model.safetensors`` (MLX's names) and ``config.json``."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    path.mkdir(exist_ok=True)
+    packed = st.quantize(np.linspace(-1, 1, 32 * 64, dtype=np.float32).reshape(32, 64), 4, 64)
+    base = {"weight": packed["q"], "scales": packed["scales"], "biases": packed["biases"]}
+    layer = {f"model.embed_tokens.{k}": np.asarray(v) for k, v in base.items()}
+    save_file({**layer, **tensors}, str(path / "model.safetensors"), metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_210_mlx_config_that_cannot_be_read(tmp_path):
+    d = _mlx_dir(tmp_path / "m", {"quantization": {"bits": "4", "group_size": 64}})
+    with raises("E210", "config.json'", "quantization: bits", "'4'"):
+        st.load(d)
+
+
+def test_211_quantization_and_quantization_config_that_disagree(tmp_path):
+    q = {"bits": 4, "group_size": 64}
+    d = _mlx_dir(tmp_path / "m", {"quantization": q, "quantization_config": {**q, "bits": 8}})
+    with raises("E211", "config.json'", "'quantization'", "'quantization_config'", "'bits': 8"):
+        st.load(d)
+
+
+def test_212_quantized_layer_that_does_not_fit_its_config(tmp_path):
+    d = _mlx_dir(tmp_path / "m", {"quantization": {"bits": 4, "group_size": 32}})
+    facts = ("'model.embed_tokens'", "bits 4, group_size 32", "(32, 2)", "scales (32, 1)")
+    with raises("E212", *facts, "bits 4, group_size 64", "bits 8, group_size 32"):
+        st.load(d)
+
+
+def test_213_quantized_layer_that_is_not_whole(tmp_path):
+    d = _mlx_dir(tmp_path / "m", {"quantization": {"bits": 4, "group_size": 64}})
+    (d / "model.safetensors").unlink()
+    from safetensors.numpy import save_file
+
+    scales = np.ones((32, 1), np.float32)
+    save_file(
+        {"x.weight": np.zeros((32, 8), np.uint32), "x.scales": scales}, str(d / "model.safetensors")
+    )
+    with raises("E213", "'x'", "lacks x.biases", "x.scales, x.weight"):
+        st.load(d)
+
+
+def test_214_tied_head_of_an_mlx_directory(tmp_path):
+    config = {"quantization": {"bits": 4, "group_size": 64}, "tie_word_embeddings": True}
+    d = _mlx_dir(tmp_path / "m", config, **{"lm_head.weight": np.ones((32, 64), np.float32)})
+    with raises(
+        "E214", "tie_word_embeddings", "'lm_head.weight'", "'model.embed_tokens'", "ties={}"
+    ):
+        st.load(d)
+
+
+def test_215_tree_save_mlx_cannot_write(tmp_path):
+    tree = {"emb": st.quantize(np.ones((2, 64), np.float32), 4, 64)}
+    with raises("E215", "'emb'", "bits and group size", "st.dequantize"):
+        st.save_mlx(tmp_path / "out", tree)
+    assert not (tmp_path / "out").exists()
+
+
+def test_216_save_mlx_to_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    with raises("E216", f"'{tmp_path / 'f'}'", "is a file"):
+        st.save_mlx(tmp_path / "f", {"w": np.ones(2, np.float32)})
+
+
 def test_240_a_tied_used_as_a_value():
     t = st.Tied("enc/kernel", st.T)
     for use, what in [
@@ -1012,3 +1085,21 @@ def test_251_from_shared_of_a_get_that_is_no_view():
         sharetree.equinox.from_shared(shared)
 
 
+def test_260_a_tie_the_file_records_whose_kept_tensor_is_missing(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = str(tmp_path / "m.safetensors")
+    meta = {"format": "pt", "lm_head.weight": "model.embed.weight"}
+    save_file({"model.norm.weight": np.ones(2, np.float32)}, path, metadata=meta)
+    with raises("E260", "'lm_head.weight' <- 'model.embed.weight'", "lacks"):
+        st.load(path)
+
+
+def test_261_ties_that_contradict_the_files_recorded_tie(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = str(tmp_path / "m.safetensors")
+    meta = {"format": "pt", "lm_head.weight": "model.embed.weight"}
+    save_file({"model.embed.weight": np.ones((3, 2), np.float32)}, path, metadata=meta)
+    with raises("E261", "'lm_head.weight' <- 'model.embed.weight'", "scale(2.0)"):
+        st.load(path, ties={"lm_head.weight": st.Tied("model.embed.weight", st.scale(2.0))})

@@ -137,6 +137,25 @@ def test_save_model_file_restores_its_tie_and_exports_the_embedding(tmp_path) ->
     export_and_reload(tmp_path, tree, model)
 
 
+def test_ties_save_model_records_are_checked_never_ignored(tmp_path) -> None:
+    # the file safetensors.torch.save_model wrote, then the same with one tensor taken out
+    model = make("llama", True)
+    path = str(tmp_path / "m.safetensors")
+    save_model(model, path)
+    with safe_open(path, "pt") as f:
+        meta, sd = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    (dropped, kept), *_ = [(k, v) for k, v in meta.items() if k not in sd]
+    twice = st.scale(2.0)
+    for ties in ({dropped: st.Tied(kept, twice)}, {kept: st.Tied(dropped, twice)}):
+        for atol in (None, 1e9):
+            with raises("E261", f"{dropped!r} <- {kept!r}"):
+                st.load(path, ties=ties, atol=atol)
+    del sd[kept]  # the entry now keeps a tensor the file lacks
+    save_file(sd, str(tmp_path / "cut.safetensors"), metadata=meta)
+    with raises("E260", f"{dropped!r} <- {kept!r}", "lacks"):
+        st.load(str(tmp_path / "cut.safetensors"))
+
+
 def test_both_copies_are_compared_and_tied_in_transformers_direction(tmp_path) -> None:
     model = make("gpt2", True)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}  # two copies
@@ -191,3 +210,18 @@ def test_gpt2_fused_c_attn_loads_as_one_buffer_with_q_k_v_slice_views(tmp_path) 
     )
     # saved back (buffers only: c_attn once, no q/k/v), the file loads in from_pretrained
     export_and_reload(tmp_path, tree, model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_inspect_suggests_the_ties_of_a_save_pretrained_directory(tmp_path, arch) -> None:
+    from sharetree.__main__ import describe
+
+    model = make(arch, True)
+    model.save_pretrained(tmp_path / "m")  # transformers drops the tied head
+    text = describe(str(tmp_path / "m"))
+    line = next(x for x in text.splitlines() if x.startswith("load it tied: "))
+    ties = eval(line.split("ties=", 1)[1][:-1], {"st": st})  # the mapping it prints
+    assert ties == tied_weights(model)  # what transformers itself says is tied
+    with pytest.warns(UserWarning):
+        tree = st.load(str(tmp_path / "m"), ties=ties)
+    assert_canonical(tree, model)

@@ -538,3 +538,64 @@ def test_a_foreign_tie_through_a_transform_without_inverse_suggests_only_what_is
             assert "<inverse>" not in fix and "with the inverse of" not in fix
             assert "tie the other way round" not in fix
         assert "has no inverse" in str(e.value) and "load without this tie" in fix
+
+
+# --- ties the file records (save_model's {removed: kept}): honoured or refused, never ignored --
+
+
+def _recorded(tmp_path, sd, metadata):
+    path = tmp_path / "m.safetensors"
+    save_file(sd, str(path), metadata={"format": "pt", **metadata})
+    return path
+
+
+def test_a_recorded_tie_whose_kept_tensor_is_missing_is_refused(tmp_path) -> None:
+    sd = {k: v for k, v in hf_state_dict().items() if k not in (EMB, HEAD)}
+    path = _recorded(tmp_path, sd, {HEAD: EMB})
+    with raises("E260", f"{HEAD!r} <- {EMB!r}", "lacks", EMB):
+        st.load(str(path))
+
+
+def test_a_recorded_tie_whose_removed_name_is_stored_too_is_refused(tmp_path) -> None:
+    sd = hf_state_dict()
+    sd[HEAD] = sd[HEAD][:, :4].copy()  # another shape under the removed name
+    path = _recorded(tmp_path, sd, {HEAD: EMB})
+    with raises("E260", repr(HEAD), f"float32[{V}, 4]", f"float32[{V}, {D}]"):
+        st.load(str(path))
+
+
+def test_recorded_ties_in_a_cycle_are_refused_and_a_chain_is_followed(tmp_path) -> None:
+    sd = {k: v for k, v in hf_state_dict().items() if k not in (EMB, HEAD)}
+    cycle = {"model.a.weight": "model.b.weight", "model.b.weight": "model.a.weight"}
+    with raises("E260", "cycle", "'model.a.weight' <- 'model.b.weight' <- 'model.a.weight'"):
+        st.load(str(_recorded(tmp_path, sd, cycle)))
+    full = hf_state_dict()
+    stored = {k: v for k, v in full.items() if k != HEAD}
+    chain = {HEAD: "model.copy.weight", "model.copy.weight": EMB}
+    with pytest.warns(UserWarning):
+        tree = st.load(str(_recorded(tmp_path, stored, chain)))
+    assert tree[HEAD] == st.Tied(EMB) and tree["model.copy.weight"] == st.Tied(EMB)
+    np.testing.assert_array_equal(st.materialize(tree)[HEAD], full[EMB])
+
+
+def test_plain_metadata_beside_tensor_names_is_no_tie(tmp_path) -> None:
+    sd = hf_state_dict()
+    plain = {"modelspec.title": "a tied model", "author": "me", "model.note": "two words"}
+    with pytest.warns(UserWarning) as caught:
+        tree = st.load(str(_recorded(tmp_path, sd, plain)))
+    assert sorted(tree) == sorted(sd) and "restored the ties" not in str(caught[0].message)
+
+
+def test_ties_that_contradict_the_files_recorded_tie_are_refused_whatever_atol(tmp_path) -> None:
+    sd = hf_state_dict()
+    path = _recorded(tmp_path, {k: v for k, v in sd.items() if k != HEAD}, {HEAD: EMB})
+    other = [k for k in sd if k not in (HEAD, EMB) and sd[k].shape == sd[EMB].shape]
+    contradictions = [{HEAD: st.Tied(EMB, st.scale(2.0))}, {EMB: st.Tied(HEAD, st.scale(2.0))}]
+    contradictions += [{HEAD: k} for k in other[:1]]
+    for ties in contradictions:
+        for atol in (None, 1e9):
+            with raises("E261", f"{HEAD!r} <- {EMB!r}"):
+                st.load(str(path), ties=ties, atol=atol)
+    with pytest.warns(UserWarning):  # the file's tie, said again either way: accepted
+        assert st.load(str(path), ties={HEAD: EMB})[HEAD] == st.Tied(EMB)
+        assert st.load(str(path), ties={EMB: HEAD})[EMB] == st.Tied(HEAD)

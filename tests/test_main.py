@@ -252,9 +252,9 @@ def test_inspect_missing_and_directory(tmp_path):
     code, out, err = run(["inspect", str(tmp_path / "nope.safetensors")])
     assert code == 2 and out == ""
     _one_line_error(err, "python -m sharetree inspect: error: no such file", "nope.safetensors")
-    code, out, err = run(["inspect", str(tmp_path)])
+    code, out, err = run(["inspect", str(tmp_path)])  # a directory that holds no checkpoint
     assert code == 2
-    _one_line_error(err, "is a directory")
+    _one_line_error(err, "E47", "holds neither", "model.safetensors")
 
 
 @pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "bad-json"])
