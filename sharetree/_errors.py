@@ -36,6 +36,7 @@ __all__ = [
     "check_mapping",
     "error",
     "one_line",
+    "rebuilt",
     "short",
     "wrong_type",
 ]
@@ -129,6 +130,16 @@ def wrong_type(code: str, where: str, expected: str, value: Any, fix: str = "") 
     """
     found = f"{type(value).__name__} {short(value, 40)}"
     return TieTypeError(_message(code, where, "", expected, found, fix), code=code)
+
+
+def rebuilt(message: str, code: str, type_error: bool = False) -> TieError:
+    """The error of ``code`` whose message is ``message``, raised elsewhere (another process).
+
+    >>> e = rebuilt("[E7] tie 'a': ...", "E7")
+    >>> e.code, str(e)
+    ('E7', "[E7] tie 'a': ...")
+    """
+    return (TieTypeError if type_error else TieError)(message, code=code)
 
 
 def check_bool(value: Any, code: str, where: str) -> bool:

@@ -41,10 +41,16 @@ __all__ = [
     "TensorInfo",
     "read_tree",
     "atomic_write",
+    "byte_runs",
     "create_temp",
     "file_path",
+    "header_bytes",
+    "Layout",
     "replaced_mode",
+    "Runs",
+    "Slot",
     "unique_pairs",
+    "write_runs",
 ]
 
 NATIVE_CODES = {
@@ -400,6 +406,119 @@ def replaced_mode(path: str, target: str) -> int | None:
             errno.EACCES, f"cannot write {path!r}: the file is read-only (left as it was)"
         )
     return mode
+
+
+class Slot(NamedTuple):
+    """One tensor of a file being laid out: its name, dtype code, stored shape and byte size."""
+
+    name: str
+    code: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class Layout(NamedTuple):
+    """Where each tensor's bytes go in a safetensors file: the header and each tensor's start.
+
+    ``start``: file offset of each tensor's first byte; ``size``: the file's size.
+    """
+
+    header: bytes
+    start: dict[str, int]
+    size: int
+
+
+_ORDER = "U64 I64 F64 C64 F32 U32 I32 BF16 F16 U16 I16 F8_E8M0 F8_E4M3 F8_E5M2 I8 U8 BOOL".split()
+"""The order of dtypes in a file ``safetensors.save_file`` writes (its dtype enum, descending):
+the widest first, so every tensor's data starts aligned."""
+
+
+def header_bytes(slots: list[Slot], metadata: dict[str, str]) -> Layout:
+    """The layout of a safetensors file of ``slots``, as ``safetensors.save_file`` lays it out.
+
+    The tensors are ordered by dtype (as ``safetensors`` orders them: the widest first), then
+    by name; the header is padded with spaces to a multiple of 8 bytes, so every tensor
+    starts aligned. The header is byte for byte the one ``safetensors`` writes.
+
+    Example:
+        >>> lay = header_bytes([Slot("a", "F32", (2,), 8), Slot("b", "U8", (3,), 3)], {})
+        >>> lay.start, lay.size, len(lay.header) % 8
+        ({'a': 120, 'b': 128}, 131, 0)
+    """
+    ordered = sorted(slots, key=lambda s: (_ORDER.index(s.code), s.name))
+    entries: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset, offsets = 0, {}
+    for s in ordered:
+        entries[s.name] = {"dtype": s.code, "shape": list(s.shape), "data_offsets": [0, 0]}
+        entries[s.name]["data_offsets"] = [offset, offset + s.nbytes]
+        offsets[s.name], offset = offset, offset + s.nbytes
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    if len(text) > _MAX_HEADER:
+        raise OverflowError(f"a header of {len(text):,} bytes, over the readers' 100 MB")
+    data = 8 + len(text)
+    header = struct.pack("<Q", len(text)) + text
+    return Layout(header, {k: data + v for k, v in offsets.items()}, data + offset)
+
+
+class Runs(NamedTuple):
+    """The contiguous runs of a part of an array.
+
+    ``offsets``: each run's byte offset in the array (C order, in the part's order);
+    ``length``: the bytes of every run.
+    """
+
+    offsets: np.ndarray
+    length: int
+
+
+def byte_runs(shape: tuple[int, ...], itemsize: int, bounds: tuple[tuple[int, int], ...]) -> Runs:
+    """The contiguous runs of the part ``bounds`` of a C-ordered array, relative to its start.
+
+    ``bounds``: ``(start, stop)`` per axis. A part whole in its trailing axes is one run
+    per index of its leading axes (one run for a part of rows; a row per run for a part
+    of columns).
+
+    Example:
+        >>> byte_runs((4, 6), 1, ((0, 4), (2, 4)))
+        Runs(offsets=array([ 2,  8, 14, 20]), length=2)
+        >>> byte_runs((4, 6), 4, ((2, 4), (0, 6)))
+        Runs(offsets=array([48]), length=48)
+    """
+    k = len(shape)  # the axes from k on are whole in the part
+    while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
+        k -= 1
+    tail = math.prod(shape[k:]) * itemsize
+    if k == 0:
+        return Runs(np.zeros(1, np.int64), tail)
+    lead = [np.arange(a, b, dtype=np.int64) for a, b in bounds[: k - 1]]
+    first = bounds[k - 1]
+    length = (first[1] - first[0]) * tail
+    strides = [math.prod(shape[i + 1 : k]) * tail for i in range(k - 1)]
+    offsets = np.zeros([len(x) for x in lead] or [1], np.int64)
+    for i, idx in enumerate(lead):
+        view = [1] * len(lead)
+        view[i] = len(idx)
+        offsets = offsets + (idx * strides[i]).reshape(view)
+    return Runs(offsets.reshape(-1) + first[0] * tail, length)
+
+
+def write_runs(fd: int, start: int, part: np.ndarray, runs: Runs) -> int:
+    """Write the C-ordered bytes of ``part`` at ``start`` + each run's offset (``os.pwrite``).
+
+    ``runs``: :func:`byte_runs` of the part. Returns the bytes written.
+    """
+    offsets, length = runs
+    data = np.ascontiguousarray(part).reshape(-1).view(np.uint8).data
+    if len(data) != len(offsets) * length:  # pragma: no cover - the plan and the part disagree
+        raise ValueError(f"a part of {len(data)} bytes for {len(offsets)} runs of {length}")
+    for i, offset in enumerate(offsets.tolist()):
+        chunk = data[i * length : (i + 1) * length]
+        at = start + offset
+        while chunk:  # pwrite may write less than asked
+            n = os.pwrite(fd, chunk, at)
+            chunk, at = chunk[n:], at + n
+    return len(data)
 
 
 def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +21,18 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from sharetree._cooperate import (
+    INDEX,
+    FileOut,
+    Group,
+    Options,
+    Plan,
+    Spread,
+    ThreadGroup,
+    current_group,
+    save_together,
+    spread,
+)
 from sharetree._errors import (
     FIXES,
     TieError,
@@ -42,9 +55,10 @@ from sharetree._format import (
 )
 from sharetree._materialize import abstract_expanded
 from sharetree._paths import Path, check_flattens, key_name, path_str
+from sharetree._resolve import structure_of
 from sharetree._safetensors import NATIVE_CODES, PathOrStr, atomic_write, file_path, is_numeric
-from sharetree._tied import Tied
-from sharetree._transforms import describe_transform, is_described
+from sharetree._tied import Tied, is_tied
+from sharetree._transforms import describe_transform, identity, is_described
 
 __all__ = ["save"]
 
@@ -58,6 +72,9 @@ _KIND_OF: dict[type, str] = {
 
 _NOTHING = "; nothing was written"
 
+_CODE_OF = {name: code for code, name in NATIVE_CODES.items()}
+"""dtype name -> the safetensors code it is stored under."""
+
 
 def save(
     path: PathOrStr,
@@ -65,11 +82,15 @@ def save(
     *,
     metadata: Mapping[str, str] | None = None,
     gather: bool = False,
+    timeout: float = 600.0,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Write a canonical tree to one safetensors file, each buffer stored once.
 
     Every check runs before anything is written, and the write is atomic.
-    Details: ``docs/saving_and_scaling.md``.
+    On several processes (a buffer no process holds whole), **every process
+    calls** ``save`` and writes its own share of the one file (no process
+    gathers a buffer); see "Saving at scale" in ``docs/saving_and_scaling.md``.
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
@@ -78,12 +99,22 @@ def save(
             reserved), read back by ``sharetree._load.read_metadata``.
         gather: ``True`` gathers buffers sharded over several processes and
             process 0 writes, so **every process must call** ``save``; every
-            process returns once the file exists. ``False``: such a buffer
-            is an error.
+            process returns once the file exists. ``False``: each process
+            writes the parts it holds (one writer per set of replicas).
+        timeout: seconds a process waits for the others at each step of a save
+            of several processes (a killed process is an error, not a hang).
+        max_shard_size: write Hugging Face's sharded layout instead: ``path`` is
+            a directory of ``model-0000k-of-0000n.safetensors`` files of at most
+            this many bytes each (an int, or ``"5GB"``, ``"500MiB"``) and
+            ``model.safetensors.index.json``; each tensor in one file. The files
+            hold the buffers as a state dict; a view of a whole buffer is recorded
+            in their metadata (as ``safetensors.torch.save_model`` records a tied
+            head), and ``st.load(path)`` restores it.
 
     Raises:
         TieError: any tree, argument or path that cannot be saved; nothing is
-            written.
+            written. On several processes, any failure (another process's too)
+            is the same error on every live process, the previous file kept.
         OSError: the file cannot be written (a previous file is kept).
 
     Example:
@@ -94,21 +125,31 @@ def save(
         >>> st.load(path)["head"]
         Tied('emb', T)
     """
-    path = file_path(path, "save")
-    if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        fix = f"give a file name, e.g. {os.path.join(path, 'model.safetensors')!r}"
-        raise error("E50", f"save: {path!r}", "is a directory; save writes one file", fix=fix)
-    writer = _Writer(check_bool(gather, "E55", "save: gather="))
+    gather = check_bool(gather, "E55", "save: gather=")
+    timeout = _check_timeout(timeout)
+    label = _path_text(path)
+    limit = None if max_shard_size is None else _check_shard_size(label, max_shard_size, gather)
+    group = None
+    if not gather and _spread_over_processes(tree):
+        group = current_group(f"save: {label!r}")
+    if group is None and limit is not None:  # host buffers: process 0 writes, as for one file
+        if jax.process_index() != 0:
+            return
+        group = ThreadGroup(0, 1, ThreadGroup.store())  # this process alone
+    if group is not None:
+
+        def build() -> Plan:
+            return _build_together(path, tree, metadata, group, limit)
+
+        save_together(group, Options(label, timeout, limit is not None), build)
+        return
+    path = _checked_path(path)
+    writer = _Writer(gather)
     user = _user_metadata(metadata)
     structure = writer.node(tree, ())  # keys, depth and leaves first: names the path
     check_flattens(tree)  # dict keys jax cannot sort
     abstract_expanded(tree)  # validate the graph and every view's shape first
-    meta = {
-        **user,
-        KEY_VERSION: str(writer.version),
-        KEY_LIBRARY: LIBRARY_VERSION,
-        KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
-    }
+    meta = _file_metadata(user, writer, structure)
     from safetensors import SafetensorError
 
     try:
@@ -125,6 +166,169 @@ def save(
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"sharetree.save {path}")
+
+
+def _checked_path(path: Any) -> str:
+    """``path`` as a ``str`` naming a file (E49, E50)."""
+    path = file_path(path, "save")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        fix = f"give a file name, e.g. {os.path.join(path, 'model.safetensors')!r}"
+        raise error("E50", f"save: {path!r}", "is a directory; save writes one file", fix=fix)
+    return path
+
+
+def _path_text(path: Any) -> str:
+    """``path`` as text for messages, whatever it is (checked later, on every process)."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        return short(path)
+
+
+def _check_timeout(timeout: Any) -> float:
+    """``timeout=`` as a float: a real number of seconds > 0 (E225)."""
+    where, fix = "save: timeout=", "pass seconds, e.g. timeout=600"
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, np.number)):
+        raise wrong_type("E225", where, "a number of seconds", timeout, fix)
+    if not 0 < float(timeout) < float("inf"):
+        raise error("E225", where, f"is {timeout!r}", expected="a number of seconds > 0", fix=fix)
+    return float(timeout)
+
+
+def _spread_over_processes(tree: Any) -> bool:
+    """Whether a buffer of ``tree`` is held by several processes (none holds it whole)."""
+    try:
+        leaves = jtu.tree_leaves(tree, is_leaf=is_tied)
+    except Exception:  # the walk names what is wrong
+        return False
+    return any(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not _addressable(x)
+        for x in leaves
+    )
+
+
+def _file_metadata(user: dict[str, str], writer: _Writer, structure: Any) -> dict[str, str]:
+    """The header's metadata: the user's entries and sharetree's (format, tree)."""
+    return {
+        **user,
+        KEY_VERSION: str(writer.version),
+        KEY_LIBRARY: LIBRARY_VERSION,
+        KEY_TREE: json.dumps(structure, separators=(",", ":"), allow_nan=True),
+    }
+
+
+def _build_together(path: Any, tree: Any, metadata: Any, group: Group, limit: int | None) -> Plan:
+    """The data-free part of a save by :func:`save_together`: its files, index and facts.
+
+    ``limit``: Hugging Face's sharded layout, files of at most ``limit`` bytes.
+    """
+    text = _checked_path(path) if limit is None else _checked_directory(path)
+    writer = _Writer(False, group)
+    user = _user_metadata(metadata)
+    structure = writer.node(tree, ())
+    check_flattens(tree)
+    abstract_expanded(tree)
+    facts = {
+        "the path": text,
+        "metadata=": json.dumps(user, sort_keys=True),
+        "max_shard_size=": str(limit),
+        **{f"buffer:{t.slot.name}": t.summary() for t in writer.spreads},
+    }
+    if limit is None:
+        meta = _file_metadata(user, writer, structure)
+        facts["the tree's structure"] = meta[KEY_TREE]
+        return Plan([FileOut("", writer.spreads, meta)], facts)
+    ties = _whole_views(text, tree, writer, user)
+    facts["the tree's structure"] = json.dumps(structure, separators=(",", ":"), allow_nan=True)
+    files = _shards(writer.spreads, limit)
+    n = len(files)
+    names = ["model.safetensors"] if n == 1 else [
+        f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)
+    ]  # fmt: skip
+    meta = {**user, **ties}
+    out = [FileOut(name, group_, meta) for name, group_ in zip(names, files)]
+    if n == 1:  # as save_pretrained writes one file: no index
+        return Plan(out, facts)
+    weight_map = {t.slot.name: f.name for f in out for t in f.tensors}
+    total = sum(t.slot.nbytes for t in writer.spreads)
+    body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return Plan(out, facts, (INDEX, json.dumps(body, indent=2, ensure_ascii=False) + "\n"))
+
+
+def _shards(tensors: list[Spread], limit: int) -> list[list[Spread]]:
+    """The tensors in files of at most ``limit`` bytes, in order (a larger tensor alone)."""
+    files: list[list[Spread]] = [[]]
+    size = 0
+    for t in tensors:
+        if files[-1] and size + t.slot.nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(t)
+        size += t.slot.nbytes
+    return files
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def _check_shard_size(path: str, size: Any, gather: bool) -> int:
+    """``max_shard_size=`` in bytes: an int > 0 or ``"5GB"`` / ``"500MiB"`` (E226)."""
+    where = f"save: max_shard_size= for {path!r}"
+    fix = 'pass bytes or a size such as "5GB" (10**9 bytes) or "2GiB" (2**30 bytes)'
+    if gather:
+        what = "with gather=True: the sharded layout is written by every process"
+        raise error("E226", where, what, fix="leave gather out (every process calls st.save)")
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer, str)):
+        raise wrong_type("E226", where, "an int of bytes or a str such as '5GB'", size, fix)
+    if isinstance(size, str):
+        m = re.fullmatch(r"\s*(\d+)\s*([KMGT]I?B|B)?\s*", size.upper())
+        if m is None:
+            raise error("E226", where, f"is {size!r}", expected="a size such as '5GB'", fix=fix)
+        size = int(m.group(1)) * _UNITS[m.group(2) or ""]
+    if int(size) <= 0:
+        raise error("E226", where, f"is {size!r}", expected="a size > 0 bytes", fix=fix)
+    return int(size)
+
+
+def _checked_directory(path: Any) -> str:
+    """``path`` as a ``str`` naming a directory (made if missing) for the sharded layout."""
+    path = file_path(path, "save")
+    if os.path.exists(path) and not os.path.isdir(path):
+        what = "is a file; with max_shard_size= save writes a directory"
+        fix = "give a directory, or leave max_shard_size out to write one file"
+        raise error("E228", f"save: {path!r}", what, fix=fix)
+    return path
+
+
+def _whole_views(path: str, tree: Any, writer: _Writer, user: dict[str, str]) -> dict[str, str]:
+    """The ``{view: buffer}`` metadata entries of the sharded layout: each view a whole buffer.
+
+    A view with a transform, of several refs or of a part cannot be told by a state dict
+    (E227): nothing is dropped silently.
+    """
+    st_ = structure_of(jtu.tree_structure(tree))
+    names = dict(writer.names)
+    out: dict[str, str] = {}
+    for leaf in st_.expanded:
+        if leaf.tie is None:
+            continue
+        whole = leaf.buffer < len(st_.buffer_paths) and leaf.transform in (None, identity)
+        if not whole:
+            what = (
+                f"is a view ({short(st_.ties.get(leaf.tie), 200)}) that Hugging Face's layout "
+                "cannot record: it records a view of a whole buffer only; nothing was written"
+            )
+            fix = "save one file (leave max_shard_size out), or st.untie the view first"
+            raise error(
+                "E227", f"save: the tie at {path_str(leaf.tie)!r} for {path!r}", what, fix=fix
+            )
+        view = "/".join(leaf.path).encode("utf-8", "backslashreplace").decode()
+        if view in user:
+            what = f"names the view {view!r} in metadata=, where its tie is recorded{_NOTHING}"
+            raise error("E227", f"save: {path!r}", what, fix="rename that metadata= entry")
+        out[view] = names[st_.buffer_paths[leaf.buffer]]
+    return out
 
 
 def _user_metadata(metadata: Any) -> dict[str, str]:
@@ -203,9 +407,13 @@ def _addressable(x: jax.Array) -> bool:
 class _Writer:
     """Walks a canonical tree into (JSON structure, {tensor name: array})."""
 
-    def __init__(self, gather: bool) -> None:
+    def __init__(self, gather: bool, group: Group | None = None) -> None:
         self.tensors: dict[str, np.ndarray] = {}
         self.gather = gather
+        self.group = group  # several processes: each tensor a Spread, nothing read
+        self.spreads: list[Spread] = []
+        self.names: list[tuple[Path, str]] = []  # each buffer's path and tensor name
+        self.load = [0] * (group.count if group else 1)  # bytes each process writes so far
         self.version = 1  # the oldest format that holds the tree: 2 keys, 3 climbs, 4 named refs
 
     def name_for(self, path: Path) -> str:
@@ -295,6 +503,8 @@ class _Writer:
                 what, fix = f"holds PRNG keys of {impl!r}", "save jax.random.key_data(x)"
                 raise error("E33", at, what, expected=", ".join(KEY_IMPLS), fix=fix)
             x, self.version = jax.random.key_data(x), max(self.version, 2)
+        if self.group is not None:
+            return self.spread(x, path, impl)
         if isinstance(x, jax.Array) and not _addressable(x):
             if not self.gather:
                 what = f"is sharded over several processes{_NOTHING}"
@@ -317,6 +527,29 @@ class _Writer:
         self.tensors[name] = np.frombuffer(a.tobytes(), np.uint8) if raw else a
         scalar = isinstance(x, np.generic)
         node = {"t": "buffer", "tensor": name, "dtype": dtype, "shape": list(a.shape), "raw": raw}
+        return {**node, "scalar": scalar, **({} if impl is None else {"key": impl})}
+
+    def spread(self, x: Any, path: Path, impl: str | None) -> dict[str, Any]:
+        """The node of a buffer of a save of several processes: its checks, no data read."""
+        at = _at("the buffer", path)
+        if isinstance(x, np.ma.MaskedArray) and np.ma.getmask(x) is not np.ma.nomask:
+            fix = "save x.data and np.ma.getmaskarray(x), or x.filled()"
+            raise error("E58", at, f"is a masked array; a file has no mask{_NOTHING}", fix=fix)
+        scalar = isinstance(x, np.generic)
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+        dt = np.dtype(x.dtype)
+        if not is_numeric(dt):
+            what = f"has dtype {dt}, not a numeric dtype{_NOTHING}"
+            raise error("E124", at, what, fix="convert it to numbers or keep it out of the tree")
+        raw = dt.name not in NATIVE_CODES.values()
+        name = self.name_for(path)
+        self.tensors[name] = np.empty(0)  # the name is taken
+        self.names.append((path, name))
+        assert self.group is not None
+        code = "U8" if raw else _CODE_OF[dt.name]
+        self.spreads.append(spread(name, code, x, raw, at, self.group, self.load))
+        node = {"t": "buffer", "tensor": name, "dtype": dt.name, "shape": list(x.shape), "raw": raw}
         return {**node, "scalar": scalar, **({} if impl is None else {"key": impl})}
 
 

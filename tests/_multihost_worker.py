@@ -15,6 +15,10 @@ Modes:
 * ``resume``: a fresh job restores the Orbax checkpoint into abstract targets
   carrying the global shardings and trains the remaining steps; then it
   starts another save and process 1 is killed during it (``--kill-during-save``).
+* ``save``: ``st.save`` by every process of one file (each process writing its
+  share), read back sharded; then the faults: a bad buffer on one process,
+  different metadata, a path not every process sees, a full disk, and last a
+  process killed while writing (``save_<i>.json``).
 * ``single``: the references, on one process with 8 devices: the same model,
   and the same model tied by hand (``W`` and ``W.T``, a block used twice).
   It also restores the latest Orbax checkpoint (after the interrupted save).
@@ -41,7 +45,7 @@ import warnings
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("mode", choices=["train", "resume", "single"])
+    p.add_argument("mode", choices=["train", "resume", "single", "save"])
     p.add_argument("outdir")
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=1)
@@ -49,6 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--init-timeout", type=int, default=30, help="seconds to reach the coordinator")
     p.add_argument("--kill-during-save", action="store_true")
+    p.add_argument("--save-timeout", type=float, default=10.0, help="st.save timeout= (save)")
     p.add_argument(
         "--hold-timeout",
         type=float,
@@ -465,6 +470,160 @@ def read_after_save(args: argparse.Namespace) -> None:
         json.dump(facts, fh)
 
 
+# the tree of the cooperative save (issue 35): rows over all 8 devices, columns, replicated
+SAVE_SHAPES = {"embed": (2048, 2048), "kernel": (1024, 2048), "norm": (2048,), "mixed": (64, 32)}
+
+
+def save_arrays() -> dict[str, np.ndarray]:
+    """The global values of the cooperative save's buffers (the test recomputes them)."""
+    rng = np.random.default_rng(35)
+    out = {k: rng.standard_normal(s).astype(np.float32) for k, s in SAVE_SHAPES.items()}
+    out["mixed"] = out["mixed"].astype(jnp.bfloat16)
+    return out
+
+
+def save_tree(mesh: Mesh) -> tuple[dict, dict]:
+    """The tied tree of global arrays, and its shardings (``None`` for the views)."""
+    every = ("data", "model")
+    specs = {
+        "embed": P(every, None),  # rows over every device of both processes
+        "kernel": P(None, every),  # columns: each part written as strided runs
+        "norm": P(),  # replicated: one writer
+        "mixed": P("model", None),  # 4 parts, each on both processes: one writer each
+    }
+    shardings = {k: NamedSharding(mesh, p) for k, p in specs.items()}
+    values = save_arrays()
+    tree = {
+        k: jax.make_array_from_callback(v.shape, shardings[k], lambda i, v=v: v[i])
+        for k, v in values.items()
+    }
+    tree["head"] = st.Tied("embed", st.T)  # a transposed view
+    tree["first"] = st.Tied("kernel", st.slice(0, 8))  # a sliced view
+    return tree, {**shardings, "head": None, "first": None}
+
+
+def error_facts(run) -> dict:
+    """What ``run()`` raised: its class, code, message and notes (``None`` if it returned)."""
+    try:
+        run()
+    except Exception as e:
+        return {"type": type(e).__name__, "code": getattr(e, "code", None), "message": str(e),
+                "notes": list(getattr(e, "__notes__", ()))}  # fmt: skip
+    return {"type": None}
+
+
+def digest(path: str) -> str | None:
+    import hashlib
+
+    return hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.exists(path) else None
+
+
+def save_job(args: argparse.Namespace) -> None:
+    """Every process saves its share of one file; then the faults, the kill last."""
+    from sharetree import _cooperate
+
+    mesh, me, out = make_mesh(), jax.process_index(), {}
+    path = os.path.join(args.outdir, "coop.safetensors")
+    tree, shardings = save_tree(mesh)
+    small = {
+        "w": jax.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P(("data", "model"))))
+    }
+    st.save(os.path.join(args.outdir, "warm.safetensors"), small)  # first calls, not measured
+    with PeakAnon() as memory:
+        st.save(path, tree, metadata={"format": "pt"})
+    out["growth"], out["file_bytes"] = memory.growth, os.path.getsize(path)
+    out["part_bytes"] = max(  # the largest part this process holds
+        s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+    )
+    loaded = st.load(path, shardings=shardings)  # back onto the same shardings, by shard
+    values = save_arrays()
+    out["ties"] = ties_of(loaded)
+    out["shards_equal"] = {
+        k: all(np.array_equal(np.asarray(s.data), values[k][s.index]) for s in x.addressable_shards)
+        for k, x in loaded.items()
+        if isinstance(x, jax.Array)
+    }
+    out["shardings_equal"] = all(loaded[k].sharding == shardings[k] for k in values)
+    del loaded
+    before = digest(path)
+    faults = {}
+
+    def bad_buffer():  # a buffer deleted on process 1 only
+        bad = dict(tree)
+        if me == 1:
+            ones = np.ones(2048, np.float32)  # no collective: process 0 does not build it
+            bad["norm"] = jax.make_array_from_callback(
+                (2048,), tree["norm"].sharding, ones.__getitem__
+            )
+            bad["norm"].delete()
+        st.save(path, bad)
+
+    faults["bad_buffer"] = error_facts(bad_buffer)
+    faults["metadata"] = error_facts(lambda: st.save(path, tree, metadata={"step": str(me)}))
+    local = os.path.join(args.outdir, f"local_{me}")  # the same relative path, other directories
+    os.makedirs(local, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(local)
+    try:
+        faults["not_shared"] = error_facts(lambda: st.save("model.safetensors", tree))
+    finally:
+        os.chdir(cwd)
+    real = _cooperate.write_runs
+
+    def full(fd, start, part, runs):  # the disk fills while process 1 writes
+        if me == 1:
+            raise OSError(28, "No space left on device")
+        return real(fd, start, part, runs)
+
+    _cooperate.write_runs = full
+    faults["disk_full"] = error_facts(lambda: st.save(path, tree))
+    _cooperate.write_runs = real
+    out["intact_after_faults"] = digest(path) == before
+    out["entries_after_faults"] = sorted(os.listdir(args.outdir))
+    out["faults"] = faults
+    multihost_utils.sync_global_devices("save_job: faults done")
+    st.save(path, tree, metadata={"format": "pt"})  # a successful save after the faults
+    out["entries_after_save"] = sorted(os.listdir(args.outdir))
+    out["same_after_resave"] = digest(path) == before
+    hf_dir = os.path.join(args.outdir, "hf")  # Hugging Face's sharded layout, by both processes
+    names = {"embed": "model.embed_tokens.weight", "kernel": "kernel", "norm": "norm"}
+    names["mixed"] = "mixed"
+    hf = {names[k]: tree[k] for k in values}
+    hf["lm_head.weight"] = st.Tied("model.embed_tokens.weight")  # dropped, recorded
+    st.save(hf_dir, hf, max_shard_size="12MB", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a Hugging Face directory: loaded as a flat dict
+        back = st.load(hf_dir, shardings={**{names[k]: shardings[k] for k in values},
+                                          "lm_head.weight": None})  # fmt: skip
+    out["hf"] = {
+        "files": sorted(os.listdir(hf_dir)),
+        "ties": ties_of(back),
+        "shards_equal": {
+            k: all(
+                np.array_equal(np.asarray(s.data), values[k][s.index])
+                for s in back[names[k]].addressable_shards
+            )
+            for k in values
+        },
+    }
+    del back
+    write(args, out, {})
+
+    def killed(fd, start, part, runs):  # process 1 dies while writing its share
+        if me == 1:
+            os.pwrite(fd, b"\xff" * 64, start)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(fd, start, part, runs)
+
+    _cooperate.write_runs = killed
+    start = time.monotonic()
+    out["killed"] = error_facts(lambda: st.save(path, tree, timeout=args.save_timeout))
+    out["killed_seconds"] = time.monotonic() - start
+    out["intact_after_kill"] = digest(path) == before
+    write(args, out, {})
+    os._exit(0)  # process 1 is gone: jax.distributed.shutdown would wait for it
+
+
 class OrbaxInternalsMoved(RuntimeError):
     """The Orbax function the kill-during-save case holds is gone or changed."""
 
@@ -546,7 +705,7 @@ if __name__ == "__main__":
         facts = load_by_shard(ARGS.outdir)  # first, in a fresh process: st.load by shard
         with open(os.path.join(ARGS.outdir, f"load_{jax.process_index()}.json"), "w") as fh:
             json.dump(facts, fh)
-    {"train": train, "resume": resume, "single": single}[ARGS.mode](ARGS)
+    {"train": train, "resume": resume, "single": single, "save": save_job}[ARGS.mode](ARGS)
     if ARGS.mode == "train" and ST_SAVE_GATHERS:
         read_after_save(ARGS)
     if ARGS.num_processes > 1:

@@ -945,6 +945,8 @@ def test_208_merge_lora_requantize_of_a_float_base():
     out = st.add_lora({"w": np.ones((2, 32), np.float32)}, "w", rank=1, key=jax.random.key(0))
     with raises("E208", "'w'", "float buffer"):
         st.merge_lora(out, requantize=True)
+
+
 def _mlx_dir(path, config, **tensors):
     """A directory in MLX's layout: ``model.safetensors`` (MLX's names) and ``config.json``."""
     import json
@@ -1013,6 +1015,101 @@ def test_216_save_mlx_to_a_file(tmp_path):
     (tmp_path / "f").write_text("")
     with raises("E216", f"'{tmp_path / 'f'}'", "is a file"):
         st.save_mlx(tmp_path / "f", {"w": np.ones(2, np.float32)})
+
+
+def _save_on_two_processes(monkeypatch, tmp_path, tree_of, **kw):
+    """``st.save`` on 2 simulated processes (threads; every buffer spread): what each raised."""
+    from _processes import run_processes
+
+    from sharetree import _save
+
+    monkeypatch.setattr(_save, "_addressable", lambda x: False)
+    path = tmp_path / "m.safetensors"
+    out = run_processes(2, lambda i: st.save(path, tree_of(i), **kw))
+    assert str(out[0]) == str(out[1]), out  # the same error on every process
+    return out[0]
+
+
+def _raise(e):
+    raise e
+
+
+def test_220_processes_calling_save_with_different_arguments(tmp_path, monkeypatch):
+    e = _save_on_two_processes(monkeypatch, tmp_path, lambda i: {"w": W, "b": jnp.ones(i + 1)})
+    with raises("E220", "m.safetensors'", "process 1", "['b']"):
+        _raise(e)
+
+
+def test_221_a_path_not_every_process_sees(tmp_path, monkeypatch):
+    from sharetree import _cooperate
+
+    real, local = _cooperate._write_marker, tmp_path / "local"
+    local.mkdir()
+    monkeypatch.setattr(  # process 1 writes its marker on a disk process 0 does not see
+        _cooperate, "_write_marker", lambda d, b, t, me: real(str(local) if me else d, b, t, me)
+    )
+    e = _save_on_two_processes(monkeypatch, tmp_path, lambda i: {"w": W})
+    with raises("E221", "m.safetensors'", str(tmp_path), "[1]", "shared filesystem"):
+        _raise(e)
+
+
+def test_222_a_sharding_that_leaves_a_part_unowned():
+    from sharetree import _cooperate
+
+    with raises("E222", "'w'", "2:4 of axis 0", "held by no device", "gather=True"):
+        _cooperate.plan_parts("save: the buffer at 'w'", (4, 2), {((0, 2), (0, 2)): [0]}, [0])
+
+
+def test_223_a_system_error_on_one_process(tmp_path, monkeypatch):
+    from sharetree import _cooperate
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_cooperate, "write_runs", full)
+    e = _save_on_two_processes(monkeypatch, tmp_path, lambda i: {"w": W})
+    with raises("E223", "m.safetensors'", "process 0 of 2", "No space left on device"):
+        _raise(e)
+
+
+def test_224_a_process_that_does_not_answer(tmp_path, monkeypatch):
+    from _processes import run_processes
+
+    from sharetree import _save
+
+    monkeypatch.setattr(_save, "_addressable", lambda x: False)
+    path = tmp_path / "m.safetensors"
+    out = run_processes(2, lambda i: None if i else st.save(path, {"w": W}, timeout=0.2))
+    with raises("E224", "m.safetensors'", "process 1 of 2", "0.2 s", "'check'", "timeout="):
+        _raise(out[0])
+
+
+def test_225_timeout_that_is_not_seconds(tmp_path):
+    with raises("E225", "timeout=", "-1", "seconds"):
+        st.save(tmp_path / "m.safetensors", {"w": W}, timeout=-1)
+    with raises("E225", "timeout=", "str '10'", cls=st.TieTypeError):
+        st.save(tmp_path / "m.safetensors", {"w": W}, timeout="10")
+
+
+def test_226_max_shard_size_that_is_not_a_size(tmp_path):
+    with raises("E226", "max_shard_size=", "'5 apples'", "5GB"):
+        st.save(tmp_path / "out", {"w": W}, max_shard_size="5 apples")
+    with raises("E226", "max_shard_size=", "float 1.5", cls=st.TieTypeError):
+        st.save(tmp_path / "out", {"w": W}, max_shard_size=1.5)
+    with raises("E226", "gather=True"):
+        st.save(tmp_path / "out", {"w": W}, max_shard_size="1GB", gather=True)
+
+
+def test_227_a_view_the_sharded_layout_cannot_record(tmp_path):
+    tree = {"w": W, "v": st.Tied("w", st.T)}
+    with raises("E227", "'v'", "T", "max_shard_size"):
+        st.save(tmp_path / "out", tree, max_shard_size="1GB")
+
+
+def test_228_sharded_layout_to_a_file(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(b"")
+    with raises("E228", "m.safetensors'", "directory"):
+        st.save(tmp_path / "m.safetensors", {"w": W}, max_shard_size="1GB")
 
 
 def test_240_a_tied_used_as_a_value():

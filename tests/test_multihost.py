@@ -16,7 +16,12 @@ started when one fails. The module runs three jobs, once:
    tied by hand (``W`` and ``W.T``; a block called twice), and a restore of
    the latest checkpoint left by the interrupted save.
 
-The tests compare what each job wrote (JSON facts and NumPy arrays).
+The tests compare what each job wrote (JSON facts and NumPy arrays). A fourth job,
+``save`` (issue 35), has both processes write one safetensors file together (each its
+share), reads it back, writes Hugging Face's sharded layout, then runs the faults: a
+buffer deleted on one process, different ``metadata=``, a path the processes see as
+two directories, a full disk, and last process 1 killed while writing (process 0 times
+out on its own: the launcher does not stop it).
 """
 
 from __future__ import annotations
@@ -311,3 +316,117 @@ def test_st_load_reads_only_each_process_share(run: Run, name: str) -> None:
         assert facts["growth"] < facts["file_bytes"], (
             f"{facts['growth'] / facts['file_bytes']:.2f}x"
         )
+
+
+class Saved:
+    """The ``save`` job: 2 processes x 4 devices each write their share of one file (issue 35)."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        timeout = launcher.deadline(10)  # st.save's timeout= for the killed-process case
+        self.job = launcher.launch(
+            ["save", str(work), "--save-timeout", f"{timeout:.1f}"],
+            timeout=launcher.deadline(150),
+            stop_all_when_one_dies=False,  # process 0 must time out on its own
+        )
+        self.timeout = timeout
+        self.facts = [
+            json.loads(p.read_text()) if (p := work / f"save_{i}.json").exists() else None
+            for i in range(2)
+        ]
+        assert self.facts[0] is not None and self.facts[1] is not None, self.job.report()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    return Saved(tmp_path_factory.mktemp("multihost_save"))
+
+
+def test_every_process_writes_its_share_of_one_standard_file(saved: Saved) -> None:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    import sharetree as st
+
+    want = _worker_module().save_arrays()
+    path = str(saved.work / "coop.safetensors")
+    file = load_file(path)  # safetensors' own reader, in this plain process
+    assert sorted(file) == sorted(want)  # each buffer once: no head, no slice
+    for k, v in want.items():
+        assert file[k].dtype == v.dtype and file[k].shape == v.shape, k
+        np.testing.assert_array_equal(file[k], v, err_msg=k)
+    with safe_open(path, "np") as f:
+        assert f.metadata()["format"] == "pt"
+    back = st.materialize(st.load(path))
+    np.testing.assert_array_equal(back["head"], want["embed"].T)  # the transposed view
+    np.testing.assert_array_equal(back["first"], want["kernel"][:8])  # the sliced view
+
+
+def test_st_load_by_shard_gives_every_shard_and_keeps_the_ties(saved: Saved) -> None:
+    for facts in saved.facts:
+        assert facts["ties"] == [
+            ["first", "Tied('kernel', slice(0, 8))"],
+            ["head", "Tied('embed', T)"],
+        ]
+        assert facts["shards_equal"] == {"embed": True, "kernel": True, "norm": True, "mixed": True}
+        assert facts["shardings_equal"] is True
+        # no process held a whole buffer: its share of the file and one part at most
+        assert facts["growth"] <= facts["file_bytes"] // 2 + facts["part_bytes"], facts
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "facts"),
+    [
+        ("bad_buffer", "E57", ["'norm'", "deleted", "process 1 of 2"]),
+        ("metadata", "E220", ["metadata=", "process 1"]),
+        ("not_shared", "E221", ["'model.safetensors'", "[1]", "local_0"]),
+        ("disk_full", "E223", ["process 1 of 2", "No space left on device"]),
+    ],
+)
+def test_a_fault_on_one_process_is_the_same_error_everywhere(saved, fault, code, facts) -> None:
+    seen = [f["faults"][fault] for f in saved.facts]
+    assert seen[0]["type"] == "TieError" and seen[0]["code"] == code, seen
+    assert seen[0]["message"] == seen[1]["message"]  # the same error on every process
+    text = "\n".join([seen[0]["message"], *seen[0]["notes"]])
+    for fact in facts:
+        assert fact in text, (fact, text)
+    for f in saved.facts:
+        assert f["intact_after_faults"] is True  # the previous file, byte for byte
+        assert not [e for e in f["entries_after_faults"] if e.startswith(".")]  # no temporary
+        assert not [e for e in f["entries_after_save"] if e.startswith(".")]
+        assert f["same_after_resave"] is True
+
+
+def test_a_process_killed_while_writing_is_a_timeout_and_the_old_file_stays(saved) -> None:
+    codes = [w.returncode for w in saved.job.workers]
+    assert codes == [0, -9], saved.job.report()  # process 0 went on alone, and returned
+    facts = saved.facts[0]
+    killed = facts["killed"]
+    assert killed["code"] == "E224" and "process 1 of 2" in killed["message"], killed
+    assert "'write'" in killed["message"]
+    assert facts["killed_seconds"] < saved.timeout + launcher.deadline(30)  # no hang
+    assert facts["intact_after_kill"] is True
+
+
+def test_the_sharded_layout_written_by_both_processes(saved: Saved) -> None:
+    from safetensors.numpy import load_file
+
+    want = _worker_module().save_arrays()
+    want["model.embed_tokens.weight"] = want.pop("embed")
+    out = saved.work / "hf"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    seen = {}
+    for name in files:  # safetensors' own reader, in this plain process
+        part = load_file(str(out / name))
+        assert all(index["weight_map"][k] == name for k in part)  # each tensor in one file
+        seen.update(part)
+    assert sorted(seen) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(seen[k], v, err_msg=k)
+    for facts in saved.facts:
+        hf = facts["hf"]
+        assert hf["files"] == [*files, "model.safetensors.index.json"]
+        assert hf["ties"] == [["lm_head.weight", "Tied('model.embed_tokens.weight')"]]
+        assert all(hf["shards_equal"].values()), hf["shards_equal"]

@@ -1,0 +1,642 @@
+"""Saving by every process of a job: one safetensors file, each process writing its own share.
+
+``st.save`` called on every process of a multi-controller JAX job, with buffers that no
+process holds whole, comes here. The header is known from the avals alone (names, dtypes,
+shapes, offsets), so every process computes the same layout and the same plan: each
+distinct part of a buffer (one per set of replicas) has one owner, the process holding it
+with the fewest bytes to write so far. Then, in rounds through JAX's coordination service
+(its key-value store; every round has a deadline, so a killed process is an error, never a
+hang), every process reports its outcome and reads the others':
+
+1. ``check``: every data-free check ran (the tree walk, the plan) and a digest of the
+   arguments and the tree; the first process's failure is every process's error, and
+   digests that differ are an error naming what differs.
+2. ``prepare``: process 0 creates the temporary file beside the path, writes the header
+   and reserves the file's size; each process writes a marker file beside it.
+3. ``write``: each process checks that it sees every marker (a path on a filesystem every
+   process sees), then writes its parts straight from its devices, a part at a time
+   (``os.pwrite`` at their offsets; a part of columns as its strided runs), and ``fsync``.
+4. ``commit``: process 0 renames the temporary file over the path (a replaced file keeps
+   its mode) and removes what earlier failed saves left beside it.
+
+A failure in any round leaves the previous file byte-identical: the temporary file is
+removed (by process 0, once every process agreed to stop) and every live process raises
+the same :class:`~sharetree.TieError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax._src import distributed  # the coordination service's client (as Orbax reaches it)
+
+from sharetree._errors import TieError, add_context, error, one_line, rebuilt, short
+from sharetree._safetensors import (
+    Layout,
+    Slot,
+    byte_runs,
+    create_temp,
+    header_bytes,
+    replaced_mode,
+    write_runs,
+)
+
+__all__ = [
+    "Group",
+    "Owned",
+    "FileOut",
+    "INDEX",
+    "Part",
+    "Plan",
+    "Spread",
+    "ThreadGroup",
+    "current_group",
+    "joined",
+    "plan_parts",
+    "save_together",
+]
+
+Bounds = tuple[tuple[int, int], ...]
+"""A part of an array: ``(start, stop)`` per axis."""
+
+
+class Group(abc.ABC):
+    """The processes of a job, as a save sees them: who this is, and a shared key-value store."""
+
+    me: int
+    count: int
+
+    @abc.abstractmethod
+    def publish(self, key: str, value: str) -> None:
+        """Store ``value`` under ``key`` for every process to read."""
+
+    @abc.abstractmethod
+    def read(self, key: str, timeout: float) -> str:
+        """The value of ``key`` once it is published; ``TimeoutError`` after ``timeout`` s."""
+
+    def forget(self, prefix: str) -> None:  # noqa: B027 - nothing to do by default
+        """Drop every key under ``prefix`` (a finished save's)."""
+
+    def process_of(self, device: Any) -> int:
+        """The process that holds ``device``."""
+        return int(device.process_index)
+
+    def next_save(self) -> int:
+        """The number of this save: each process counts its saves, the same on every process."""
+        return next(_SAVES)
+
+
+class JaxGroup(Group):
+    """The processes of ``jax.distributed``: its coordination service's key-value store."""
+
+    def __init__(self, where: str) -> None:
+        client = distributed.global_state.client
+        self.me, self.count = jax.process_index(), jax.process_count()
+        if client is None:  # several processes without jax.distributed (no coordination service)
+            what = "cannot write a buffer sharded over several processes: "
+            what += "jax.distributed is not initialized (no coordination service)"
+            fix = "call jax.distributed.initialize() first, or save with gather=True"
+            raise error("E34", where, what, fix=fix)
+        self.client = client
+
+    def publish(self, key: str, value: str) -> None:
+        self.client.key_value_set(key, value)
+
+    def read(self, key: str, timeout: float) -> str:
+        try:
+            return str(self.client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
+        except Exception as e:  # DEADLINE_EXCEEDED, or the service gone with process 0
+            raise TimeoutError(one_line(e)) from e
+
+    def forget(self, prefix: str) -> None:
+        with contextlib.suppress(Exception):
+            self.client.key_value_delete(prefix)
+
+
+class ThreadGroup(Group):
+    """Processes simulated by threads of one process (tests), or this process alone.
+
+    A shared dict is the store. ``st.save(..., max_shard_size=)`` of host buffers writes
+    through a group of one (``ThreadGroup(0, 1, ThreadGroup.store())``).
+
+    ``store``: one dict shared by the group's members (``ThreadGroup.store()``);
+    ``process_of``: which simulated process holds a device (all process 0 by default).
+    """
+
+    def __init__(
+        self,
+        me: int,
+        count: int,
+        store: dict[str, Any],
+        process_of: Callable[[Any], int] | None = None,
+    ) -> None:
+        self.me, self.count, self.values = me, count, store
+        self.changed: threading.Condition = store.setdefault("", threading.Condition())
+        self.where = process_of or (lambda device: 0)
+        self.saves = itertools.count()
+
+    @staticmethod
+    def store() -> dict[str, Any]:
+        """A new store for the members of one simulated job."""
+        return {"": threading.Condition()}
+
+    def publish(self, key: str, value: str) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def read(self, key: str, timeout: float) -> str:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout):
+                raise TimeoutError(f"no value for {key!r} within {timeout:g} s")
+            return str(self.values[key])
+
+    def process_of(self, device: Any) -> int:
+        return self.where(device)
+
+    def next_save(self) -> int:
+        return next(self.saves)
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def joined(group: Group) -> Iterator[Group]:
+    """Within the block, this thread's saves are ``group``'s (a simulated process, in tests)."""
+    before = getattr(_LOCAL, "group", None)
+    _LOCAL.group = group
+    try:
+        yield group
+    finally:
+        _LOCAL.group = before
+
+
+def current_group(where: str) -> Group | None:
+    """The processes a save writes with: this thread's :func:`joined` group, JAX's, or none.
+
+    ``where``: the save, for the message of E34 (several processes, no coordination service).
+    """
+    group = getattr(_LOCAL, "group", None)
+    if group is not None:
+        return group
+    if jax.process_count() > 1:
+        return JaxGroup(where)
+    return None
+
+
+class Part(NamedTuple):
+    """One part of a tensor and the process that writes it (``device``: where it is read)."""
+
+    bounds: Bounds
+    owner: int
+    device: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Spread:
+    """A tensor of the file, not read yet: its slot, the array and the parts its processes own.
+
+    ``value``: a ``jax.Array`` (parts read from their devices) or a host array (one part);
+    ``raw``: stored as its bytes (``uint8``), ``shape``/``itemsize`` the array's own.
+    """
+
+    slot: Slot
+    value: Any
+    shape: tuple[int, ...]
+    itemsize: int
+    parts: tuple[Part, ...]
+
+    def summary(self) -> str:
+        """What every process must agree on for this tensor: its slot and its plan."""
+        parts = [(p.bounds, p.owner) for p in self.parts]
+        return json.dumps([*self.slot, list(self.shape), parts], separators=(",", ":"))
+
+
+class Owned(NamedTuple):
+    """A part of an array (its bounds) and the process that writes it."""
+
+    bounds: Bounds
+    owner: int
+
+
+def plan_parts(
+    where: str, shape: tuple[int, ...], parts: dict[Bounds, list[int]], load: list[int]
+) -> tuple[Owned, ...]:
+    """An owner for each distinct part: the process holding it with the fewest bytes so far.
+
+    ``parts``: each part's bounds and the processes holding a replica of it; ``load``:
+    the bytes (or elements) each process writes so far, updated. The parts must tile the
+    array (a grid of intervals per axis, every cell held), else E222 naming ``where``.
+
+    Example:
+        >>> load = [0, 0]
+        >>> plan_parts("w", (4,), {((0, 4),): [0, 1]}, load), load
+        ((Owned(bounds=((0, 4),), owner=0),), [4, 0])
+        >>> [p.owner for p in plan_parts("v", (4,), {((0, 2),): [0, 1], ((2, 4),): [0, 1]}, load)]
+        [1, 1]
+        >>> load
+        [4, 4]
+    """
+    _check_tiles(where, shape, parts)
+    out = []
+    for bounds, holders in sorted(parts.items()):
+        size = int(np.prod([b - a for a, b in bounds], dtype=np.int64))
+        owner = min(sorted(set(holders)), key=lambda p: load[p])
+        load[owner] += size
+        out.append(Owned(bounds, owner))
+    return tuple(out)
+
+
+def _check_tiles(where: str, shape: tuple[int, ...], parts: dict[Bounds, list[int]]) -> None:
+    """E222 unless ``parts`` are exactly the cells of a grid over ``shape`` (each held)."""
+    axes: list[set[tuple[int, int]]] = [set() for _ in shape]
+    for bounds in parts:
+        for a, interval in enumerate(bounds):
+            axes[a].add(interval)
+    problem = ""
+    for a, (n, intervals) in enumerate(zip(shape, axes)):
+        at = 0
+        for start, stop in sorted(intervals):
+            if start != at:
+                what = "held by no device" if start > at else "held twice, overlapping"
+                problem = f"the indices {min(at, start)}:{max(at, start)} of axis {a} are {what}"
+                break
+            at = stop
+        if not problem and at != n and n > 0:
+            problem = f"the indices {at}:{n} of axis {a} are held by no device"
+        if problem:
+            break
+    cells = int(np.prod([len(x) for x in axes], dtype=np.int64)) if shape else 1
+    if not problem and len(parts) != cells:
+        problem = f"its {len(parts)} distinct parts leave {cells - len(parts)} of a grid unowned"
+    if problem:
+        what = f"has a sharding whose parts do not cover it: {problem}; nothing was written"
+        fix = "reshard it (jax.device_put with a NamedSharding), or save with gather=True"
+        raise error("E222", where, what, found=f"parts {short(sorted(parts), 200)}", fix=fix)
+
+
+def spread(name: str, code: str, x: Any, raw: bool, where: str, group: Group, load: list[int]):
+    """The :class:`Spread` of the array ``x`` stored as ``name`` (no data read)."""
+    shape, itemsize = tuple(x.shape), int(np.dtype(x.dtype).itemsize)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    slot = Slot(name, code, (nbytes,) if raw else shape, nbytes)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        held: dict[Bounds, list[int]] = {}
+        for device, index in x.sharding.devices_indices_map(shape).items():
+            bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+            held.setdefault(bounds, []).append(group.process_of(device))
+        owned = plan_parts(where, shape, held, load)
+    else:  # a host array (or one this process holds whole): one part
+        owned = plan_parts(
+            where, shape, {tuple((0, n) for n in shape): list(range(group.count))}, load
+        )
+    parts = tuple(Part(bounds, owner, None) for bounds, owner in owned)
+    return Spread(slot, x, shape, itemsize, parts)
+
+
+class Options(NamedTuple):
+    """What a save of several processes needs besides the tree.
+
+    ``directory``: ``path`` is a directory of Hugging Face's sharded layout (``FileOut``
+    names, an index), not one file.
+    """
+
+    path: str
+    timeout: float
+    directory: bool = False
+
+
+class FileOut(NamedTuple):
+    """One safetensors file of a save: its name in the directory, its tensors and metadata."""
+
+    name: str
+    tensors: list[Spread]
+    meta: dict[str, str]
+
+
+class Plan(NamedTuple):
+    """What ``build`` gives :func:`save_together`.
+
+    The files, the facts every process must agree on, and the index file (name and
+    text) of the directory layout.
+    """
+
+    files: list[FileOut]
+    facts: dict[str, str]
+    index_file: tuple[str, str] | None = None
+
+
+INDEX = "model.safetensors.index.json"
+"""The index of Hugging Face's sharded layout (tensor name -> file)."""
+
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+"""The weights files of a directory a sharded save replaces (as ``save_pretrained`` does)."""
+
+
+_SAVES = itertools.count()
+"""Each process numbers its saves of several processes: the same sequence on every process."""
+
+
+class _Rounds:
+    """The rounds of one save: each process publishes its outcome, then reads every other's."""
+
+    def __init__(self, group: Group, path: str, timeout: float) -> None:
+        self.group, self.path, self.timeout = group, path, timeout
+        self.number = group.next_save()
+        self.prefix = f"sharetree.save/{self.number}"
+
+    def agree(self, name: str, failure: BaseException | None, **facts: Any) -> list[dict[str, Any]]:
+        """Every process's facts of round ``name``; the first failure raised on every process."""
+        g = self.group
+        mine: dict[str, Any] = {"facts": facts, "error": None}
+        if failure is not None:
+            tie = isinstance(failure, TieError)
+            message = str(failure) if tie else one_line(failure)
+            code = getattr(failure, "code", None) if tie else None
+            mine["error"] = {
+                "message": message,
+                "code": code,
+                "type": isinstance(failure, TypeError),
+            }
+        g.publish(f"{self.prefix}/{name}/{g.me}", json.dumps(mine))
+        outs: list[dict[str, Any]] = []
+        for i in range(g.count):
+            if i == g.me:
+                outs.append(mine)
+                continue
+            try:
+                outs.append(json.loads(g.read(f"{self.prefix}/{name}/{i}", self.timeout)))
+            except TimeoutError as e:
+                what = (
+                    f"got no answer from process {i} of {g.count} within {self.timeout:g} s "
+                    f"(the {name!r} round: killed, hung, or still writing); the previous file "
+                    "is left as it was"
+                )
+                fix = "check that process's log; give a longer timeout= for slower disks"
+                raise error(
+                    "E224", f"save: {self.path!r}", what, found=one_line(e), fix=fix
+                ) from failure
+        failed = [(i, o["error"]) for i, o in enumerate(outs) if o["error"] is not None]
+        if failed:
+            i, got = failed[0]
+            note = f"(process {i} of {g.count} found it in the {name!r} round; "
+            note += "every process raised it)"
+            if i == g.me and isinstance(failure, TieError):
+                raise add_context(failure, note)
+            if got["code"] is not None:
+                same = rebuilt(got["message"], got["code"], got["type"])
+                raise add_context(same, note) from failure
+            what = f"failed on process {i} of {g.count}: {got['message']}"
+            what += "; the previous file is left as it was"
+            fix = "free space or fix the error on that process, then save again"
+            raise add_context(
+                error("E223", f"save: {self.path!r}", what, fix=fix), note
+            ) from failure
+        return outs
+
+
+def save_together(group: Group, options: Options, build: Callable[[], Plan]) -> None:
+    """Write the files of ``build()``'s plan with every process of ``group``.
+
+    ``build``: the data-free part of the save, run on every process: the files (tensors
+    with their plans, metadata), the index, and the facts every process must agree on
+    (name -> text; ``"buffer:..."`` entries are compared one by one).
+    """
+    path, me = options.path, group.me
+    rounds = _Rounds(group, path, options.timeout)
+    failure: BaseException | None = None
+    plan = Plan([], {})
+    layouts: list[Layout] = []
+    digest: dict[str, str] = {}
+    try:
+        plan = build()
+        layouts = [_layout(path, f.tensors, f.meta) for f in plan.files]
+        digest = {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in plan.facts.items()}
+    except Exception as e:  # every process hears of it: none is left waiting
+        failure = e
+    token = secrets.token_hex(6) if me == 0 else None
+    outs = rounds.agree("check", failure, digest=digest, token=token)
+    if me == 0 and rounds.number:  # every process is past the previous save: its keys can go
+        group.forget(f"sharetree.save/{rounds.number - 1}")
+    _check_same(path, [o["facts"]["digest"] for o in outs])
+    token = outs[0]["facts"]["token"]
+    target = os.path.realpath(path)
+    if options.directory:
+        directory, names, base = target, [f.name for f in plan.files], INDEX
+    else:
+        directory, base = os.path.dirname(target), os.path.basename(target)
+        names = [base]
+    tmps = [os.path.join(directory, f".{name}.{token}.tmp") for name in names]
+    marker = os.path.join(directory, f".{base}.{token}.p{me}")
+    modes: list[int | None] = []
+    made: list[str] = []
+    try:
+        failure = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if me == 0:
+                for name, tmp, layout in zip(names, tmps, layouts):
+                    modes.append(replaced_mode(path, os.path.join(directory, name)))
+                    made.append(create_temp(directory, name, token))
+                    _start_file(tmp, layout)
+            made.append(_write_marker(directory, base, token, me))
+        except OSError as e:
+            failure = e
+        rounds.agree("prepare", failure)
+        try:
+            _check_markers(path, directory, base, token, group.count, tmps)
+            for tmp, f, layout in zip(tmps, plan.files, layouts):
+                _write_share(group, tmp, f.tensors, layout)
+        except Exception as e:
+            failure = e
+        rounds.agree("write", failure)
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+        made.remove(marker)
+        try:
+            if me == 0:
+                _commit(directory, names, tmps, modes, made, plan.index_file, options.directory)
+                _remove_stale(directory, [*names, base])
+        except OSError as e:
+            failure = e
+        rounds.agree("commit", failure)
+    finally:  # after a failure every process agreed on: nobody writes any more
+        for name in made:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+
+
+def _commit(
+    directory: str,
+    names: list[str],
+    tmps: list[str],
+    modes: list[int | None],
+    made: list[str],
+    index: tuple[str, str] | None,
+    layout_of_directory: bool,
+) -> None:
+    """Rename each temporary file over its name (its mode kept), then the index, if any.
+
+    In a directory, the weights files of an earlier save that the new ones do not
+    replace are removed last, as ``save_pretrained`` does.
+    """
+    for name, tmp, mode in zip(names, tmps, modes):
+        if mode is None:  # a new file: the umask's mode, as the kernel gave the temporary
+            mode = os.stat(tmp).st_mode & 0o7777
+        os.chmod(tmp, mode)
+        os.replace(tmp, os.path.join(directory, name))
+        made.remove(tmp)
+    if index is not None:
+        name, text = index
+        target = os.path.join(directory, name)
+        mode = replaced_mode(target, target)
+        tmp = create_temp(directory, name)
+        made.append(tmp)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+        made.remove(tmp)
+        names = [*names, name]
+    if layout_of_directory:
+        for old in os.listdir(directory):
+            if _WEIGHTS.fullmatch(old) and old not in names:
+                os.unlink(os.path.join(directory, old))
+    _fsync_directory(directory)
+
+
+def _layout(path: str, tensors: list[Spread], meta: dict[str, str]) -> Layout:
+    try:
+        return header_bytes([t.slot for t in tensors], meta)
+    except OverflowError as e:
+        what = f"has a header too large for readers (100 MB): {e}; nothing was written"
+        fix = "store large text as arrays, or keep it out of the tree and metadata"
+        raise error("E56", f"save: {path!r}", what, fix=fix) from e
+
+
+def _check_same(path: str, digests: list[dict[str, str]]) -> None:
+    """E220 naming what differs between the processes' arguments and trees."""
+    first = digests[0]
+    for i, d in enumerate(digests[1:], 1):
+        keys = sorted(set(first) | set(d))
+        differ = [k for k in keys if first.get(k) != d.get(k)]
+        if not differ:
+            continue
+        buffers = [k.split(":", 1)[1] for k in differ if k.startswith("buffer:")]
+        named = [k for k in differ if not k.startswith("buffer:")]
+        if buffers:
+            named.append(f"the buffer(s) {short(buffers, 200)} (shape, dtype or sharding)")
+        what = f"was called with different arguments on process 0 and process {i}: "
+        what += f"{', '.join(named)} differ; nothing was written"
+        fix = "call st.save with the same path, tree, metadata and options on every process"
+        raise error("E220", f"save: {path!r}", what, fix=fix)
+
+
+def _start_file(tmp: str, layout: Layout) -> None:
+    """Write the header of the temporary file and reserve its size (a full disk fails here)."""
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        os.pwrite(fd, layout.header, 0)
+        try:
+            os.posix_fallocate(fd, 0, max(1, layout.size))
+        except (AttributeError, OSError) as e:  # no fallocate here: a sparse file
+            if isinstance(e, OSError) and e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL
+                raise
+        os.ftruncate(fd, layout.size)
+    finally:
+        os.close(fd)
+
+
+def _write_marker(directory: str, base: str, token: str, me: int) -> str:
+    """Create this process's marker beside the temporary file; returns its path."""
+    marker = os.path.join(directory, f".{base}.{token}.p{me}")
+    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    return marker
+
+
+def _check_markers(
+    path: str, directory: str, base: str, token: str, count: int, tmps: list[str]
+) -> None:
+    """E221 unless this process sees every process's marker and the temporary files."""
+    missing = [
+        i
+        for i in range(count)
+        if not os.path.exists(os.path.join(directory, f".{base}.{token}.p{i}"))
+    ]
+    unseen = not all(os.path.exists(t) for t in tmps)
+    if missing or unseen:
+        what = (
+            f"is not on a filesystem every process sees: in {directory!r} this process does not "
+            f"see the marker files of process(es) {missing}"
+            + (" nor the temporary file(s) process 0 created" if unseen else "")
+            + "; nothing was written"
+        )
+        fix = "save to a shared filesystem (NFS, Lustre) by an absolute path, or use Orbax"
+        raise error("E221", f"save: {path!r}", what, fix=fix)
+
+
+def _write_share(group: Group, tmp: str, tensors: list[Spread], layout: Layout) -> None:
+    """Write the parts this process owns, each straight from its device, then ``fsync``."""
+    mine = [(t, p) for t in tensors for p in t.parts if p.owner == group.me and t.slot.nbytes]
+    if not mine:
+        return
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        for t, part in mine:
+            host = _read_part(t, part)
+            host = host.astype(host.dtype.newbyteorder("<"), order="C", copy=False)
+            runs = byte_runs(t.shape, t.itemsize, part.bounds)
+            write_runs(fd, layout.start[t.slot.name], host, runs)
+            del host
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_part(t: Spread, part: Part) -> np.ndarray:
+    """The part ``part`` of ``t`` on the host: from a device of this process that holds it."""
+    index = tuple(slice(a, b) for a, b in part.bounds)
+    x = t.value
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        for shard in x.addressable_shards:
+            bounds = tuple(s.indices(n)[:2] for s, n in zip(shard.index, t.shape))
+            if bounds == part.bounds:
+                return np.asarray(shard.data)
+        raise RuntimeError(f"no device of this process holds the part {index} of {t.slot.name!r}")
+    return np.asarray(x)[index]
+
+
+def _fsync_directory(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_stale(directory: str, bases: list[str]) -> None:
+    """Remove the temporary and marker files earlier failed saves of ``bases`` left."""
+    names = "|".join(re.escape(b) for b in bases)
+    pattern = re.compile(rf"\.({names})\.[0-9a-f]{{12}}\.(tmp|p\d+)")
+    for name in os.listdir(directory):
+        if pattern.fullmatch(name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
