@@ -47,6 +47,7 @@ from sharetree._errors import TieError, add_context, error, one_line, rebuilt, s
 from sharetree._safetensors import (
     Layout,
     Slot,
+    atomic_write_text,
     byte_runs,
     create_temp,
     header_bytes,
@@ -502,18 +503,7 @@ def _commit(
         made.remove(tmp)
     if index is not None:
         name, text = index
-        target = os.path.join(directory, name)
-        mode = replaced_mode(target, target)
-        tmp = create_temp(directory, name)
-        made.append(tmp)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, target)
-        made.remove(tmp)
+        atomic_write_text(os.path.join(directory, name), text)
         names = [*names, name]
     if layout_of_directory:
         for old in os.listdir(directory):

@@ -20,7 +20,6 @@ embedding's triple. :func:`save_mlx` writes such a tree back in MLX's layout.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -44,9 +43,8 @@ from sharetree._safetensors import (
     PathOrStr,
     Pending,
     atomic_write,
-    create_temp,
+    atomic_write_text,
     file_path,
-    replaced_mode,
     unique_pairs,
 )
 from sharetree._tied import Tied
@@ -539,29 +537,6 @@ def _numpy(x: Any) -> np.ndarray:
     return a.astype(a.dtype.newbyteorder("<"), order="C", copy=False)
 
 
-def _atomic_text(path: str, text: str) -> None:
-    """Write ``text`` beside ``path`` then rename it over ``path``, as ``atomic_write`` does.
-
-    A new file gets the umask's mode, a replaced file keeps its mode (a read-only one is
-    refused, left as it was).
-    """
-    target = os.path.realpath(path)
-    mode = replaced_mode(path, target)
-    tmp = create_temp(os.path.dirname(target), os.path.basename(target))
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def save_mlx(directory: PathOrStr, tree: Any, *, config: Mapping[str, Any] | None = None) -> None:
     """Write a tree in MLX's quantized layout: a directory ``mlx_lm`` and ``mx.load`` read.
 
@@ -693,7 +668,7 @@ def save_mlx(directory: PathOrStr, tree: Any, *, config: Mapping[str, Any] | Non
     }
     os.makedirs(directory, exist_ok=True)
     atomic_write(os.path.join(directory, SINGLE_FILE), tensors, {"format": "mlx"})
-    _atomic_text(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=4))
-    _atomic_text(
+    atomic_write_text(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=4))
+    atomic_write_text(
         os.path.join(directory, CONFIG_FILE), json.dumps(dict(sorted(out.items())), indent=4)
     )

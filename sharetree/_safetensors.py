@@ -41,6 +41,7 @@ __all__ = [
     "TensorInfo",
     "read_tree",
     "atomic_write",
+    "atomic_write_text",
     "byte_runs",
     "create_temp",
     "file_path",
@@ -540,6 +541,29 @@ def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, 
         os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` beside ``path`` then rename it over ``path``, as ``atomic_write`` does.
+
+    A new file gets the umask's mode, a replaced file keeps its mode (a read-only one is
+    refused, left as it was).
+    """
+    target = os.path.realpath(path)
+    mode = replaced_mode(path, target)
+    tmp = create_temp(os.path.dirname(target), os.path.basename(target))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
