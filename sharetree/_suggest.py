@@ -22,23 +22,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from sharetree._foreign import metadata_ties
+from sharetree._mlx.config import CONFIG_FILE, EMBEDDINGS, MAX_CONFIG_BYTES, head_of
 from sharetree._safetensors import CODES, Reader, TensorInfo
 from sharetree._transforms import T, Transform, identity
 from sharetree._transforms import slice as slice_
 
-__all__ = ["Suggestion", "suggest_ties", "CONFIG_FILE"]
+__all__ = ["Suggestion", "suggest_ties"]
 
-CONFIG_FILE = "config.json"
-"""A ``save_pretrained`` directory's configuration (``tie_word_embeddings``)."""
-
-_MAX_CONFIG_BYTES = 16 << 20
-_EMBEDDINGS = (
-    "embed_tokens.weight",
-    "wte.weight",
-    "word_embeddings.weight",
-    "tok_embeddings.weight",
-)
-"""How Hugging Face models name the input embedding a tied head reads (the name's end)."""
 _HEADS = ("lm_head.weight", "output.weight")
 """How they name the head a ``tie_word_embeddings`` model does not store."""
 
@@ -178,7 +168,7 @@ def _config(path: str) -> dict[str, object] | None:
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     file = os.path.join(folder, CONFIG_FILE)
     try:
-        if not os.path.isfile(file) or os.path.getsize(file) > _MAX_CONFIG_BYTES:
+        if not os.path.isfile(file) or os.path.getsize(file) > MAX_CONFIG_BYTES:
             return None
         with open(file, encoding="utf-8") as f:
             out = json.load(f)
@@ -198,13 +188,14 @@ def _head_tie(names: Iterable[str], config: dict[str, object] | None) -> list[Su
     names = list(names)
     if any(n.endswith(h) for n in names for h in _HEADS):
         return []
-    embeddings = [n for n in names if n.endswith(_EMBEDDINGS)]
+    weights = [n[: -len(".weight")] for n in names if n.endswith(".weight")]
+    embeddings = [n for n in weights if n.rsplit(".", 1)[-1] in EMBEDDINGS]
     if len(embeddings) != 1:
         return []
     (embed,) = embeddings
-    head = "lm_head.weight" if embed != "tok_embeddings.weight" else "output.weight"
+    head = head_of(embed)
     why = "config.json ties word embeddings (tie_word_embeddings) and no head is stored"
-    return [Suggestion(head, embed, identity, why)]
+    return [Suggestion(head, f"{embed}.weight", identity, why)]
 
 
 def suggest_ties(readers: list[Reader], path: str) -> list[Suggestion]:
