@@ -424,7 +424,7 @@ S1, S2 = "'model-00001-of-00002.safetensors'", "'model-00002-of-00002.safetensor
     "case, facts",
     [
         ("missing shard", [f"names the shard {S2}", "does not exist", "copy the missing shard"]),
-        ("listed twice", ["lists 'model.norm.weight' twice"]),
+        ("listed twice", ["names 'model.norm.weight' twice"]),
         ("in no shard", [f"puts 'extra.weight' in {S1}", "in no shard"]),
         ("not listed", ["does not list it", f"the shard {S2} holds 'model.norm.weight'"]),
         ("stored twice", [f"'model.norm.weight' stored in both {S1} and {S2}"]),

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
 from collections.abc import Callable
 from typing import Any, NamedTuple, Union
 
-from sharetree._errors import error, short, wrong_type
+from sharetree._errors import error, one_line, short, wrong_type
 
 __all__ = [
     "PathOrStr",
     "file_path",
     "DuplicateKey",
     "unique_pairs",
+    "read_json",
     "create_temp",
     "replaced_mode",
     "write_atomically",
@@ -61,6 +63,33 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise DuplicateKey(k, out[k], v)
         out[k] = v
     return out
+
+
+def read_json(path: str, code: str, verb: str, limit: int, fix: str) -> dict[str, Any]:
+    """The JSON object of the small file ``path``, read bounded: every problem a ``code`` error.
+
+    The one reader of every small JSON file (a config, an index): a regular file (not a
+    directory, a pipe or a device) of at most ``limit`` bytes, valid JSON naming no key twice
+    in one object, an object at the top. ``verb``: the caller's (``load``), for the message.
+    """
+    where = f"{verb}: {path!r}"
+    if not os.path.isfile(path):
+        what = "is not a regular file (a directory, a pipe or a device)"
+        raise error(code, where, what, fix=fix)
+    if os.path.getsize(path) > limit:
+        raise error(code, where, f"is larger than {limit >> 20} MiB", fix=fix)
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    try:
+        data = json.loads(raw, object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
+        found = f"{short(e.first, 100)} and {short(e.second, 100)}"
+        raise error(code, where, f"names {short(e.key)} twice", found=found, fix=fix) from None
+    except (ValueError, RecursionError) as e:
+        raise error(code, where, "is not valid JSON", found=one_line(e)[:200], fix=fix) from e
+    if not isinstance(data, dict):
+        raise error(code, where, "is not a JSON object", found=type(data).__name__, fix=fix)
+    return data
 
 
 def create_temp(directory: str, base: str, token: str | None = None) -> str:

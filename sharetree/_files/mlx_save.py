@@ -19,12 +19,8 @@ from sharetree._errors import (
 )
 from sharetree._files.container import write_tensors
 from sharetree._files.disk import PathOrStr, file_path, text_writer, write_several
-from sharetree._files.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
-from sharetree._files.mlx_config import (
-    EMBEDDINGS,
-    Quant,
-    head_of,
-)
+from sharetree._files.hf import CONFIG_FILE, EMBEDDINGS, INDEX_FILE, SINGLE_FILE, head_of
+from sharetree._files.mlx_config import Quant
 from sharetree._materialize import abstract_expanded
 from sharetree._tied import Tied
 from sharetree._transforms import identity
