@@ -216,8 +216,9 @@ def metadata_ties(metadata: Mapping[str, str], tensors: Mapping[str, Any]) -> di
     dtype ``code``). An entry is read as a tie when both of its names are tensor names (a
     tensor of the file, or a dotted name sharing its first or last part with one,
     ``lm_head.weight``); other entries are plain metadata (``format``, ``notes``, never a
-    tie). A chain of entries is followed in time linear in the entries. A recorded tie that cannot be honoured is E260: the kept
-    tensor missing, the removed name stored too, or entries that lead round in a cycle.
+    tie). A chain of entries is followed in time linear in the entries. A recorded tie that
+    cannot be honoured is E260: the kept tensor missing, the removed name stored too, or
+    entries that lead round in a cycle.
 
     Example:
         >>> import numpy as np
