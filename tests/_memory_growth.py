@@ -4,8 +4,12 @@
 bounds, reads ``RssAnon`` (the process's anonymous memory now, not its peak) from
 ``/proc/self/status``, materializes ``COUNT`` new structures with 20 views each (each
 compiles one program for its views), reads it again and prints both as JSON.
-``--leaky`` first replaces the bounded cache of compiled programs by an unbounded one
-(every structure keeps its program), the leak the test must be able to see.
+``python tests/_memory_growth.py COUNT --program`` measures the size of one such program
+instead: the growth over ``COUNT`` structures whose programs are all kept, divided by their
+number (so the test's bounds follow what a program costs under the installed jax and XLA,
+not a figure written down). ``--leaky`` first replaces the bounded cache of compiled
+programs by an unbounded one (every structure keeps its program), the leak the test must be
+able to see.
 """
 
 from __future__ import annotations
@@ -38,11 +42,22 @@ def run(count: int, offset: int) -> int:
     return rss_anon_kib()
 
 
+def keep_every_program() -> None:
+    """Replace the bounded cache of compiled programs by an unbounded one (a leak)."""
+    unbounded = functools.lru_cache(maxsize=None)(_materialize._eager_views.__wrapped__)
+    _materialize._eager_views = unbounded
+
+
 def main(argv: list[str]) -> None:
     count = int(argv[0])
+    if "--program" in argv:
+        keep_every_program()
+        before = run(5, 0)  # warm up: jax's own first compiles
+        after = run(count, 10_000)
+        print(json.dumps({"program_kib": (after - before) / count}))
+        return
     if "--leaky" in argv:
-        unbounded = functools.lru_cache(maxsize=None)(_materialize._eager_views.__wrapped__)
-        _materialize._eager_views = unbounded
+        keep_every_program()
     run(_materialize.EAGER_PROGRAM_CACHE_SIZE + 20, 0)  # warm up: caches fill to their bounds
     before = run(20, 10_000)
     after = run(count, 20_000)
