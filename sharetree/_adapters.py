@@ -112,9 +112,11 @@ def add_lora(
     """
     patterns = [where] if isinstance(where, str) else list(where)
     if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise wrong_type("E173", "add_lora: where=", "path patterns (str)", where, "pass 'embed'")
+        raise wrong_type(
+            "E173", "add_lora(where=...)", "path patterns (str)", where, "pass 'embed'"
+        )
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-        raise wrong_type("E174", "add_lora: rank=", "an int >= 1", rank, "pass rank=8")
+        raise wrong_type("E174", "add_lora(rank=...)", "an int >= 1", rank, "pass rank=8")
     leaves, structure = leaves_and_structure(tree)
     chosen = _positions(structure, patterns)
     values = expanded_by_path(tree)
@@ -228,7 +230,7 @@ def merge_lora(adapted: Any, *, requantize: bool = False) -> Any:
         fix = "merge before tying other positions to the adapters, or untie those first"
         raise error("E175", where, f"reads {r!r}, which merging removes", fix=fix)
     values = expanded_by_path(adapted)
-    if check_bool(requantize, "E208", "merge_lora: requantize="):
+    if check_bool(requantize, "E208", "merge_lora(requantize=...)"):
         packed = _requantized(adapted, structure, merged, values)
     else:
         packed = {}

@@ -62,7 +62,7 @@ def find_ties(
     if isinstance(transforms, Transform) or not isinstance(transforms, Iterable):
         fix = "pass a list or tuple, e.g. transforms=(st.identity, st.T)"
         raise wrong_type(
-            "E62", "find_ties: transforms=", "a sequence of transforms", transforms, fix
+            "E62", "find_ties(transforms=...)", "a sequence of transforms", transforms, fix
         )
     transforms = tuple(check_transform(t, "in find_ties") for t in transforms)
     atol = check_atol(atol, "find_ties")

@@ -11,7 +11,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, add_context, error, one_line, short
+from sharetree._errors import TieError, add_context, error, found_type, one_line
 from sharetree._paths import Path, aval_of, flattening, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, identity
@@ -127,7 +127,7 @@ def check_view_value(out: Any, transform: Transform) -> Any:
     """``out`` if it is one view value (an array, number, shape/dtype), else a :class:`TieError`."""
     if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
         return out
-    found = f"{type(out).__name__} {short(out, 60)}"
+    found = found_type(out, 60)
     fix = f"return one array from {type(transform).__name__}.__call__; tie each part on its own"
     raise error("E66", repr(transform), "returned no array", found=found, fix=fix)
 

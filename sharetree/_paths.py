@@ -105,7 +105,7 @@ def to_ref(ref: Any, up: Any = None, what: str = "Tied ref") -> Ref:
         (Ref(keys=('0',), up=1), Ref(keys=('w',), up=0), Ref(keys=('..', 'w'), up=2))
     """
     if up is not None and (isinstance(up, (bool, np.bool_)) or not isinstance(up, int)):
-        raise wrong_type("E15", f"{what} {short(ref)}: up=", "None or an int >= 0", up)
+        raise wrong_type("E15", f"{what} {short(ref)} (up=...)", "None or an int >= 0", up)
     if up is not None and up < 0:
         raise error("E15", f"{what} {short(ref)}", found=f"up={up}", expected="up >= 0")
     climb: int | None = None

@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import warnings
 from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, error, short
+from sharetree._errors import TieError, error, short, warn
 from sharetree._paths import (
     Path,
     Ref,
@@ -458,7 +457,7 @@ def _warn_shadowed(at: Path, ref: Path, near: int, far: int) -> None:
     where = f"Tied at {path_str(at)!r}: ref {path_str(ref)!r}"
     problem = f"reads {path_str(at[:near] + ref)!r}; {path_str(at[:far] + ref)!r} is further out"
     fix = f"write {spell[0]!r} to read the nearer one, {spell[1]!r} to read the other"
-    warnings.warn(str(error("E165", where, problem, fix=fix)), UserWarning, stacklevel=2)
+    warn("E165", where, problem, fix=fix)
 
 
 def _overlap(a: Path, b: Path) -> bool:

@@ -95,7 +95,7 @@ def tie(
         {'w': Tied('enc/w', T)}
     """
     check_mapping(ties, "E140", "tie: ties", "a mapping {target: ref}", _EXAMPLE)
-    check = check_bool(check, "E55", "tie: check=")
+    check = check_bool(check, "E55", "tie(check=...)")
     if atol is not None:
         atol = check_atol(atol, "tie")
     new = tie_entries(ties)
@@ -197,7 +197,7 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
         before = {p[n:]: v for p, v in old.items() if p[:n] == target}
         after = {p[n:]: v for p, v in now.items() if p[:n] == target}
         if shown := _structures_differ(before, after, [nodes_at(x, target) for x in skeletons]):
-            where, differs = f"tie {path_str(target)!r} <- {t!r}:", "the view's structure differs"
+            where, differs = f"tie {path_str(target)!r} <- {t!r}", "the view's structure differs"
             raise error("E8", where, f"{differs}: {shown}", fix=_STRUCTURE)
         for rel, b in before.items():
             if kind(a := after[rel]) != kind(b):

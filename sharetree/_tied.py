@@ -104,7 +104,7 @@ class Tied:
     def _one(self) -> Ref:
         if self.inputs is not None:
             fix = "read t.refs, its (name, ref) pairs"
-            raise wrong_type("E166", "Tied.ref:", "a Tied of one ref", self, fix)
+            raise wrong_type("E166", "Tied.ref", "a Tied of one ref", self, fix)
         return self.refs[0][1]
 
     def __setattr__(self, name: str, value: Any) -> None:

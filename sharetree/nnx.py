@@ -256,7 +256,7 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     nodes = node_paths(where)
 
     if ties is not None:
-        check_mapping(ties, "E69", "sharetree.nnx.split: ties=", "a mapping or None", _TIES_FIX)
+        check_mapping(ties, "E69", "sharetree.nnx.split(ties=...)", "a mapping or None", _TIES_FIX)
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for path, t in tie_entries(ties or {}).items():
         found = _nnx_tie(_strip_value(path, where), t, where, nodes, aliases)
@@ -458,7 +458,7 @@ def tie(model: Any, ties: TieMap, *, check: bool = True, atol: float | None = No
     if graphlib.get_node_impl(model) is None or isinstance(model, nnx.Variable):
         fix = "pass an NNX module; for an nnx.State or another pytree use st.tie"
         raise wrong_type("E69", "sharetree.nnx.tie(model, ties)", "an NNX module", model, fix)
-    check_mapping(ties, "E69", "sharetree.nnx.tie: ties=", "a mapping {target: ref}", _TIES_FIX)
+    check_mapping(ties, "E69", "sharetree.nnx.tie(ties=...)", "a mapping {target: ref}", _TIES_FIX)
     held = _variables_at(model)
     variables = {_str_path(r): v for r, v in held.items()}
     value_ties: dict[Path, Tied] = {}

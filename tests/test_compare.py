@@ -150,14 +150,14 @@ def test_check_atol_takes_real_numbers(good):
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, -math.inf])
 def test_check_atol_refuses_negative_and_nan(bad):
-    with raises("E55", "tie: atol=", "a number >= 0", repr(bad), "1e-6") as info:
+    with raises("E55", "tie(atol=...)", "a number >= 0", repr(bad), "1e-6") as info:
         cmp.check_atol(bad, "tie")
     assert not isinstance(info.value, st.TieTypeError)
 
 
 @pytest.mark.parametrize("bad", ["0", True, np.bool_(False), None, 1j])
 def test_check_atol_refuses_other_types(bad):
-    with raises("E55", "find_ties: atol=", type(bad).__name__, cls=st.TieTypeError):
+    with raises("E55", "find_ties(atol=...)", type(bad).__name__, cls=st.TieTypeError):
         cmp.check_atol(bad, "find_ties")
 
 
