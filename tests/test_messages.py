@@ -89,6 +89,17 @@ def _texts(node: ast.expr | None, names: dict[str, list[ast.expr]]) -> list[str 
     return [_text(node)]
 
 
+def _own(function: ast.AST) -> list[ast.AST]:
+    """The nodes of ``function``, not those of the functions defined inside it."""
+    out, stack = [], list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            out.append(node)
+            stack += ast.iter_child_nodes(node)
+    return out
+
+
 def rendered() -> list[tuple[str, str, str]]:
     """``(place, code, message)`` of every builder call in the package, rendered."""
     out = []
@@ -99,12 +110,10 @@ def rendered() -> list[tuple[str, str, str]]:
         functions = [n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)]
         for function in functions:
             names = _assigned(function)
-            for node in ast.walk(function):
+            for node in _own(function):
                 name = getattr(node, "func", None) and getattr(node.func, "id", "")
                 if not isinstance(node, ast.Call) or name not in BUILDERS:
                     continue
-                if any(node in ast.walk(f) for f in functions if f is not function and f in ast.walk(function)):
-                    continue  # an inner function's call: rendered with its own names
                 place = f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno}"
                 for where in _texts(_arg(node, BUILDERS[name] + 1, "where"), names):
                     out.append((place, *_render(node, name, where or "")))
