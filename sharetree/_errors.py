@@ -146,16 +146,20 @@ def error(
     return TieError(_message(code, where, problem, expected, found, fix), code=code)
 
 
-def wrong_type(code: str, where: str, expected: str, value: Any, fix: str = "") -> TieTypeError:
+def wrong_type(
+    code: str, where: str, expected: str, value: Any, fix: str = "", *, found: str | None = None
+) -> TieTypeError:
     """The :class:`TieTypeError` of row ``code`` for ``value``, which is not ``expected``.
 
     The message shows the value's type and a short repr of it (the repr alone where it
-    names the type itself, ``Tied('a')``, ``PosixPath('m')``).
+    names the type itself, ``Tied('a')``, ``PosixPath('m')``), or ``found`` where given
+    (an array's dtype and shape).
 
     >>> print(wrong_type("E1", "f(x=...)", "a str", [1]).args[0].split(". See")[0])
     [E1] f(x=...): expected a str, found list [1]
     """
-    return TieTypeError(_message(code, where, "", expected, found_type(value), fix), code=code)
+    found = found_type(value) if found is None else found
+    return TieTypeError(_message(code, where, "", expected, found, fix), code=code)
 
 
 def found_type(value: Any, limit: int = 40) -> str:

@@ -137,6 +137,11 @@ def _transformable(x: Any) -> bool:
     return is_array_leaf(x) or hasattr(x, "shape")
 
 
+def _shown(x: Any) -> str:
+    """An input in a message: ``float32[2, 3]`` for an array (0-d too), else its type and repr."""
+    return found_type(x, 40) if aval_of(x) is None else format_aval(x)
+
+
 def join_error(
     structure: Structure, j: int, inputs: dict[str, Any], err: BaseException
 ) -> TieError:
@@ -150,7 +155,7 @@ def join_error(
     shown = ", ".join(
         f"{name} {path_str(structure.source_path(x.source))!r}"
         + ("" if x.transform == identity else f" >> {x.transform!r}")
-        + f" {format_aval(aval_of(inputs[name]) or inputs[name])}"
+        + f" {_shown(inputs[name])}"
         for name, x in join.inputs
     )
     view = f"view {path_str(join.path)!r} ({tie!r} at {path_str(join.tie)!r})"
@@ -251,7 +256,7 @@ def _with_joins(
                 leaf = Leaf(x.source, x.transform, join.path, join.tie)
                 value = _leaf_value(structure, leaf, x.transform, value, apply)
             inputs[name] = value
-        if not all(map(_transformable, inputs.values())):
+        if not any(map(_transformable, inputs.values())):  # static data only (no arrays)
             first = next(iter(inputs.values()))
             if all(v is first or v == first for v in inputs.values()):
                 values.append(first)  # static data, equal in every input: kept as it is

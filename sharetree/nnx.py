@@ -460,6 +460,10 @@ def tie(model: Any, ties: TieMap, *, check: bool = True, atol: float | None = No
         raise wrong_type("E69", "sharetree.nnx.tie(model, ties)", "an NNX module", model, fix)
     check_mapping(ties, "E69", "sharetree.nnx.tie(ties=...)", "a mapping {target: ref}", _TIES_FIX)
     held = _variables_at(model)
+    if not held:  # a dict or list of arrays is a graph node to NNX, but holds no Variable
+        fix = "pass an NNX module (its Variables are tied in place); for a pytree use st.tie"
+        expected = "an NNX module holding Variables"
+        raise wrong_type("E69", "sharetree.nnx.tie(model, ties)", expected, model, fix)
     variables = {_str_path(r): v for r, v in held.items()}
     value_ties: dict[Path, Tied] = {}
     for path, t in tie_entries(ties).items():

@@ -206,8 +206,8 @@ def _table_dtype(where: str, w: Any, group_size: int) -> np.dtype:
     if shape is None or dtype is None:
         raise wrong_type("E206", where, "a float array", w, fix)
     found = f"{np.dtype(dtype).name}[{', '.join(map(str, shape))}]"
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise error("E206", where, "quantizes real floats", found=found, fix=fix)
+    if not jnp.issubdtype(dtype, jnp.floating):  # integers, complex: another type of array
+        raise wrong_type("E206", where, "a real float array", w, fix, found=found)
     if not shape or shape[-1] % group_size or not shape[-1]:
         expected = f"a last axis of whole groups of {group_size} values"
         raise error("E206", where, expected=expected, found=found, fix=fix)
