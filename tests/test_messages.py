@@ -11,8 +11,10 @@ must be reported at this file's line, not inside the package.
 from __future__ import annotations
 
 import ast
+import collections
 import pathlib
 import re
+import tempfile
 import uuid
 import warnings
 from typing import Any
@@ -235,24 +237,54 @@ def _mask_of_a_view() -> None:
     st.mask_by_path({"embed": np.ones((2, 2)), k: st.Tied("embed", st.T)}, k, strict=False)
 
 
+def _load_of_dicts() -> None:
+    """E130: a file saved from a pytree node class, loaded without ``like=``."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "m.safetensors"
+        st.save(path, collections.namedtuple("Pair", "w v")(np.ones(2), st.Tied("w")))
+        st.load(path)
+
+
+def _load_of_a_foreign_file() -> None:
+    """E142: a safetensors file another tool wrote (no sharetree metadata)."""
+    from safetensors.numpy import save_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "model.safetensors"
+        save_file({"w": np.ones(2, np.float32)}, str(path))
+        st.load(path)
+
+
+def _load_of_an_mlx_directory() -> None:
+    """E142: an ``mlx_lm`` directory (its config's quantization and tie read)."""
+    from test_mlx_files import write_by_hand
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_by_hand(pathlib.Path(folder))
+        st.load(folder)
+
+
 WARNINGS = {
-    "E160": _static_leaf_changes,
-    "E161": _mask_of_a_view,
-    "E165": _shadowed_ref,
+    "E130": [_load_of_dicts],
+    "E142": [_load_of_a_foreign_file, _load_of_an_mlx_directory],
+    "E160": [_static_leaf_changes],
+    "E161": [_mask_of_a_view],
+    "E165": [_shadowed_ref],
 }
+ENTRY_POINTS = [(code, call) for code, calls in sorted(WARNINGS.items()) for call in calls]
 
 
-@pytest.mark.parametrize("code", sorted(WARNINGS))
-def test_a_warning_is_reported_at_the_callers_line(code: str):
-    found = _warned(WARNINGS[code])
+@pytest.mark.parametrize(("code", "call"), ENTRY_POINTS, ids=[c.__name__ for _, c in ENTRY_POINTS])
+def test_a_warning_is_reported_at_the_callers_line(code: str, call: Any):
+    found = _warned(call)
     assert [str(w.message)[1 : 1 + len(code)] for w in found] == [code]
     assert found[0].filename == __file__
     assert found[0].category is UserWarning
 
 
 def test_every_warning_code_is_called_here():
-    """Each code the package warns with has its entry point in ``WARNINGS``, and no module
-    warns past the builder."""
+    """Each code the package warns with has its entry points in ``WARNINGS`` (one per call
+    site), and no module warns past the builder."""
     assert _warn_codes() == set(WARNINGS)
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name != "_errors.py":
