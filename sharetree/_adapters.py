@@ -174,11 +174,7 @@ def _assemble(
     def moved(old: Path, at: Path, t: Tied) -> Tied:
         """The view ``t`` that was at ``old`` in ``tree``, written for ``at`` instead."""
         reads = structure.reads[old]
-        refs = {n: ref_to((PARAMS, *reads[n]), at, nodes) for n, _ in t.refs}
-        if t.inputs is None:
-            ref = refs[None]
-            return Tied(ref.keys, t.transform, up=ref.up)
-        return Tied(refs, t.transform)  # type: ignore[arg-type]
+        return t.with_refs({n: ref_to((PARAMS, *reads[n]), at, nodes) for n, _ in t.refs})
 
     def visit(kp: Any, x: Any) -> Any:
         p = keypath_to_path(kp)

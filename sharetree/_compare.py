@@ -248,7 +248,7 @@ def kinds_differ(c: Copies, view: str, held: str, other: str) -> TieError:
     fix = (
         f"choose a transform that gives {held} (st.T, st.reshape, st.astype, st.slice), or {other}"
     )
-    return error("E7", c.where, f"the view is {view}, but {holder} {held}", fix=fix)
+    return error("E7", c.where, f"gives a view of {view}, but {holder} {held}", fix=fix)
 
 
 def copies_differ(c: Copies, found: Difference | tuple[Any, Any], atol: float) -> TieError:
@@ -273,4 +273,4 @@ def copies_differ(c: Copies, found: Difference | tuple[Any, Any], atol: float) -
     first = "" if c.load else f"without atol, st.tie keeps {shown} and drops {target!r}; "
     last = "load without ties" if c.load else "leave the two untied"
     fix = f"choose which copy wins: {first}to keep {target!r} instead, {keep}; or {last}"
-    return error("E46", c.where, f"the two copies differ: {problem}", fix=fix)
+    return error("E46", c.where, f"holds two copies that differ: {problem}", fix=fix)

@@ -159,10 +159,7 @@ def _nnx_tie(
     the target Variable's ``value``: the target keeps its own kind and metadata.
     """
     refs = _rooted(path, t, where)
-    if t.inputs is None:
-        t = Tied(refs[None], t.transform)
-    else:
-        t = Tied(dict(refs), t.transform)  # type: ignore[arg-type]
+    t = t.with_refs({n: Ref(r, None) for n, r in refs.items()})
     named = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
     fix = "write the path as NNX prints the state, naming the Variable ('dec/kernel')"
     if path not in nodes:
@@ -179,14 +176,11 @@ def _nnx_tie(
         return {i for p, i in where.items() if p[: len(r)] == r}
 
     spans = set().union(*map(states, [path, *refs.values()]))
-    if len(spans) > 1 and t.inputs is None:
-        fix = "change the filters, or tie within one state"
-        expected = "its view and buffer in one state"
-        raise error("E180", named, f"spans states {sorted(spans)}", expected=expected, fix=fix)
     if len(spans) > 1:
+        read = [(f"input {n!r}" if n else "its ref", r) for n, r in refs.items()]
         found = "; ".join(
             f"{label} {path_str(r)!r} in state {', '.join(map(str, sorted(states(r))))}"
-            for label, r in [("the view", path), *((f"input {n!r}", r) for n, r in refs.items())]
+            for label, r in [("the view", path), *read]
         )
         fix = "split with one filter and freeze inputs with st.mask_by_path, or change the filters"
         expected = "the view and every input in one state"
@@ -410,9 +404,8 @@ def _variable_ties(
             )
     out = {}
     for rel in inner:
-        value = {n: r + rel + ("value",) for n, r in refs.items()}
-        tied = Tied(value[None], t.transform) if t.inputs is None else Tied(value, t.transform)  # type: ignore[arg-type]
-        out[target + rel + ("value",)] = tied
+        value = {n: Ref(r + rel + ("value",), None) for n, r in refs.items()}
+        out[target + rel + ("value",)] = t.with_refs(value)
     return out
 
 

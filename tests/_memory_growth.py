@@ -4,12 +4,8 @@
 bounds, reads ``RssAnon`` (the process's anonymous memory now, not its peak) from
 ``/proc/self/status``, materializes ``COUNT`` new structures with 20 views each (each
 compiles one program for its views), reads it again and prints both as JSON.
-``python tests/_memory_growth.py COUNT --program`` measures the size of one such program
-instead: the growth over ``COUNT`` structures whose programs are all kept, divided by their
-number (so the test's bounds follow what a program costs under the installed jax and XLA,
-not a figure written down). ``--leaky`` first replaces the bounded cache of compiled
-programs by an unbounded one (every structure keeps its program), the leak the test must be
-able to see.
+``--leaky`` first replaces the bounded cache of compiled programs by an unbounded one
+(every structure keeps its program), the leak the test must be able to see.
 """
 
 from __future__ import annotations
@@ -50,12 +46,6 @@ def keep_every_program() -> None:
 
 def main(argv: list[str]) -> None:
     count = int(argv[0])
-    if "--program" in argv:
-        keep_every_program()
-        before = run(5, 0)  # warm up: jax's own first compiles
-        after = run(count, 10_000)
-        print(json.dumps({"program_kib": (after - before) / count}))
-        return
     if "--leaky" in argv:
         keep_every_program()
     run(_materialize.EAGER_PROGRAM_CACHE_SIZE + 20, 0)  # warm up: caches fill to their bounds

@@ -21,7 +21,7 @@ from sharetree._files.mlx_config import MlxConfig, read_config
 from sharetree._files.mlx_load import mlx_tree
 from sharetree._files.reads import Pending, Tensor, check_load_fits, read_tree
 from sharetree._materialize import abstract_expanded, leaf_view, leaves_and_structure
-from sharetree._paths import closest, format_aval
+from sharetree._paths import Ref, closest, format_aval
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
@@ -61,7 +61,7 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
             raise _several_error(t, ref)
         if isinstance(ref, Tied):
             # Tied("a/b") splits at '/'; a flat state dict has the one key 'a/b'
-            tied = Tied(("/".join(map(str, ref.ref)),), ref.transform, up=ref.up)
+            tied = ref.with_refs({n: Ref(("/".join(r.keys),), r.up) for n, r in ref.refs})
         else:
             tied = Tied((_name(ref, "ref"),))
         if t in out:

@@ -51,7 +51,7 @@ def _spec(x: Tied, path: Path) -> Any:
     """The spec of the transform of ``x``, checked to be JSON that reads back as it."""
 
     def where() -> str:  # shown only on an error (a repr may be costly)
-        return f"save: the tie at {short(path_str(path), 200)} ({short(x, 1000)}):"
+        return f"save: the tie at {short(path_str(path), 200)} ({short(x, 1000)})"
 
     fix = "store a JSON value in each field (e.g. a dtype's name), or define spec() and from_spec()"
     try:
