@@ -29,6 +29,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -202,7 +203,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def _outside_stacklevel() -> int:
     """The ``stacklevel`` of the nearest frame outside sharetree, seen from :func:`warn`."""
-    frame, level = sys._getframe(2), 2  # 1: warn itself
+    frame: FrameType | None = sys._getframe(2)  # 1: warn itself
+    level = 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

@@ -217,7 +217,7 @@ def _from_refs(refs: tuple[tuple[str | None, Ref], ...], transform: Transform) -
     ((name, ref), *more) = refs
     if name is None and not more:
         return Tied(tuple(ref.keys), transform, up=ref.up)
-    return Tied({n: Ref(*r) for n, r in refs}, transform)
+    return Tied({str(n): Ref(*r) for n, r in refs}, transform)
 
 
 def _rebuild(ref: tuple[str, ...], transform: Transform, up: int | None = None) -> Tied:

@@ -112,16 +112,16 @@ def _equal_ties(readers: list[Reader]) -> list[Suggestion]:
         # this tensor as a view of an earlier one (as it is, transposed, or one of its parts)
         match = matcher.find(a)
         if match is not None:
-            found[info.name] = Suggestion(info.name, match.name, match.transform, match.why())
+            ref = str(match.name)  # a tensor's name
+            found[info.name] = Suggestion(info.name, ref, match.transform, match.why())
             continue
         # an earlier tensor as a part of this one
         for view in views[1:]:
             if view.transform != T:
                 for earlier in matcher.matches(view.transform.numpy(a)):
-                    if earlier.transform == identity and earlier.name not in found:
-                        found[earlier.name] = Suggestion(
-                            earlier.name, info.name, view.transform, view.why()
-                        )
+                    target = str(earlier.name)
+                    if earlier.transform == identity and target not in found:
+                        found[target] = Suggestion(target, info.name, view.transform, view.why())
         for view in views:
             matcher.add(view, view.transform.numpy(a))
     return list(found.values())
