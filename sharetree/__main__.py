@@ -163,7 +163,7 @@ def describe(path: PathOrStr, max_rows: int = 20) -> str:
         size = os.path.getsize(path)
     except OSError as e:
         what, fix = f"cannot read {path!r}", "give the path of a readable .safetensors file"
-        raise error("E37", "inspect:", what, found=one_line(e), fix=fix) from e
+        raise error("E37", "inspect", what, found=one_line(e), fix=fix) from e
     reader = Reader(path, "inspect")  # a pipe or a device: a TieError
     meta = reader.metadata
     if KEY_VERSION not in meta:

@@ -110,11 +110,14 @@ def add_lora(
         >>> bool((m["head"] == m["embed"].T).all()), out["lora"]["embed"]["a"].shape
         (True, (10, 2))
     """
-    patterns = [where] if isinstance(where, str) else list(where)
+    many = isinstance(where, Iterable) and not isinstance(where, (bytes, dict))
+    patterns = [where] if isinstance(where, str) else list(where) if many else []
     if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise wrong_type("E173", "add_lora: where=", "path patterns (str)", where, "pass 'embed'")
+        fix = "pass 'embed' or ['embed', '*/kernel']"
+        raise wrong_type("E173", "add_lora(where=...)", "path patterns (str)", where, fix)
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-        raise wrong_type("E174", "add_lora: rank=", "an int >= 1", rank, "pass rank=8")
+        raise wrong_type("E174", "add_lora(rank=...)", "an int >= 1", rank, "pass rank=8")
+    _check_key(key)
     leaves, structure = leaves_and_structure(tree)
     chosen = _positions(structure, patterns)
     values = expanded_by_path(tree)
@@ -125,18 +128,36 @@ def add_lora(
         value = values[p]
         shape, dtype = tuple(np.shape(value)), getattr(value, "dtype", None)
         if len(shape) < 2 or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-            where_ = f"add_lora: {path_str(p)!r}"
+            where_ = f"add_lora {path_str(p)!r}"
             found = f"{short(value, 40)}" if dtype is None else f"{dtype}{list(shape)}"
             fix = "choose matrices (or stacks of them) of floats; narrow the pattern"
             expected = "a float array of 2 or more axes"
             raise error("E174", where_, expected=expected, found=found, fix=fix)
         *lead, rows, cols = shape
+        if not rows or not cols:
+            where_ = f"add_lora {path_str(p)!r}"
+            fix = "adapt a matrix with rows and columns; narrow the pattern"
+            found = f"{dtype}{list(shape)}"
+            expected = "a matrix of at least one row and one column"
+            raise error("E174", where_, "is empty", expected=expected, found=found, fix=fix)
         bound = 1.0 / math.sqrt(rows)
         a = jax.random.uniform(k, (*lead, rows, rank), dtype, -bound, bound)
         b = jnp.zeros((*lead, rank, cols), dtype)
         # a buffer moves; an adapted view moves with its refs rewritten
         adapters[p] = {"a": a, "b": b, "base": structure.ties.get(p, buffers.get(p))}
     return _assemble(tree, structure, adapters, scale)
+
+
+def _check_key(key: Any) -> None:
+    """E290 unless ``key`` is a JAX PRNG key: typed (``jax.random.key``) or raw uint32[2]."""
+    if isinstance(key, (jax.Array, np.ndarray)):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return
+        if key.dtype == np.uint32 and key.shape == (2,):
+            return  # jax.random.PRNGKey's raw form
+    found = f"{key.dtype}{list(key.shape)}" if hasattr(key, "dtype") else None
+    fix = "pass key=jax.random.key(0) (one key; add_lora splits it per position)"
+    raise wrong_type("E290", "add_lora(key=...)", "one JAX PRNG key", key, fix, found=found)
 
 
 def _assemble(
@@ -153,11 +174,7 @@ def _assemble(
     def moved(old: Path, at: Path, t: Tied) -> Tied:
         """The view ``t`` that was at ``old`` in ``tree``, written for ``at`` instead."""
         reads = structure.reads[old]
-        refs = {n: ref_to((PARAMS, *reads[n]), at, nodes) for n, _ in t.refs}
-        if t.inputs is None:
-            ref = refs[None]
-            return Tied(ref.keys, t.transform, up=ref.up)
-        return Tied(refs, t.transform)  # type: ignore[arg-type]
+        return t.with_refs({n: ref_to((PARAMS, *reads[n]), at, nodes) for n, _ in t.refs})
 
     def visit(kp: Any, x: Any) -> Any:
         p = keypath_to_path(kp)
@@ -228,7 +245,7 @@ def merge_lora(adapted: Any, *, requantize: bool = False) -> Any:
         fix = "merge before tying other positions to the adapters, or untie those first"
         raise error("E175", where, f"reads {r!r}, which merging removes", fix=fix)
     values = expanded_by_path(adapted)
-    if check_bool(requantize, "E208", "merge_lora: requantize="):
+    if check_bool(requantize, "E208", "merge_lora(requantize=...)"):
         packed = _requantized(adapted, structure, merged, values)
     else:
         packed = {}

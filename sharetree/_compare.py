@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharetree._errors import FIXES, TieError, error, short, wrong_type
+from sharetree._errors import FIXES, TieError, error, found_type, short, wrong_type
 from sharetree._paths import format_aval, is_array_leaf
 from sharetree._tied import Tied
 from sharetree._transforms import Transform, canonical_dtype, identity
@@ -58,7 +58,7 @@ def kind(x: Any) -> Any:
 
 def describe(x: Any) -> str:
     """A :func:`kind` for a message: ``float32[2, 3]``, or the type and repr of another leaf."""
-    return format_aval(x) if isinstance(x, jax.ShapeDtypeStruct) else f"{type(x).__name__} {x!r}"
+    return format_aval(x) if isinstance(x, jax.ShapeDtypeStruct) else found_type(x, 10**6)
 
 
 def check_atol(atol: Any, where: str) -> float:
@@ -66,13 +66,15 @@ def check_atol(atol: Any, where: str) -> float:
 
     >>> check_atol(-1, "tie")
     Traceback (most recent call last):
-    sharetree._errors.TieError: [E55] tie: atol=: expected a number >= 0, found -1. ...
+    sharetree._errors.TieError: [E55] tie(atol=...): expected a number >= 0, found -1. ...
     """
     fix = "pass 0.0 for equal copies or a small tolerance such as 1e-6"
     if isinstance(atol, (bool, np.bool_)) or not isinstance(atol, numbers.Real):
-        raise wrong_type("E55", f"{where}: atol=", "a number >= 0", atol, fix)
+        raise wrong_type("E55", f"{where}(atol=...)", "a number >= 0", atol, fix)
     if not float(atol) >= 0:
-        raise error("E55", f"{where}: atol=", expected="a number >= 0", found=repr(atol), fix=fix)
+        raise error(
+            "E55", f"{where}(atol=...)", expected="a number >= 0", found=repr(atol), fix=fix
+        )
     return float(atol)
 
 
@@ -246,7 +248,7 @@ def kinds_differ(c: Copies, view: str, held: str, other: str) -> TieError:
     fix = (
         f"choose a transform that gives {held} (st.T, st.reshape, st.astype, st.slice), or {other}"
     )
-    return error("E7", f"{c.where}:", f"the view is {view}, but {holder} {held}", fix=fix)
+    return error("E7", c.where, f"gives a view of {view}, but {holder} {held}", fix=fix)
 
 
 def copies_differ(c: Copies, found: Difference | tuple[Any, Any], atol: float) -> TieError:
@@ -271,4 +273,4 @@ def copies_differ(c: Copies, found: Difference | tuple[Any, Any], atol: float) -
     first = "" if c.load else f"without atol, st.tie keeps {shown} and drops {target!r}; "
     last = "load without ties" if c.load else "leave the two untied"
     fix = f"choose which copy wins: {first}to keep {target!r} instead, {keep}; or {last}"
-    return error("E46", f"{c.where}:", f"the two copies differ: {problem}", fix=fix)
+    return error("E46", c.where, f"holds two copies that differ: {problem}", fix=fix)

@@ -10,8 +10,13 @@ Call sites never format a whole sentence or pick an exception class themselves:
 >>> print(e)
 [E5] tie target 'dec/w' does not exist in the tree; found 'dec/W', 'enc/w'. Fix: use the path
 as key paths name it. See https://sharetree.github.io/sharetree/errors/#e5
->>> type(wrong_type("E55", "tie: check=", "True or False", "yes")).__name__
+>>> type(wrong_type("E55", "tie(check=...)", "True or False", "yes")).__name__
 'TieTypeError'
+
+The builder owns the punctuation: ``where`` names a place and carries none at its end (no
+``:``, ``=``, ``.``), and a value's type is named before its repr only where the repr does
+not name it already. A warning is built the same way by :func:`warn`, and is reported at
+the first line outside sharetree (the user's), however deep inside the package it arose.
 
 Context is added to an error in flight with :func:`add_context` (a PEP 678 note): its class,
 code and chain survive.
@@ -20,7 +25,11 @@ code and chain survive.
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import warnings
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,9 +44,11 @@ __all__ = [
     "check_bool",
     "check_mapping",
     "error",
+    "found_type",
     "one_line",
     "rebuilt",
     "short",
+    "warn",
     "wrong_type",
 ]
 
@@ -84,9 +95,21 @@ class TieTypeError(TieError, TypeError):
     """
 
 
+_TRAILING = (":", ";", ",", ".", "=")
+"""What a ``where`` may not end with: the builder puts the punctuation after it."""
+
+
+def _check_where(where: str) -> None:
+    """A ValueError (a bug in sharetree, not in the user's input) for a malformed ``where``."""
+    cut = where.endswith("...")  # a value cut short ('enc'/...) ends the where
+    if not where.strip() or where != where.strip() or (where.endswith(_TRAILING) and not cut):
+        raise ValueError(f"sharetree bug: an error's where {where!r} is empty or punctuated")
+
+
 def _message(
     code: str, where: str, problem: str, expected: str | None, found: str | None, fix: str
 ) -> str:
+    _check_where(where)
     text = f"[{code}] {where}" + (f" {problem}" if problem else "")
     facts = [f"expected {expected}" if expected else "", f"found {found}" if found else ""]
     facts_text = ", ".join(f for f in facts if f)
@@ -111,7 +134,8 @@ def error(
 
     Args:
         code: the row of ``docs/errors.md`` (``"E7"``, ``"E1b"``).
-        where: the function and the path(s), e.g. ``"tie 'dec/w' <- 'enc/w'"``.
+        where: the function and the path(s), e.g. ``"tie 'dec/w' <- 'enc/w'"``, or an
+            argument as ``"save(timeout=...)"``; no punctuation at its end (checked).
         problem: what is wrong, in a few words (``"overlaps 'dec'"``).
         expected: what was expected there.
         found: what was found instead.
@@ -123,13 +147,67 @@ def error(
     return TieError(_message(code, where, problem, expected, found, fix), code=code)
 
 
-def wrong_type(code: str, where: str, expected: str, value: Any, fix: str = "") -> TieTypeError:
+def wrong_type(
+    code: str, where: str, expected: str, value: Any, fix: str = "", *, found: str | None = None
+) -> TieTypeError:
     """The :class:`TieTypeError` of row ``code`` for ``value``, which is not ``expected``.
 
-    The message shows the value's type and a short repr of it.
+    The message shows the value's type and a short repr of it (the repr alone where it
+    names the type itself, ``Tied('a')``, ``PosixPath('m')``), or ``found`` where given
+    (an array's dtype and shape).
+
+    >>> print(wrong_type("E1", "f(x=...)", "a str", [1]).args[0].split(". See")[0])
+    [E1] f(x=...): expected a str, found list [1]
     """
-    found = f"{type(value).__name__} {short(value, 40)}"
+    found = found_type(value) if found is None else found
     return TieTypeError(_message(code, where, "", expected, found, fix), code=code)
+
+
+def found_type(value: Any, limit: int = 40) -> str:
+    """A value for a message's "found": its type's name, then its short repr (once).
+
+    >>> found_type(3), found_type(range(2))
+    ('int 3', 'range(0, 2)')
+    """
+    text, name = short(value, limit), type(value).__name__
+    return text if text.startswith((name + "(", name + "<")) else f"{name} {text}"
+
+
+def warn(
+    code: str,
+    where: str,
+    problem: str = "",
+    *,
+    expected: str | None = None,
+    found: str | None = None,
+    fix: str = "",
+) -> None:
+    """Warn with the message of row ``code``, built as :func:`error` builds it.
+
+    The warning is reported at the first frame outside the sharetree package: the user's
+    line that called it, however deep inside the package it arose.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     warn("E160", "destructure", "saw a static leaf change")
+    >>> w[0].filename == __file__ or w[0].filename.startswith("<doctest")
+    True
+    """
+    message = _message(code, where, problem, expected, found, fix)
+    warnings.warn(message, UserWarning, stacklevel=_outside_stacklevel())
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of the nearest frame outside sharetree, seen from :func:`warn`."""
+    frame: FrameType | None = sys._getframe(2)  # 1: warn itself
+    level = 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def rebuilt(message: str, code: str, type_error: bool = False) -> TieError:
@@ -145,9 +223,9 @@ def rebuilt(message: str, code: str, type_error: bool = False) -> TieError:
 def check_bool(value: Any, code: str, where: str) -> bool:
     """``value`` as a bool if it is one (NumPy's too), else the :func:`wrong_type` error.
 
-    >>> check_bool(1, "E55", "tie: check=")
+    >>> check_bool(1, "E55", "tie(check=...)")
     Traceback (most recent call last):
-    sharetree._errors.TieTypeError: [E55] tie: check=: expected True or False, found int 1. ...
+    sharetree._errors.TieTypeError: [E55] tie(check=...): expected True or False, found int 1. ...
     """
     if isinstance(value, (bool, np.bool_)):
         return bool(value)

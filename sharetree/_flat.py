@@ -8,7 +8,6 @@ import functools
 import itertools
 import math
 import operator
-import warnings
 from typing import Any
 
 import jax
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import error, wrong_type
+from sharetree._errors import error, warn, wrong_type
 from sharetree._materialize import expand_leaves, expanded_tree, leaves_and_structure
 from sharetree._paths import format_aval, path_str
 from sharetree._resolve import Structure
@@ -363,8 +362,7 @@ def _warn_on_changed_statics(previous: Restructure, restructure: Restructure) ->
                 if new._key[0] == "id"
                 else "changed since the last destructure of this structure"
             )
-            message = error("E160", where, f"{what}: a jit retraces", fix=_FIX_STATIC)
-            warnings.warn(str(message), UserWarning, stacklevel=3)
+            warn("E160", where, f"{what}: a jit retraces", fix=_FIX_STATIC)
 
 
 _FIX_STATIC = "keep values that change every step out of the tree, e.g. destructure state.params"

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, error, wrong_type
+from sharetree._errors import TieError, error, warn, wrong_type
 from sharetree._paths import (
     Path,
     closest,
@@ -166,8 +165,7 @@ def _warn_on_views(
         shared = f"a view has no {what} of its own"
         problem = f"matches {n} whose buffer it does not ({shared}): {shown}"
         fix = f"write the rule for the buffer's path ({path_str(buffer)!r}), or narrow the pattern"
-        # stacklevel: the caller of label_by_path, mask_by_path or shardings_by_path
-        warnings.warn(str(error("E161", at, problem, fix=fix)), UserWarning, stacklevel=4)
+        warn("E161", at, problem, fix=fix)
 
 
 def _same(ours: Any, theirs: Any) -> bool:

@@ -11,7 +11,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from sharetree._errors import TieError, add_context, error, one_line, short
+from sharetree._errors import TieError, add_context, error, found_type, one_line
 from sharetree._paths import Path, aval_of, flattening, format_aval, is_array_leaf, path_str
 from sharetree._resolve import Leaf, Structure, ViewLeaf, structure_of
 from sharetree._transforms import Transform, identity
@@ -127,7 +127,7 @@ def check_view_value(out: Any, transform: Transform) -> Any:
     """``out`` if it is one view value (an array, number, shape/dtype), else a :class:`TieError`."""
     if is_array_leaf(out) or isinstance(out, jax.ShapeDtypeStruct):
         return out
-    found = f"{type(out).__name__} {short(out, 60)}"
+    found = found_type(out, 60)
     fix = f"return one array from {type(transform).__name__}.__call__; tie each part on its own"
     raise error("E66", repr(transform), "returned no array", found=found, fix=fix)
 
@@ -135,6 +135,11 @@ def check_view_value(out: Any, transform: Transform) -> Any:
 def _transformable(x: Any) -> bool:
     """Whether a transform applies to ``x`` (an array, number, tracer or shape/dtype)."""
     return is_array_leaf(x) or hasattr(x, "shape")
+
+
+def _shown(x: Any) -> str:
+    """An input in a message: ``float32[2, 3]`` for an array (0-d too), else its type and repr."""
+    return found_type(x, 40) if aval_of(x) is None else format_aval(x)
 
 
 def join_error(
@@ -150,7 +155,7 @@ def join_error(
     shown = ", ".join(
         f"{name} {path_str(structure.source_path(x.source))!r}"
         + ("" if x.transform == identity else f" >> {x.transform!r}")
-        + f" {format_aval(aval_of(inputs[name]) or inputs[name])}"
+        + f" {_shown(inputs[name])}"
         for name, x in join.inputs
     )
     view = f"view {path_str(join.path)!r} ({tie!r} at {path_str(join.tie)!r})"
@@ -251,7 +256,7 @@ def _with_joins(
                 leaf = Leaf(x.source, x.transform, join.path, join.tie)
                 value = _leaf_value(structure, leaf, x.transform, value, apply)
             inputs[name] = value
-        if not all(map(_transformable, inputs.values())):
+        if not any(map(_transformable, inputs.values())):  # static data only (no arrays)
             first = next(iter(inputs.values()))
             if all(v is first or v == first for v in inputs.values()):
                 values.append(first)  # static data, equal in every input: kept as it is

@@ -105,24 +105,28 @@ def to_ref(ref: Any, up: Any = None, what: str = "Tied ref") -> Ref:
         (Ref(keys=('0',), up=1), Ref(keys=('w',), up=0), Ref(keys=('..', 'w'), up=2))
     """
     if up is not None and (isinstance(up, (bool, np.bool_)) or not isinstance(up, int)):
-        raise wrong_type("E15", f"{what} {short(ref)}: up=", "None or an int >= 0", up)
+        raise wrong_type("E15", f"{what} {short(ref)} (up=...)", "None or an int >= 0", up)
     if up is not None and up < 0:
         raise error("E15", f"{what} {short(ref)}", found=f"up={up}", expected="up >= 0")
     climb: int | None = None
+    written, shown = ref, f"{what} {short(ref)}"  # messages show the ref as it was written
     if isinstance(ref, str) and ref.split("/", 1)[0] in (".", ".."):
         steps = ref.split("/")
         if up is not None:
             fix = "write the climb once: in the string or as up="
-            raise error("E15", f"{what} {ref!r}", "climbs twice", found=f"up={up}", fix=fix)
+            raise error("E15", shown, "climbs twice", found=f"up={up}", fix=fix)
         climb = 0 if steps[0] == "." else 1
         steps = steps[1:]
         while steps and steps[0] == ".." and climb:
             climb, steps = climb + 1, steps[1:]
         ref = "/".join(steps)
+        if "" in steps or not steps:  # '..//x', './': an empty key after the climb
+            fix = "name a key after the climb, e.g. '../encoder/kernel'"
+            raise error("E15", shown, "has an empty key", fix=fix)
     keys = to_path(ref, what)
-    if isinstance(ref, str) and {".", ".."} & set(keys):
+    if isinstance(written, str) and {".", ".."} & set(keys):
         fix = "climb only at the start ('../a/b'); a key named '..' is written as a tuple"
-        raise error("E15", f"{what} {ref!r}", "has a '.' or '..' step inside it", fix=fix)
+        raise error("E15", shown, "has a '.' or '..' step inside it", fix=fix)
     return Ref(keys, climb if up is None else up)
 
 
@@ -142,8 +146,16 @@ def from_root(target: Path, ref: Ref) -> Path | None:
 
 
 def ref_str(ref: Ref) -> str | tuple[str, ...]:
-    """The spelling of a ref that reads back as it: ``"../0"``, ``"enc/w"``, or keys."""
+    """The spelling of a ref that reads back as it: ``"../0"``, ``"enc/w"``, or keys.
+
+    Keys named ``"."`` or ``".."`` are spelled as the tuple: as a string they would climb.
+
+    >>> ref_str(Ref(("..", "x"), None)), ref_str(Ref(("x",), 1)), ref_str(Ref(("a/b",), 0))
+    (('..', 'x'), '../x', ('a/b',))
+    """
     key = path_key(ref.keys)
+    if isinstance(key, str) and {".", ".."} & set(ref.keys):
+        key = ref.keys  # a key named '..' written as a string would read as a climb
     if ref.up is None or not isinstance(key, str):
         return key
     return "./" + key if ref.up == 0 else "../" * ref.up + key

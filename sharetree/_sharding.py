@@ -112,7 +112,7 @@ def shardings_by_path(
             sharding = NamedSharding(mesh, spec)
         except Exception as e:  # JAX's checks of the spec against the mesh (DuplicateSpecError)
             rejects = f"JAX rejects {spec} on the mesh axes {_mesh_axes(mesh)}"
-            where += f" (shape {tuple(aval.shape)}):"
+            where += f" (shape {tuple(aval.shape)})"
             raise error("E39", where, rejects, found=one_line(e), fix=_FIX_SPEC) from e
         check_fits(where, aval.shape, sharding, _FIT_FIX)
         return sharding

@@ -95,7 +95,7 @@ def tie(
         {'w': Tied('enc/w', T)}
     """
     check_mapping(ties, "E140", "tie: ties", "a mapping {target: ref}", _EXAMPLE)
-    check = check_bool(check, "E55", "tie: check=")
+    check = check_bool(check, "E55", "tie(check=...)")
     if atol is not None:
         atol = check_atol(atol, "tie")
     new = tie_entries(ties)
@@ -141,12 +141,7 @@ def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:
     out = {}
     for target, t in new.items():  # a view of several positions: each of its refs
         refs = {name: written(target, ref) for name, ref in t.refs}
-        if refs == dict(t.refs):
-            out[target] = t
-        elif t.inputs is None:
-            out[target] = Tied(refs[None].keys, t.transform, up=refs[None].up)
-        else:
-            out[target] = Tied(refs, t.transform)  # type: ignore[arg-type]
+        out[target] = t if refs == dict(t.refs) else t.with_refs(refs)
     return out
 
 
@@ -197,8 +192,9 @@ def _check(old_tree: Any, new_tree: Any, new: dict[Path, Tied]) -> None:
         before = {p[n:]: v for p, v in old.items() if p[:n] == target}
         after = {p[n:]: v for p, v in now.items() if p[:n] == target}
         if shown := _structures_differ(before, after, [nodes_at(x, target) for x in skeletons]):
-            where, differs = f"tie {path_str(target)!r} <- {t!r}:", "the view's structure differs"
-            raise error("E8", where, f"{differs}: {shown}", fix=_STRUCTURE)
+            where = f"tie {path_str(target)!r} <- {t!r}"
+            problem = f"gives a view whose structure differs: {shown}"
+            raise error("E8", where, problem, fix=_STRUCTURE)
         for rel, b in before.items():
             if kind(a := after[rel]) != kind(b):
                 c = Copies(f"tie {path_str(target + rel)!r} <- {t!r}", path_str(target + rel), "")

@@ -87,9 +87,32 @@ class Tied:
 
     @property
     def inputs(self) -> tuple[str, ...] | None:
-        """The input names of a view of several positions; ``None`` for one ref."""
+        """The input names of a view of several positions; ``None`` for one ref.
+
+        Code that reads the refs iterates :attr:`refs` (one ref is the input named
+        ``None``) and rewrites them with :meth:`with_refs`, without asking which it is.
+        """
         names = tuple(n for n, _ in self.refs)
         return None if names == (None,) else names  # type: ignore[return-value]
+
+    def with_refs(self, refs: Mapping[str | None, Ref]) -> Tied:
+        """This view, its transform unchanged, reading ``refs`` ``{name: Ref}`` instead.
+
+        The names are this view's (``None`` for its one ref), so one ref stays one ref.
+
+        >>> import sharetree as st
+        >>> from sharetree._paths import Ref
+        >>> t = st.Tied("w", st.T)
+        >>> t.with_refs({n: Ref(("enc", *r.keys), None) for n, r in t.refs})
+        Tied('enc/w', T)
+        """
+        if set(refs) != {n for n, _ in self.refs}:
+            names = sorted(map(str, refs))
+            fix = "name each input as the view does (its refs' names)"
+            raise error(
+                "E167", repr(self), "rewritten with other inputs", found=str(names), fix=fix
+            )
+        return _from_refs(tuple(sorted(refs.items(), key=_by_name)), self.transform)
 
     @property
     def ref(self) -> tuple[str, ...]:
@@ -102,10 +125,11 @@ class Tied:
         return self._one().up
 
     def _one(self) -> Ref:
-        if self.inputs is not None:
+        (name, ref), *more = self.refs
+        if name is not None or more:
             fix = "read t.refs, its (name, ref) pairs"
-            raise wrong_type("E166", "Tied.ref:", "a Tied of one ref", self, fix)
-        return self.refs[0][1]
+            raise wrong_type("E166", "Tied.ref", "a Tied of one ref", self, fix)
+        return ref
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Tied is immutable; cannot set {name!r}")
@@ -119,9 +143,7 @@ class Tied:
         return self._hash
 
     def __reduce__(self) -> tuple[Any, ...]:
-        if self.inputs is None:
-            return (_rebuild, (self.ref, self.transform, self.up))
-        return (_rebuild_named, (self.refs, self.transform))
+        return (_from_refs, (self.refs, self.transform))
 
     def _not_a_value(self, use: str) -> Any:
         """E240: a ``Tied`` reached code that wanted its value (a layer, ``jnp``, NumPy)."""
@@ -155,17 +177,13 @@ class Tied:
         return DISPLAY["tied_treescope"](self, path, subtree_renderer)
 
     def __repr__(self) -> str:
-        if self.inputs is not None:
-            named = ", ".join(f"{n!r}: {ref_str(r)!r}" for n, r in self.refs)
-            args = [f"{{{named}}}"]
-        else:
-            ref = self.refs[0][1]
-            spelled = ref_str(ref)
-            args = [repr(spelled)]
+        named = {n: ref_str(r) for n, r in self.refs}
+        args = [repr(named.pop(None)) if None in named else repr(named)]
         if self.transform != identity:
             args.append(repr(self.transform))
-        if self.inputs is None and ref.up is not None and not isinstance(spelled, str):
-            args.append(f"up={ref.up}")  # keys with '/': a tuple
+        args += [
+            f"up={r.up}" for _, r in self.refs if r.up is not None and isinstance(ref_str(r), tuple)
+        ]
         return f"Tied({', '.join(args)})"
 
 
@@ -190,14 +208,26 @@ def _named_refs(refs: Mapping[Any, Any], up: Any) -> tuple[tuple[str | None, Ref
     return tuple((n, read(n)) for n in sorted(refs))
 
 
+def _by_name(item: tuple[str | None, Ref]) -> str:
+    return "" if item[0] is None else item[0]
+
+
+def _from_refs(refs: tuple[tuple[str | None, Ref], ...], transform: Transform) -> Tied:
+    """The ``Tied`` of ``(name, Ref)`` pairs (a pickle's, a file's): each ref's keys as keys."""
+    ((name, ref), *more) = refs
+    if name is None and not more:
+        return Tied(tuple(ref.keys), transform, up=ref.up)
+    return Tied({str(n): Ref(*r) for n, r in refs}, transform)
+
+
 def _rebuild(ref: tuple[str, ...], transform: Transform, up: int | None = None) -> Tied:
-    """A pickled ``Tied`` (its keys taken as keys, the climb as ``up``)."""
+    """A ``Tied`` pickled by an earlier version (its keys taken as keys, the climb as ``up``)."""
     return Tied(ref, transform, up=up)
 
 
 def _rebuild_named(refs: tuple[tuple[str, Ref], ...], transform: Transform) -> Tied:
-    """A pickled ``Tied`` of several refs (each ref's keys as keys)."""
-    return Tied({n: Ref(*r) for n, r in refs}, transform)
+    """A ``Tied`` of several refs pickled by an earlier version."""
+    return _from_refs(refs, transform)
 
 
 def is_tied(x: Any) -> bool:
@@ -220,10 +250,7 @@ def _tied_from_bytes(data: bytes) -> Tied:  # a spec is read back, never importe
     transform = transform_from_spec(node["transform"])
     if "ref" in node:  # written before views of several positions
         return Tied(tuple(node["ref"]), transform, up=node.get("up"))
-    (name, keys, up), *more = node["refs"]
-    if name is None and not more:
-        return Tied(tuple(keys), transform, up=up)
-    return Tied({n: Ref(tuple(k), u) for n, k, u in node["refs"]}, transform)
+    return _from_refs(tuple((n, Ref(tuple(k), u)) for n, k, u in node["refs"]), transform)
 
 
 # jax.export.Exported.serialize of a function taking or returning a canonical tree

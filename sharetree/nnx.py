@@ -159,10 +159,7 @@ def _nnx_tie(
     the target Variable's ``value``: the target keeps its own kind and metadata.
     """
     refs = _rooted(path, t, where)
-    if t.inputs is None:
-        t = Tied(refs[None], t.transform)
-    else:
-        t = Tied(dict(refs), t.transform)  # type: ignore[arg-type]
+    t = t.with_refs({n: Ref(r, None) for n, r in refs.items()})
     named = f"sharetree.nnx.split: the tie {path_str(path)!r} <- {t!r}"
     fix = "write the path as NNX prints the state, naming the Variable ('dec/kernel')"
     if path not in nodes:
@@ -179,14 +176,11 @@ def _nnx_tie(
         return {i for p, i in where.items() if p[: len(r)] == r}
 
     spans = set().union(*map(states, [path, *refs.values()]))
-    if len(spans) > 1 and t.inputs is None:
-        fix = "change the filters, or tie within one state"
-        expected = "its view and buffer in one state"
-        raise error("E180", named, f"spans states {sorted(spans)}", expected=expected, fix=fix)
     if len(spans) > 1:
+        read = [(f"input {n!r}" if n else "its ref", r) for n, r in refs.items()]
         found = "; ".join(
             f"{label} {path_str(r)!r} in state {', '.join(map(str, sorted(states(r))))}"
-            for label, r in [("the view", path), *((f"input {n!r}", r) for n, r in refs.items())]
+            for label, r in [("the view", path), *read]
         )
         fix = "split with one filter and freeze inputs with st.mask_by_path, or change the filters"
         expected = "the view and every input in one state"
@@ -256,7 +250,7 @@ def split(model: Any, *filters: Any, ties: TieMap | None = None, check: bool = T
     nodes = node_paths(where)
 
     if ties is not None:
-        check_mapping(ties, "E69", "sharetree.nnx.split: ties=", "a mapping or None", _TIES_FIX)
+        check_mapping(ties, "E69", "sharetree.nnx.split(ties=...)", "a mapping or None", _TIES_FIX)
     per_state: list[dict[Path, Tied]] = [{} for _ in states]
     for path, t in tie_entries(ties or {}).items():
         found = _nnx_tie(_strip_value(path, where), t, where, nodes, aliases)
@@ -410,9 +404,8 @@ def _variable_ties(
             )
     out = {}
     for rel in inner:
-        value = {n: r + rel + ("value",) for n, r in refs.items()}
-        tied = Tied(value[None], t.transform) if t.inputs is None else Tied(value, t.transform)  # type: ignore[arg-type]
-        out[target + rel + ("value",)] = tied
+        value = {n: Ref(r + rel + ("value",), None) for n, r in refs.items()}
+        out[target + rel + ("value",)] = t.with_refs(value)
     return out
 
 
@@ -458,8 +451,12 @@ def tie(model: Any, ties: TieMap, *, check: bool = True, atol: float | None = No
     if graphlib.get_node_impl(model) is None or isinstance(model, nnx.Variable):
         fix = "pass an NNX module; for an nnx.State or another pytree use st.tie"
         raise wrong_type("E69", "sharetree.nnx.tie(model, ties)", "an NNX module", model, fix)
-    check_mapping(ties, "E69", "sharetree.nnx.tie: ties=", "a mapping {target: ref}", _TIES_FIX)
+    check_mapping(ties, "E69", "sharetree.nnx.tie(ties=...)", "a mapping {target: ref}", _TIES_FIX)
     held = _variables_at(model)
+    if not held:  # a dict or list of arrays is a graph node to NNX, but holds no Variable
+        fix = "pass an NNX module (its Variables are tied in place); for a pytree use st.tie"
+        expected = "an NNX module holding Variables"
+        raise wrong_type("E69", "sharetree.nnx.tie(model, ties)", expected, model, fix)
     variables = {_str_path(r): v for r, v in held.items()}
     value_ties: dict[Path, Tied] = {}
     for path, t in tie_entries(ties).items():

@@ -38,11 +38,16 @@ def run(count: int, offset: int) -> int:
     return rss_anon_kib()
 
 
+def keep_every_program() -> None:
+    """Replace the bounded cache of compiled programs by an unbounded one (a leak)."""
+    unbounded = functools.lru_cache(maxsize=None)(_materialize._eager_views.__wrapped__)
+    _materialize._eager_views = unbounded
+
+
 def main(argv: list[str]) -> None:
     count = int(argv[0])
     if "--leaky" in argv:
-        unbounded = functools.lru_cache(maxsize=None)(_materialize._eager_views.__wrapped__)
-        _materialize._eager_views = unbounded
+        keep_every_program()
     run(_materialize.EAGER_PROGRAM_CACHE_SIZE + 20, 0)  # warm up: caches fill to their bounds
     before = run(20, 10_000)
     after = run(count, 20_000)

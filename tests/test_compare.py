@@ -150,14 +150,14 @@ def test_check_atol_takes_real_numbers(good):
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, -math.inf])
 def test_check_atol_refuses_negative_and_nan(bad):
-    with raises("E55", "tie: atol=", "a number >= 0", repr(bad), "1e-6") as info:
+    with raises("E55", "tie(atol=...)", "a number >= 0", repr(bad), "1e-6") as info:
         cmp.check_atol(bad, "tie")
     assert not isinstance(info.value, st.TieTypeError)
 
 
 @pytest.mark.parametrize("bad", ["0", True, np.bool_(False), None, 1j])
 def test_check_atol_refuses_other_types(bad):
-    with raises("E55", "find_ties: atol=", type(bad).__name__, cls=st.TieTypeError):
+    with raises("E55", "find_ties(atol=...)", type(bad).__name__, cls=st.TieTypeError):
         cmp.check_atol(bad, "find_ties")
 
 
@@ -182,7 +182,7 @@ def test_check_copies_says_the_copies_differ_once_for_tie_and_load():
     cmp.check_copies(tie, a, a.copy(), 0.0)
     cmp.check_copies(tie, a, b, 0.5)
     fixes = ("without atol, st.tie keeps 'a'", "st.tie(tree, {'a': Tied('b')})", "atol to 0.5")
-    with raises("E46", "tie 'b' <- Tied('a'):", "'b' and 'a' differ by up to 0.5", *fixes):
+    with raises("E46", "tie 'b' <- Tied('a')", "'b' and 'a' differ by up to 0.5", *fixes):
         cmp.check_copies(tie, a, b, 0.1)
     load = tie._replace(where="load 'm': tie 'b' <- Tied('a')", load=True)
     with raises("E46", "load 'm'", "2 of 4 elements above atol=0.1", "tie the other way round"):
@@ -197,7 +197,7 @@ def test_check_copies_says_the_copies_differ_once_for_tie_and_load():
     with raises("E46", "'b' holds 'relu', 'a' holds 'gelu'") as info:
         cmp.check_copies(tie, "relu", "gelu", 0.0)
     assert "raise atol" not in str(info.value)  # strings: no tolerance helps
-    with raises("E7", "the view is float64[2, 2]", "the value it replaces is float64[4]"):
+    with raises("E7", "a view of float64[2, 2]", "the value it replaces is float64[4]"):
         cmp.check_copies(tie, a, a.reshape(2, 2), 0.0)
     with jax.enable_x64(True):
         placed = jnp.asarray(a), jnp.asarray(b)

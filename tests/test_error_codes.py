@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = pathlib.Path(st.__file__).parent
 ERRORS_MD = ROOT / "docs" / "errors.md"
 
-CODE_ARG = {"error": 0, "wrong_type": 0, "check_bool": 1, "check_mapping": 1}
+CODE_ARG = {"error": 0, "wrong_type": 0, "warn": 0, "check_bool": 1, "check_mapping": 1}
 """The builder's functions and the position of their ``code`` argument."""
 
 ROW = re.compile(r'^\| <a id="(e\w+)"></a>(E\w+) \|([^|]*)\|', re.M)

@@ -376,11 +376,11 @@ def test_a_path_that_names_no_file_is_a_tie_error(tmp_path, path) -> None:
 def test_keywords_of_the_wrong_type_are_tie_errors(tmp_path) -> None:
     path = tmp_path / "m.safetensors"
     for gather in ("no", None, 1):
-        with raises("E55", "save: gather=", "True or False", cls=st.TieTypeError):
+        with raises("E55", "save(gather=...)", "True or False", cls=st.TieTypeError):
             st.save(path, TIED, gather=gather)
     assert not path.exists()
     st.save(path, TIED, gather=np.bool_(False))
-    with raises("E55", "load: functions=", "a mapping", "found list", cls=st.TieTypeError):
+    with raises("E55", "load(functions=...)", "a mapping", "found list", cls=st.TieTypeError):
         st.load(path, functions=["jax.numpy:flipud"])
     for rows in ("3", 0, 2.0):
         with raises("E55", "inspect", "max_rows", ">= 1"):

@@ -34,7 +34,7 @@ def test_tuple_targets_and_retie():
 
 
 def test_check_shape_mismatch_shows_both_shapes():
-    with raises("E7", "'dec/w'", "view is float32[2, 3]", "float32[3, 2]", "check=False"):
+    with raises("E7", "'dec/w'", "a view of float32[2, 3]", "float32[3, 2]", "check=False"):
         st.tie(_untied(), {"dec/w": "enc/w"})
 
 

@@ -5,12 +5,14 @@ import pickle
 import chex
 import equinox as eqx
 import flax.struct
+import hypothesis.strategies as hs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _raises import raises
 from flax.core import FrozenDict
+from hypothesis import given
 
 import sharetree as st
 
@@ -165,3 +167,42 @@ def test_unflatten_checks_nothing_and_gives_back_the_same_tied(monkeypatch):
     assert again["v"] is tree["v"] and again["u"] is tree["u"]
     with pytest.raises(AssertionError, match="validated again"):
         st.Tied("w", st.T)  # making one still validates
+
+
+# keys as users write them: plain names, indices, keys that read as climbs or hold '/'
+_KEYS = hs.sampled_from(["a", "w", "0", "12", "..", ".", "a/b", "", " x", "...", "é"])
+_TRANSFORMS = {"identity": st.identity, "T": st.T, "scale(2.0)": st.scale(2.0)}
+
+
+@hs.composite
+def _tieds(draw):
+    keys = tuple(draw(hs.lists(_KEYS, min_size=1, max_size=3)))
+    if draw(hs.booleans()):  # one ref: as keys, climbing or not
+        up = draw(hs.none() | hs.integers(0, 3))
+        return st.Tied(keys, draw(hs.sampled_from(list(_TRANSFORMS.values()))), up=up)
+    names = draw(hs.lists(hs.sampled_from(["a", "b", "base"]), min_size=1, unique=True))
+    more = {n: tuple(draw(hs.lists(_KEYS, min_size=1, max_size=3))) for n in names}
+    return st.Tied(more, st.add())
+
+
+@given(_tieds())
+def test_a_tieds_repr_typed_back_is_the_same_tied(t):
+    # the namespace a user types in: sharetree's names, with `add` the transform it shows
+    namespace = {**vars(st), "add": st.add()}
+    again = eval(repr(t), namespace)
+    assert again == t and again.refs == t.refs
+    for _, ref in t.refs:
+        spelled = st.Tied(ref.keys, up=ref.up)
+        assert eval(repr(spelled), namespace).refs == spelled.refs
+
+
+def test_a_key_named_dotdot_is_not_shown_as_a_climb():
+    assert repr(st.Tied(("..", "x"))) == "Tied(('..', 'x'))"
+    assert repr(st.Tied(("..", "x"), up=1)) == "Tied(('..', 'x'), up=1)"
+    assert st.Tied(("..", "x")) != st.Tied("../x")
+
+
+@pytest.mark.parametrize("ref", ["..//x", "./", "../", "../a//b", "./x/"])
+def test_a_bad_ref_is_shown_as_written(ref):
+    with raises("E15", repr(ref)):
+        st.Tied(ref)

@@ -325,7 +325,7 @@ def test_classes_that_cannot_be_read_back_are_refused_when_defined_or_read():
                 return jnp.clip(x * self.c, -1, 1)
 
     for bad in (3, ""):
-        with raises("E100", "Named: name=", "a non-empty str", repr(bad), cls=st.TieTypeError):
+        with raises("E100", "Named(name=...)", "a non-empty str", repr(bad), cls=st.TieTypeError):
 
             class Named(st.Transform, name=bad):
                 pass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._compare import Copies, check_atol, check_copies, kind, kinds_differ
-from sharetree._errors import TieError, add_context, check_mapping, error, short
+from sharetree._errors import TieError, add_context, check_mapping, error, short, warn
 from sharetree._files.container import CODES, Reader
 from sharetree._files.format import KEY_VERSION
 from sharetree._files.hf import checkpoint_readers
@@ -22,7 +21,7 @@ from sharetree._files.mlx_config import MlxConfig, read_config
 from sharetree._files.mlx_load import mlx_tree
 from sharetree._files.reads import Pending, Tensor, check_load_fits, read_tree
 from sharetree._materialize import abstract_expanded, leaf_view, leaves_and_structure
-from sharetree._paths import closest, format_aval
+from sharetree._paths import Ref, closest, format_aval
 from sharetree._tie import tie
 from sharetree._tied import Tied
 from sharetree._transforms import (
@@ -54,7 +53,7 @@ def _name(x: Any, what: str) -> str:
 
 def _parse_ties(ties: Any) -> dict[str, Tied]:
     """The requested ties of a flat state dict: ``{target: Tied((ref,), transform)}``."""
-    check_mapping(ties, "E43", "load: ties=", "a mapping {target: ref} of tensor names", _TIES)
+    check_mapping(ties, "E43", "load(ties=...)", "a mapping {target: ref} of tensor names", _TIES)
     out: dict[str, Tied] = {}
     for target, ref in ties.items():
         t = _name(target, "target")
@@ -62,7 +61,7 @@ def _parse_ties(ties: Any) -> dict[str, Tied]:
             raise _several_error(t, ref)
         if isinstance(ref, Tied):
             # Tied("a/b") splits at '/'; a flat state dict has the one key 'a/b'
-            tied = Tied(("/".join(map(str, ref.ref)),), ref.transform, up=ref.up)
+            tied = ref.with_refs({n: Ref(("/".join(r.keys),), r.up) for n, r in ref.refs})
         else:
             tied = Tied((_name(ref, "ref"),))
         if t in out:
@@ -100,7 +99,7 @@ def _apply_ties(
             if back is None:
                 only = f"the file holds {target!r} but not {ref!r}; {t.transform!r} has no inverse"
                 fix = f"load without this tie, or a checkpoint that holds {ref!r}"
-                raise error("E45", f"load {label}: tie {target!r} <- {t!r}:", only, fix=fix)
+                raise error("E45", f"load {label}: tie {target!r} <- {t!r}", only, fix=fix)
             tree[ref], moved = _moved(tree[target], back), moved | {target}
     compare: dict[tuple[str, ...], Tied] = {}
     for target, t in asked.items():
@@ -109,7 +108,7 @@ def _apply_ties(
         elif t.ref[0] in tree or t.ref[0] in asked:
             tree[target] = t  # absent on purpose: nothing to compare
         else:
-            where = f"load {label}: tie {target!r} <- {t.ref[0]!r}:"
+            where = f"load {label}: tie {target!r} <- {t.ref[0]!r}"
             neither = f"neither is in the file; {closest(t.ref[0], set(tree))}"
             raise error("E44", where, neither, fix="use the tensor names the file holds")
     copies = {  # a moved buffer is its target; the file's own tie is one tensor
@@ -346,8 +345,7 @@ def load_foreign(
             for k, t in asked.items()
         )
         said += f"; tied as asked (ties=): {shown}"
-    note = error("E142", f"load: {label}", f"{foreign}: {said}", fix="" if asked else _UNTIED)
-    warnings.warn(str(note), stacklevel=3)
+    warn("E142", f"load: {label}", f"{foreign}: {said}", fix="" if asked else _UNTIED)
     return tree
 
 
@@ -378,5 +376,5 @@ def _load_mlx(
     if made.ties:
         shown = ", ".join(f"{k!r} <- {v!r}" for k, v in made.ties.items())
         said += f"; tied {shown}" + (" (tie_word_embeddings)" if ties is None else " (ties=)")
-    warnings.warn(str(error("E142", f"load: {label}", f"{foreign}: {said}")), stacklevel=5)
+    warn("E142", f"load: {label}", f"{foreign}: {said}")
     return tree

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from sharetree._errors import TieError, add_context, error, one_line, short
+from sharetree._errors import TieError, add_context, error, found_type, one_line, short
 from sharetree._files.container import NATIVE_CODES, Reader
 from sharetree._files.disk import DuplicateKey, loads
 from sharetree._files.format import (
@@ -145,7 +145,7 @@ class _Walk:
 
     def bad(self, path: Path, field: str, want: str, v: Any = None, found: str = "") -> TieError:
         """The TieError for the field ``field`` of the node at ``path``: ``want``, not ``v``."""
-        found = found or f"{type(v).__name__} {short(v, 60)}"
+        found = found or found_type(v, 60)
         return error("E29", self.at(path, field), expected=want, found=found, fix=RESAVE)
 
     def field(self, node: dict[str, Any], path: Path, f: Field, within: str = "") -> Any:

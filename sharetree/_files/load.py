@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax.tree_util as jtu
 
-from sharetree._errors import FIXES, TieError, add_context, bounded, check_mapping, error
+from sharetree._errors import (
+    FIXES,
+    TieError,
+    add_context,
+    bounded,
+    check_mapping,
+    error,
+    found_type,
+    warn,
+)
 from sharetree._files.container import Reader
 from sharetree._files.disk import PathOrStr, file_path
 from sharetree._files.foreign import load_foreign
@@ -106,7 +114,7 @@ def load(
     path = file_path(path, "load")
     if functions is not None:
         want = "a mapping {'module:qualname': function}"
-        check_mapping(functions, "E55", "load: functions=", want, FIXES["functions"])
+        check_mapping(functions, "E55", "load(functions=...)", want, FIXES["functions"])
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no such file: {path!r}")
     reader = None if os.path.isdir(path) else Reader(path)
@@ -132,7 +140,7 @@ def load(
             if any("Partitioned" in k for _, k in contents.generic)
             else ""
         )
-        warnings.warn(str(error("E130", f"load: {path!r}", what, fix=fix)), stacklevel=3)
+        warn("E130", f"load: {path!r}", what, fix=fix)
     try:  # dangling refs, cycles, bad transforms; only the caller's functions are ever called
         abstract_expanded(tree)
     except TieError as e:
@@ -148,7 +156,7 @@ def _describe_leaf(x: Any) -> str:
         return f"an unsaved {x.kind} leaf"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"a buffer {x.dtype}{list(x.shape)}"
-    return f"{type(x).__name__} {x!r}"
+    return found_type(x, 10**6)
 
 
 def _restore_like(path: str, tree: Any, like: Any) -> Any:
@@ -158,7 +166,7 @@ def _restore_like(path: str, tree: Any, like: Any) -> Any:
     if got.keys() != dict(tmpl).keys():
         file, template = only_in(got, dict(tmpl)), only_in(dict(tmpl), got)
         only = f"paths only in the file: {file}; only in the template: {template}"
-        raise error("E128", f"load: {path!r}: like=", "does not match", found=only, fix=fix)
+        raise error("E128", f"load({path!r}, like=...)", "does not match", found=only, fix=fix)
     leaves: list[Any] = []
     for p, t in tmpl:
         f, where = got[p], path_str(p)

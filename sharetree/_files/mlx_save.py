@@ -184,7 +184,7 @@ def save_mlx(directory: PathOrStr, tree: Any, *, config: Mapping[str, Any] | Non
         check_mapping(
             config,
             "E216",
-            "save_mlx: config=",
+            "save_mlx(config=...)",
             "the model's config.json as a dict",
             "pass json.load(open(src/'config.json'))",
         )
@@ -193,7 +193,7 @@ def save_mlx(directory: PathOrStr, tree: Any, *, config: Mapping[str, Any] | Non
         except (TypeError, ValueError) as e:
             raise error(
                 "E216",
-                "save_mlx: config=",
+                "save_mlx(config=...)",
                 "is not JSON",
                 found=one_line(e)[:200],
                 fix="pass what json.load gave",

@@ -91,7 +91,7 @@ def save(
         >>> st.load(path)["head"]
         Tied('emb', T)
     """
-    gather = check_bool(gather, "E55", "save: gather=")
+    gather = check_bool(gather, "E55", "save(gather=...)")
     timeout = _check_timeout(timeout)
     label = _path_text(path)
     limit = None if max_shard_size is None else _check_shard_size(label, max_shard_size, gather)
@@ -151,7 +151,7 @@ def _path_text(path: Any) -> str:
 
 def _check_timeout(timeout: Any) -> float:
     """``timeout=`` as a float: a real number of seconds > 0 (E225)."""
-    where, fix = "save: timeout=", "pass seconds, e.g. timeout=600"
+    where, fix = "save(timeout=...)", "pass seconds, e.g. timeout=600"
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, np.number)):
         raise wrong_type("E225", where, "a number of seconds", timeout, fix)
     if not 0 < float(timeout) < float("inf"):
@@ -288,7 +288,7 @@ def _user_metadata(metadata: Any) -> dict[str, str]:
     if metadata is None:
         return {}
     want = "a dict of str -> str"
-    check_mapping(metadata, "E32", "save: metadata=", want, 'pass e.g. {"format": "pt"}')
+    check_mapping(metadata, "E32", "save(metadata=...)", want, 'pass e.g. {"format": "pt"}')
     for k, v in metadata.items():
         entry = f"save: the metadata entry {short(k, 60)}: {short(v, 60)}"
         if not isinstance(k, str) or not isinstance(v, str):

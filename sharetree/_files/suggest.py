@@ -7,13 +7,13 @@ tensor), and a ``save_pretrained`` directory's ``config.json`` may say
 ``tie_word_embeddings`` while no head is stored. :func:`suggest_ties` finds these and
 gives the ``ties=`` to pass to :func:`sharetree.load`, reading only what it must: a
 tensor is read only when another one's shape allows a tie with it, one at a time, and
-compared by a digest of its bytes (equal digests are then compared whole).
+offered to the one tie matcher of ``find_ties`` (sharetree._match): a fingerprint of its
+elements, then a whole comparison, bit for bit; a tensor of one value is never a tie.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from collections import defaultdict
 from collections.abc import Iterable
@@ -33,6 +33,7 @@ from sharetree._files.hf import (
     ties_word_embeddings,
 )
 from sharetree._files.mlx_config import CONVERT, read_config
+from sharetree._match import Matcher, View, constant
 from sharetree._transforms import T, Transform, identity
 from sharetree._transforms import slice as slice_
 
@@ -61,34 +62,6 @@ class Suggestion:
         if self.transform == identity:
             return f"{self.target!r}: {self.ref!r}"
         return f"{self.target!r}: st.Tied({self.ref!r}, st.{self.transform!r})"
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-    """A way a tie may see a tensor: as it is, transposed, or a part of one axis."""
-
-    name: str
-    transform: Transform
-    axis: int = -1  # a part: its axis, first index and length
-    start: int = 0
-    length: int = 0
-
-    def of(self, a: np.ndarray) -> np.ndarray:
-        if self.transform == identity:
-            return a
-        if self.transform == T:
-            return a.T
-        return np.take(a, np.arange(self.start, self.start + self.length), axis=self.axis)
-
-
-def _digest(a: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
-
-
-def _constant(a: np.ndarray) -> bool:
-    """A tensor of one value (a fresh bias, a norm's ones): never evidence of a tie."""
-    flat = a.reshape(-1)
-    return flat.size < 2 or bool((flat == flat[0]).all())
 
 
 def _candidates(infos: list[TensorInfo]) -> tuple[set[str], dict[str, set[tuple[int, int]]]]:
@@ -122,10 +95,10 @@ def _candidates(infos: list[TensorInfo]) -> tuple[set[str], dict[str, set[tuple[
 def _equal_ties(readers: list[Reader]) -> list[Suggestion]:
     """Tensors equal to another: as they are, transposed, or as a part of a fused one.
 
-    Each candidate is read once, in file order, and its views' digests kept; a digest met
-    again is confirmed by comparing the two tensors whole. The earlier tensor is the
-    buffer (a head, ``lm_head.weight``, comes last: transformers' direction), except that a
-    part is always a view of the fused tensor that holds it.
+    Each candidate is read once, in file order, and offered to the tie matcher (which keeps
+    its views' fingerprints and reads a tensor again to compare a candidate whole). The
+    earlier tensor is the buffer (a head, ``lm_head.weight``, comes last: transformers'
+    direction), except that a part is always a view of the fused tensor that holds it.
     """
     owner = {i.name: r for r in readers for i in r.infos.values()}
     # a head is the view of the embedding it equals (transformers' direction), whatever the order
@@ -133,43 +106,34 @@ def _equal_ties(readers: list[Reader]) -> list[Suggestion]:
         (i for r in readers for i in r.infos.values()), key=lambda i: i.name.endswith(_HEADS)
     )
     names, parts = _candidates(infos)
-    seen: dict[bytes, list[_View]] = defaultdict(list)
+    matcher = Matcher(lambda name: owner[name].read(name))
     found: dict[str, Suggestion] = {}
-
-    def same(view: _View, value: np.ndarray) -> bool:
-        return np.array_equal(view.of(owner[view.name].read(view.name)), value)
-
     for info in infos:
         if info.name not in names:
             continue
         a = owner[info.name].read(info.name)
-        if _constant(a):
+        if constant(a):
             continue
-        views = [_View(info.name, identity)] + ([_View(info.name, T)] if a.ndim == 2 else [])
+        views = [View(info.name, identity)] + ([View(info.name, T)] if a.ndim == 2 else [])
         for axis, n in sorted(parts.get(info.name, ())):
             views += [
-                _View(info.name, slice_(i, i + n, axis=axis), axis, i, n)
-                for i in range(0, a.shape[axis], n)
+                View(info.name, slice_(i, i + n, axis=axis)) for i in range(0, a.shape[axis], n)
             ]
-        digests = [_digest(v.of(a)) for v in views]
         # this tensor as a view of an earlier one (as it is, transposed, or one of its parts)
-        match = next((v for v in seen.get(digests[0], ()) if same(v, a)), None)
+        match = matcher.find(a)
         if match is not None:
-            why = {identity: "equal", T: "equal to its transpose"}.get(match.transform, "a part")
-            found[info.name] = Suggestion(info.name, match.name, match.transform, why)
+            ref = str(match.name)  # a tensor's name
+            found[info.name] = Suggestion(info.name, ref, match.transform, match.why())
             continue
         # an earlier tensor as a part of this one
-        for view, digest in zip(views, digests, strict=True):
-            if view.length:
-                for earlier in seen.get(digest, ()):
-                    if earlier.transform == identity and earlier.name not in found:
-                        if same(earlier, view.of(a)):
-                            why = "a part"
-                            found[earlier.name] = Suggestion(
-                                earlier.name, info.name, view.transform, why
-                            )
-        for view, digest in zip(views, digests, strict=True):
-            seen[digest].append(view)
+        for view in views[1:]:
+            if view.transform != T:
+                for earlier in matcher.matches(view.transform.numpy(a)):
+                    target = str(earlier.name)
+                    if earlier.transform == identity and target not in found:
+                        found[target] = Suggestion(target, info.name, view.transform, view.why())
+        for view in views:
+            matcher.add(view, view.transform.numpy(a))
     return list(found.values())
 
 

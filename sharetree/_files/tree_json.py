@@ -17,6 +17,7 @@ from sharetree._errors import (
     TieError,
     add_context,
     error,
+    found_type,
     one_line,
     short,
     wrong_type,
@@ -47,7 +48,7 @@ def _spec(x: Tied, path: Path) -> Any:
     """The spec of the transform of ``x``, checked to be JSON that reads back as it."""
 
     def where() -> str:  # shown only on an error (a repr may be costly)
-        return f"save: the tie at {short(path_str(path), 200)} ({short(x, 1000)}):"
+        return f"save: the tie at {short(path_str(path), 200)} ({short(x, 1000)})"
 
     fix = "store a JSON value in each field (e.g. a dtype's name), or define spec() and from_spec()"
     try:
@@ -72,7 +73,7 @@ def _spec(x: Tied, path: Path) -> Any:
         items = spec.items() if isinstance(spec, dict) else []
         field = next(((k, v) for k, v in items if _not_json(v) and isinstance(k, str)), None)
         problem = (
-            f"its field {field[0]!r} holds {type(field[1]).__name__} {short(field[1], 60)}"
+            f"its field {field[0]!r} holds {found_type(field[1], 60)}"
             if field is not None
             else f"its spec {short(spec)}"
         ) + f", which is not JSON ({why})"

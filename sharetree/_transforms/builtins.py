@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from sharetree._errors import error, short, wrong_type
+from sharetree._errors import error, found_type, short, wrong_type
 from sharetree._transforms.protocol import (
     ArrayFn,
     Names,
@@ -274,7 +274,7 @@ class _Fn(Transform, name="fn"):
     def __call__(self, x: ArrayLike) -> jax.Array:
         out = self.function(jnp.asarray(x))
         if not isinstance(out, (jax.Array, np.ndarray, np.generic)):  # tracers are jax.Arrays
-            found, fix = f"{type(out).__name__} {short(out, 60)}", "return one array"
+            found, fix = found_type(out, 60), "return one array"
             raise error("E66", f"{self!r}", "returned no array", found=found, fix=fix)
         return out
 

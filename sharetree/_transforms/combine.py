@@ -40,7 +40,7 @@ def _shapes(t: Transform, x: Inputs) -> dict[str, tuple[int, ...]]:
             shape = ()  # a Python number
         if shape is None:
             found = f"{type(v).__name__} at input {name!r}"
-            raise error("E106", f"{t!r}:", "takes arrays", found=found, fix="tie arrays only")
+            raise error("E106", repr(t), "takes arrays", found=found, fix="tie arrays only")
         out[name] = tuple(shape)
     return out
 
@@ -55,16 +55,16 @@ def _matmul_shape(
     """The shape of ``a @ b`` (``jnp.matmul`` over leading axes), else E106."""
     shown = _shown(dict(zip(names, (a, b))))
     if len(a) < 2 or len(b) < 2:
-        raise error("E106", f"{t!r}:", "multiplies matrices", found=shown, fix=fix)
+        raise error("E106", repr(t), "multiplies matrices", found=shown, fix=fix)
     if a[-1] != b[-2]:
         problem = f"the inner sizes disagree: {names[0]} has {a[-1]} columns, {names[1]}"
         problem += f" {b[-2]} rows"
-        raise error("E106", f"{t!r}:", problem, found=shown, fix=fix)
+        raise error("E106", repr(t), problem, found=shown, fix=fix)
     try:
         lead = np.broadcast_shapes(a[:-2], b[:-2])
     except ValueError:
         problem = "the leading (stacked) axes do not broadcast"
-        raise error("E106", f"{t!r}:", problem, found=shown, fix=fix) from None
+        raise error("E106", repr(t), problem, found=shown, fix=fix) from None
     return (*lead, a[-2], b[-1])
 
 
@@ -95,7 +95,7 @@ class _LoRA(Transform, name="lora"):
             out = None
         if out != s["base"]:
             problem = f"a @ b is {ab}, which does not add to the base {s['base']}"
-            raise error("E106", f"{self!r}:", problem, found=_shown(s), fix=fix)
+            raise error("E106", repr(self), problem, found=_shown(s), fix=fix)
         return s["base"]
 
     def __call__(self, x: Inputs) -> jax.Array:  # type: ignore[override]
@@ -124,7 +124,7 @@ class _Add(Transform, name="add"):
         s = _shapes(self, x)
         if len(set(s.values())) > 1:
             fix = "give every input the view's shape"
-            raise error("E106", f"{self!r}:", "adds arrays of one shape", found=_shown(s), fix=fix)
+            raise error("E106", repr(self), "adds arrays of one shape", found=_shown(s), fix=fix)
         return next(iter(s.values()))
 
     def __call__(self, x: Inputs) -> jax.Array:  # type: ignore[override]

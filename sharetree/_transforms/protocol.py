@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from sharetree._errors import error, short, wrong_type
+from sharetree._errors import error, found_type, short, wrong_type
 
 __all__ = [
     "ANY_NAMES",
@@ -124,11 +124,13 @@ class Transform:
             return  # an abstract intermediate class: not readable from a spec
         if not isinstance(name, str) or not name:
             example = f"class {cls.__name__}(st.Transform, name='mylib_{cls.__name__.lower()}')"
-            raise wrong_type("E100", f"{cls.__qualname__}: name=", "a non-empty str", name, example)
+            raise wrong_type(
+                "E100", f"{cls.__qualname__}(name=...)", "a non-empty str", name, example
+            )
         old = REGISTRY.get(name, cls)
         if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             fix = f"choose another name (prefixed with your package's): {old.__qualname__} has it"
-            raise wrong_type("E100", f"{cls.__qualname__}: name=", "a free name", name, fix)
+            raise wrong_type("E100", f"{cls.__qualname__}(name=...)", "a free name", name, fix)
         cls.spec_name = name
         REGISTRY[name] = cls
 
@@ -236,7 +238,7 @@ def field_doc(cls: type[Transform], field: str) -> str:
 def bad_field(cls: type[Transform], spec: Mapping[str, Any], field: str, found: Any) -> Exception:
     """The error of a spec whose ``field`` holds ``found``, which ``cls`` cannot read."""
     where = f"transform spec {short(spec, 100)}: field {field!r} of {cls.spec_name!r}"
-    found = f"{type(found).__name__} {short(found, 60)}"
+    found = found_type(found, 60)
     return error("E20", where, expected=field_doc(cls, field), found=found, fix=SPEC_FIX)
 
 
@@ -361,7 +363,7 @@ def check_inputs(t: Transform, names: tuple[str | None, ...], tied: str) -> None
     shows the refs (``"'w'"``, ``"{'a', 'b'}"``) for the message, built only on an error.
     """
     takes = input_names(t)
-    where = f"Tied({tied}, {short(t, 100)}):"
+    where = f"Tied({tied}, {short(t, 100)})"
     named = isinstance(takes, tuple) and all(isinstance(n, str) for n in takes)
     if takes is not None and not named:
         fix = "declare inputs = ('base', 'a', 'b') on the class, or ANY_NAMES"
@@ -410,7 +412,7 @@ def chain(*parts: Transform) -> Transform:
                 where = f"{' >> '.join(map(repr, [*out, t]))}"
                 fix = f"apply {t!r} first: {t!r} >> ..., then transforms of its one value"
                 problem = f"{t!r} takes several inputs but is not first"
-                raise error("E104", where + ":", problem, fix=fix)
+                raise error("E104", where, problem, fix=fix)
             while out and t != identity and (folded := out[-1].fold(t)) is not None:
                 if not isinstance(folded, Transform) or isinstance(folded, _Chain):
                     where = f"{type(out[-1]).__qualname__}.fold({t!r})"

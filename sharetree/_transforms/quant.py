@@ -95,7 +95,7 @@ def _check_params(where: str, bits: Any, group_size: Any, mode: Any = "affine") 
         else:
             problem = f"names no mode of MLX ({', '.join(['affine', *_OTHER_MODES])})"
             fix = "leave mode out: 'affine' is the only one sharetree reads"
-        where, expected = f"{where}:", "mode 'affine'"
+        expected = "mode 'affine'"
         raise error("E201", where, problem, expected=expected, found=repr(mode), fix=fix)
     if bits not in BITS or group_size not in GROUP_SIZES:
         expected = (
@@ -206,8 +206,8 @@ def _table_dtype(where: str, w: Any, group_size: int) -> np.dtype:
     if shape is None or dtype is None:
         raise wrong_type("E206", where, "a float array", w, fix)
     found = f"{np.dtype(dtype).name}[{', '.join(map(str, shape))}]"
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise error("E206", where, "quantizes real floats", found=found, fix=fix)
+    if not jnp.issubdtype(dtype, jnp.floating):  # integers, complex: another type of array
+        raise wrong_type("E206", where, "a real float array", w, fix, found=found)
     if not shape or shape[-1] % group_size or not shape[-1]:
         expected = f"a last axis of whole groups of {group_size} values"
         raise error("E206", where, expected=expected, found=found, fix=fix)
@@ -286,7 +286,7 @@ class _Dequantize(Transform, name="dequantize"):
             if getattr(x[name], "shape", None) is None or getattr(x[name], "dtype", None) is None:
                 found = f"{type(x[name]).__name__} at input {name!r}"
                 fix = "tie the arrays quantize returned (or mx.quantize's)"
-                raise error("E204", f"{where}:", "takes arrays", found=found, fix=fix)
+                raise error("E204", where, "takes arrays", found=found, fix=fix)
         q, scales, biases = x["q"], x["scales"], x["biases"]
         shown = f"q {_aval_text(q)}, scales {_aval_text(scales)}, biases {_aval_text(biases)}"
         if np.dtype(q.dtype) != np.uint32:
@@ -315,7 +315,7 @@ class _Dequantize(Transform, name="dequantize"):
             expected = expected if q.shape else "q of shape (..., words)"
             fix = "tie the q, scales and biases of one quantized table"
             problem = "inputs of shapes that disagree"
-            raise error("E204", f"{where}:", problem, expected=expected, found=shown, fix=fix)
+            raise error("E204", where, problem, expected=expected, found=shown, fix=fix)
         words, groups = q.shape[-1], scales.shape[-1]
         b, g = self.bits, self.group_size
         n = words * 32 // b
@@ -333,7 +333,7 @@ class _Dequantize(Transform, name="dequantize"):
                 what = f"do not hold whole {b}-bit values" if words * 32 % b else what
                 problem = f"q's {words} words per row {what}"
                 expected = f"q {(*q.shape[:-1], groups * g * b // 32)} for {groups} groups of {g}"
-            raise error("E205", f"{where}:", problem, expected=expected, found=shown, fix=fix)
+            raise error("E205", where, problem, expected=expected, found=shown, fix=fix)
         n = groups * g
         return jax.ShapeDtypeStruct((*q.shape[:-1], n), canonical_dtype(scales.dtype))
 

@@ -16,7 +16,16 @@ from typing import Any, ClassVar
 import jax
 from jax.typing import ArrayLike
 
-from sharetree._errors import FIXES, TieError, add_context, check_mapping, error, one_line, short
+from sharetree._errors import (
+    FIXES,
+    TieError,
+    add_context,
+    check_mapping,
+    error,
+    found_type,
+    one_line,
+    short,
+)
 from sharetree._transforms.builtins import fn
 from sharetree._transforms.protocol import (
     ANY_NAMES,
@@ -101,7 +110,7 @@ class _Reader:
     def transform(self, spec: Any) -> Transform:
         """The transform of ``spec``, its class looked up by name and its fields checked."""
         if not isinstance(spec, Mapping) or "name" not in spec:
-            found = f"{type(spec).__name__} {short(spec, 100)}"
+            found = found_type(spec, 100)
             expected = "a dict with a 'name' field"
             raise error("E17", "transform spec", expected=expected, found=found, fix=SPEC_FIX)
         name = spec["name"]
@@ -228,6 +237,6 @@ def transform_from_spec(
     if functions is not None:
         expected = "a mapping {'module:qualname': function}"
         check_mapping(
-            functions, "E55", "transform_from_spec: functions=", expected, FIXES["functions"]
+            functions, "E55", "transform_from_spec(functions=...)", expected, FIXES["functions"]
         )
     return _Reader(functions).transform(spec)

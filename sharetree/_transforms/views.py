@@ -92,7 +92,7 @@ class _Slice(Moves, name="slice"):
             what = "empty" if 0 <= start and stop <= n else "outside it"
             stop_ = "" if self.stop is None else self.stop
             problem = f"the range {self.start}:{stop_} of axis {axis} (size {n}) is {what}"
-            where = f"{self!r} of a buffer of shape {tuple(shape)}:"
+            where = f"{self!r} of a buffer of shape {tuple(shape)}"
             raise error("E71", where, problem, fix=_within(n, f"a range within 0:{n}"))
         return axis, start, stop
 
@@ -135,7 +135,7 @@ class _Index(Moves, name="index"):
         axis = _axis(self, self.axis, shape)
         n = shape[axis]
         if not -n <= self.i < n:
-            where = f"{self!r} of a buffer of shape {tuple(shape)}:"
+            where = f"{self!r} of a buffer of shape {tuple(shape)}"
             problem = f"entry {self.i} is outside axis {axis} (size {n})"
             fix = _within(n, f"an index between {-n} and {n - 1}")
             raise error("E71", where, problem, fix=fix)
@@ -188,7 +188,7 @@ class _Take(Moves, name="take"):
         n = shape[axis]
         bad = [i for i in self.indices if not -n <= i < n]
         if bad:
-            where = f"{self!r} of a buffer of shape {tuple(shape)}:"
+            where = f"{self!r} of a buffer of shape {tuple(shape)}"
             problem = f"takes {short(bad, 40)}, outside axis {axis} (size {n})"
             raise error("E71", where, problem, fix=_within(n, f"indices between {-n} and {n - 1}"))
         return axis, np.asarray([i % n for i in self.indices], np.int32)

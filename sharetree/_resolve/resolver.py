@@ -1,17 +1,20 @@
-"""Resolving ties: a canonical treedef becomes a :class:`Structure` (pure Python, iterative)."""
+"""Resolving ties: a canonical treedef becomes a :class:`Structure` (pure Python, iterative).
+
+Each ``Tied``'s refs are looked up from the innermost subtree holding it out to the root
+(or climbed), followed through views and composed; a view of several positions becomes
+joins. Cycles, dangling refs and ties in static data are refused.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import itertools
-import warnings
-from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
 
-from sharetree._errors import TieError, error, short
+from sharetree._errors import TieError, error, short, warn
 from sharetree._paths import (
     Path,
     Ref,
@@ -24,104 +27,18 @@ from sharetree._paths import (
     plural,
     ref_str,
 )
+from sharetree._resolve.records import Input, Join, Leaf, Structure
+from sharetree._resolve.refs import nodes_at, overlaps, treedef_nodes, written
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import Transform, chain, identity
 
-__all__ = [
-    "Input",
-    "Join",
-    "Leaf",
-    "ViewLeaf",
-    "Structure",
-    "structure_of",
-    "nodes_at",
-    "ref_to",
-    "skeleton",
-    "treedef_nodes",
-    "STRUCTURE_CACHE_SIZE",
-]
+__all__ = ["STRUCTURE_CACHE_SIZE", "structure_of"]
 
 STRUCTURE_CACHE_SIZE = 512  # how many resolved treedefs structure_of keeps (least recent out)
 _FIX_CYCLE = "put the array at one of these paths and tie the others to it"
 _FIX_SELF = "refer to a path outside it that holds the array"
 _FIX_KEY = "rename one key so that every path names one node"
 _FIX_MISSING = "point the ref at an existing path, seen from the tie's subtree out to the root"
-
-
-class Leaf(NamedTuple):
-    """One leaf of the materialized tree, as the resolver sees it."""
-
-    buffer: int  # the source it is computed from: a buffer (canonical leaf) i, or join n + j
-    transform: Transform | None  # None at the buffer's own position, else the composed one
-    path: Path  # its path in the materialized tree
-    tie: Path | None  # the path of the Tied that produced it (None for a buffer)
-
-
-class ViewLeaf(NamedTuple):
-    """A materialized leaf that is a view: :class:`Leaf` with ``transform`` and ``tie`` set."""
-
-    buffer: int
-    transform: Transform
-    path: Path
-    tie: Path
-
-
-class Input(NamedTuple):
-    """One input of a :class:`Join`: ``transform(source)``, a buffer i or a join n + j."""
-
-    source: int
-    transform: Transform
-
-
-class Join(NamedTuple):
-    """A value computed from several: ``transform({name: input's value})``, once per call.
-
-    A view of several positions (``Tied({name: ref}, transform)``) is one join per leaf
-    of the value it computes; a join's inputs are buffers and earlier joins.
-    """
-
-    transform: Transform  # takes several inputs (a chain of it and one-value transforms)
-    inputs: tuple[tuple[str, Input], ...]  # by name, sorted
-    tie: Path  # the Tied of several refs that computes it
-    path: Path  # its leaf of the materialized tree (below ``tie`` for a subtree)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # one object per treedef: identity is equality
-class Structure:
-    """What a canonical treedef resolves to (cached per treedef by :func:`structure_of`).
-
-    A *source* is a buffer ``i < len(buffer_paths)`` or the join ``joins[i - n]``; each
-    materialized leaf is ``transform(source)``.
-    """
-
-    treedef: Any  # the canonical tree's structure
-    buffer_paths: tuple[Path, ...]  # the path of each canonical leaf (buffer), in flatten order
-    ties: dict[Path, Tied]  # each Tied position and the Tied written there, in flatten order
-    expanded_treedef: Any  # the materialized tree's structure
-    expanded: tuple[Leaf, ...]  # one Leaf per materialized leaf, in flatten order
-    joins: tuple[Join, ...] = ()  # the values computed from several, inputs before users
-    reads: dict[Path, dict[str | None, Path]] = dataclasses.field(default_factory=dict)
-    """For each Tied, the path from the root each of its refs reads (by input name, ``None``
-    for one ref), as scoped or climbed, before following views."""
-
-    @functools.cached_property
-    def views(self) -> tuple[ViewLeaf, ...]:
-        """The materialized leaves that are views (``transform`` is not ``None``)."""
-        return tuple(ViewLeaf._make(leaf) for leaf in self.expanded if leaf.transform is not None)
-
-    @functools.cached_property
-    def parents(self) -> tuple[tuple[int, ...], ...]:
-        """For each source, the buffers it reads (sorted): ``(i,)`` for a buffer."""
-        n = len(self.buffer_paths)
-        out: list[tuple[int, ...]] = [(i,) for i in range(n)]
-        for join in self.joins:
-            out.append(tuple(sorted({b for _, x in join.inputs for b in out[x.source]})))
-        return tuple(out)
-
-    def source_path(self, i: int) -> Path:
-        """Where source ``i`` is: its buffer's path, or its join's materialized leaf."""
-        n = len(self.buffer_paths)
-        return self.buffer_paths[i] if i < n else self.joins[i - n].path
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -212,7 +129,7 @@ class _Resolver:
             return self.targets[key]
         t = self.tied_at[at]
         first = self._scope(at, name)
-        if _overlap(first, at):
+        if overlaps(first, at):
             rel = "itself" if first == at else "a path inside itself"
             if len(first) < len(at):
                 rel = "a subtree that contains it"
@@ -282,7 +199,7 @@ class _Resolver:
 
         def has(k: int) -> bool:
             scoped = at[:k] + ref
-            return not _overlap(scoped, at) and self._lands(scoped)
+            return not overlaps(scoped, at) and self._lands(scoped)
 
         k = next((k for k in range(len(at) - 1, 0, -1) if has(k)), 0)
         # a same-named position further out, outside the subtree the ref is read in: the
@@ -417,63 +334,13 @@ def _structures_error(at: Path, t: Tied, inputs: dict[str, Any]) -> TieError:
     return error("E168", where, "reads inputs of different structures", found=found, fix=fix)
 
 
-def ref_to(buffer: Path, target: Path, nodes: Collection[Path]) -> Ref:
-    """The ref to write at ``target`` that reads ``buffer`` (a path from the root).
-
-    The path from the root, unless a subtree holding ``target`` has the same path; then
-    the shortest scoped ref that no other scope has, nearer or further out; else the ref
-    that climbs from ``target`` to the subtree holding both (``"../w"``), which reads
-    exactly there. ``nodes``: ``node_paths`` of the tree's leaf and ``Tied`` positions.
-
-    Example:
-        >>> from sharetree._paths import node_paths
-        >>> from sharetree._resolve import ref_to
-        >>> nodes = node_paths([("w",), ("sub", "w"), ("sub", "v")])
-        >>> ref_to(("w",), ("m", "v"), nodes).keys, ref_to(("sub", "w"), ("sub", "v"), nodes).keys
-        (('w',), ('sub', 'w'))
-        >>> ref_to(("x", "w"), ("x", "y", "v"), node_paths([("x", "w"), ("x", "y", "x", "w")]))
-        Ref(keys=('w',), up=None)
-        >>> ref_to(("0",), ("1", "1"), node_paths([("0",), ("1", "0"), ("1", "1")]))
-        Ref(keys=('0',), up=1)
-    """
-    common = 0  # keys shared by buffer and target, below which a scope can hold both
-    while common < min(len(target), len(buffer)) - 1 and target[common] == buffer[common]:
-        common += 1
-    for j in range(common + 1):  # from the root form (as written by hand) to the shortest
-        ref = buffer[j:]
-        others = (target[:k] + ref for k in range(len(target) - 1, -1, -1) if k != j)
-        if not any(p in nodes and not _overlap(p, target) for p in others):
-            return Ref(ref, None)
-    return Ref(buffer[common:], len(target) - 1 - common)
-
-
-def written(ref: Tied | Ref) -> str:
-    """A ref as its user spells it (``'../0'``, ``'enc/w'``, a tuple's repr); a ``Tied``'s one."""
-    return key_str(ref_str(Ref(ref.ref, ref.up) if isinstance(ref, Tied) else ref))
-
-
 def _warn_shadowed(at: Path, ref: Path, near: int, far: int) -> None:
     """Warn that the scoped ref at ``at`` reads ``at[:near] + ref`` past ``at[:far] + ref``."""
     spell = [key_str(ref_str(Ref(ref, len(at) - 1 - k))) for k in (near, far)]
     where = f"Tied at {path_str(at)!r}: ref {path_str(ref)!r}"
     problem = f"reads {path_str(at[:near] + ref)!r}; {path_str(at[:far] + ref)!r} is further out"
     fix = f"write {spell[0]!r} to read the nearer one, {spell[1]!r} to read the other"
-    warnings.warn(str(error("E165", where, problem, fix=fix)), UserWarning, stacklevel=2)
-
-
-def _overlap(a: Path, b: Path) -> bool:
-    return a[: len(b)] == b or b[: len(a)] == a
-
-
-def nodes_at(tree: Any, path: Path) -> list[Any]:
-    """Every node of ``tree`` whose path is ``path`` (empty ones such as ``None`` included)."""
-    n = len(path)
-
-    def stop(kp: Any, _x: Any) -> bool:
-        return len(kp) >= n and keypath_to_path(kp[:n]) == path
-
-    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=stop, is_leaf_takes_path=True)
-    return [x for kp, x in flat if len(kp) == n and keypath_to_path(kp) == path]
+    warn("E165", where, problem, fix=fix)
 
 
 def _parts(v: Any) -> Any:
@@ -485,23 +352,6 @@ def _parts(v: Any) -> Any:
     if dataclasses.is_dataclass(v) and not isinstance(v, type):  # Equinox's flattened fields
         return [getattr(v, f.name, None) for f in dataclasses.fields(v)]
     return ()
-
-
-def treedef_nodes(treedef: Any) -> Iterator[Any]:
-    """Every node of ``treedef`` in one fixed order, without recursion (deep trees are fine).
-
-    Each is a PyTreeDef (``node_data`` and ``children`` are untyped in jaxlib).
-    """
-    nodes: list[Any] = [treedef]
-    while nodes:
-        node = nodes.pop()
-        yield node
-        nodes += node.children()
-
-
-def skeleton(treedef: Any) -> Any:
-    """The tree of ``treedef`` with ``0`` at every leaf (its nodes, aux data and key paths)."""
-    return jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
 
 
 def _check_no_static_ties(treedef: Any) -> None:
