@@ -380,9 +380,7 @@ def _new_layout(
         shardings = tuple(map(_sharding, values))
         paths = [structure.buffer_paths[i] for i in slots]
         sharded = sharded_layout(values, paths, list(shapes))
-    restructure = Restructure(
-        structure, slots, shapes, dtypes, tuple(statics), flat_dtype, sharded
-    )
+    restructure = Restructure(structure, slots, shapes, dtypes, tuple(statics), flat_dtype, sharded)
     return _Layout(types, config, leaf_dtypes, restructure, on_host, jax_arrays, shardings)
 
 

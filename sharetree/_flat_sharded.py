@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,8 +119,8 @@ def sharded_layout(
         return None
     lead = shardings[first]
     if not isinstance(lead, NamedSharding):
-        raise _not_on_mesh("E300", paths[first], lead, None)
-    mesh = lead.mesh
+        raise error("E300", **_not_on_mesh(paths[first], lead, None))
+    mesh = typing.cast(Mesh, lead.mesh)
     specs, shard_shapes, gather, replicas, parts = [], [], [], [], []
     for s, path, shape in zip(shardings, paths, shapes):
         if s is None:  # a host array: replicated on the mesh
@@ -127,8 +128,8 @@ def sharded_layout(
         elif isinstance(s, NamedSharding) and s.mesh == mesh:
             spec = s.spec
         else:
-            code = "E301" if len(s.device_set) == 1 else "E300"
-            raise _not_on_mesh(code, path, s, (paths[first], lead))
+            facts = _not_on_mesh(path, s, (paths[first], lead))
+            raise error("E301", **facts) if len(s.device_set) == 1 else error("E300", **facts)
         shard = tuple(NamedSharding(mesh, spec).shard_shape(tuple(shape)))
         used = _used_axes(spec)
         axes = tuple(a for a in mesh.axis_names if a not in used)
@@ -143,13 +144,13 @@ def sharded_layout(
     )
 
 
-def _not_on_mesh(code: str, path: Path, sharding: Any, lead: tuple[Path, Any] | None) -> Any:
-    where = f"destructure: the buffer {path_str(path)!r}"
+def _not_on_mesh(path: Path, sharding: Any, lead: tuple[Path, Any] | None) -> dict[str, str]:
+    where = f"destructure {path_str(path)!r}"
     if lead is None:
         expected = "a NamedSharding for a buffer that spans several devices"
     else:
         expected = f"the mesh of {path_str(lead[0])!r} ({_mesh_text(lead[1])})"
-    return error(code, where, expected=expected, found=_mesh_text(sharding), fix=_FIX_MESH)
+    return {"where": where, "expected": expected, "found": _mesh_text(sharding), "fix": _FIX_MESH}
 
 
 def _mesh_text(sharding: Any) -> str:
@@ -162,9 +163,7 @@ def _mesh_text(sharding: Any) -> str:
     return f"{type(sharding).__name__} on devices {ids}"
 
 
-def _pack_local(
-    *shards: jax.Array, layout: ShardedLayout, dtype: np.dtype
-) -> jax.Array:
+def _pack_local(*shards: jax.Array, layout: ShardedLayout, dtype: np.dtype) -> jax.Array:
     pieces = []
     for x, axes, r, p in zip(shards, layout.gather_axes, layout.replicas, layout.parts):
         v = jnp.ravel(x).astype(dtype)
@@ -179,7 +178,10 @@ def _pack_local(
 def _packer(layout: ShardedLayout, dtype: np.dtype) -> Any:
     local = functools.partial(_pack_local, layout=layout, dtype=dtype)
     mapped = _shard_map(
-        local, mesh=layout.mesh, in_specs=layout.specs, out_specs=layout.flat_spec,
+        local,
+        mesh=layout.mesh,
+        in_specs=layout.specs,
+        out_specs=layout.flat_spec,
         check_vma=_TYPED,
     )
     return jax.jit(mapped)
@@ -188,7 +190,9 @@ def _packer(layout: ShardedLayout, dtype: np.dtype) -> Any:
 def pack(buffers: Sequence[Any], layout: ShardedLayout, dtype: np.dtype) -> jax.Array:
     """The flat vector of ``buffers``: each device packs its own shards, nothing moves."""
     on_mesh = [
-        x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x), NamedSharding(layout.mesh, s))
+        x
+        if isinstance(x, jax.Array)
+        else jax.device_put(np.asarray(x), NamedSharding(layout.mesh, s))
         for x, s in zip(buffers, layout.specs)
     ]
     return _packer(layout, dtype)(*on_mesh)
@@ -224,7 +228,10 @@ def _unpack_local(
 def _unpacker(layout: ShardedLayout, dtypes: tuple[np.dtype, ...]) -> Any:
     local = functools.partial(_unpack_local, layout=layout, dtypes=dtypes)
     mapped = _shard_map(
-        local, mesh=layout.mesh, in_specs=(layout.flat_spec,), out_specs=layout.specs,
+        local,
+        mesh=layout.mesh,
+        in_specs=(layout.flat_spec,),
+        out_specs=layout.specs,
         check_vma=_TYPED,
     )
     return jax.jit(mapped)
@@ -233,7 +240,9 @@ def _unpacker(layout: ShardedLayout, dtypes: tuple[np.dtype, ...]) -> Any:
 def unpack(flat: Any, layout: ShardedLayout, dtypes: tuple[np.dtype, ...]) -> list[jax.Array]:
     """Every buffer of the vector with its sharding; only replicated buffers are gathered."""
     if not isinstance(flat, jax.core.Tracer) and getattr(flat, "sharding", None) != layout.sharding:
-        flat = jax.device_put(flat if isinstance(flat, jax.Array) else np.asarray(flat), layout.sharding)
+        flat = jax.device_put(
+            flat if isinstance(flat, jax.Array) else np.asarray(flat), layout.sharding
+        )
     return list(_unpacker(layout, dtypes)(flat))
 
 
@@ -244,7 +253,10 @@ def _masker(layout: ShardedLayout) -> Any:
         return _pack_local(*ones, layout=layout, dtype=np.dtype(np.bool_))
 
     mapped = _shard_map(
-        local, mesh=layout.mesh, in_specs=(layout.flat_spec,), out_specs=layout.flat_spec,
+        local,
+        mesh=layout.mesh,
+        in_specs=(layout.flat_spec,),
+        out_specs=layout.flat_spec,
         check_vma=_TYPED,
     )
     return jax.jit(mapped)

@@ -167,21 +167,20 @@ def run_clients(flat: jax.Array, re: st.Restructure) -> dict[str, jax.Array]:
     sol = optx.minimise(lambda v, _: loss(v), solver, flat, max_steps=8, throw=False)
     out["lbfgs"] = sol.value
     grad = jax.grad(loss)
-
-    def damped_hvp(v: jax.Array) -> jax.Array:
-        return jax.jvp(grad, (flat,), (v,))[1] + 50.0 * v  # (H + 50 I) v: positive definite here
-
-    op = lx.FunctionLinearOperator(
-        damped_hvp, jax.ShapeDtypeStruct(flat.shape, flat.dtype), lx.positive_semidefinite_tag
-    )
-    rhs = grad(flat)
     cg = lx.CG(rtol=1e-6, atol=1e-7, max_steps=200)
-    # throw=False: lineax's check is a callback on one device, which gathers the result
-    def solve(b: jax.Array) -> tuple[jax.Array, jax.Array]:
-        sol = lx.linear_solve(op, b, cg, throw=False)
+
+    def newton_step(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """CG on (H + 50 I) d = g, H by Hessian-vector products (positive definite here)."""
+        op = lx.FunctionLinearOperator(
+            lambda v: jax.jvp(grad, (x,), (v,))[1] + 50.0 * v,
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            lx.positive_semidefinite_tag,
+        )
+        # throw=False: lineax's check is a callback on one device, which gathers the result
+        sol = lx.linear_solve(op, grad(x), cg, throw=False)
         return sol.value, sol.stats["num_steps"]
 
-    out["cg"], out["cg_steps"] = jax.jit(solve)(rhs)
+    out["cg"], out["cg_steps"] = jax.jit(newton_step)(flat)
     return out
 
 
@@ -218,7 +217,9 @@ def check(layout: str, mesh: Mesh) -> dict:
     by_hand_grad = jax.grad(lambda p: model_loss(by_hand(p)))(local({k: values[k] for k in specs}))
     g_tree = re.canonical(grad_flat)
     facts["grad_error"] = tree_error(g_tree, {k: np.asarray(by_hand_grad[k]) for k in specs})
-    facts["grad_scale"] = max(float(np.max(np.abs(np.asarray(x, np.float64)))) for x in by_hand_grad.values())
+    facts["grad_scale"] = max(
+        float(np.max(np.abs(np.asarray(x, np.float64)))) for x in by_hand_grad.values()
+    )
     mask = re.mask()
     facts["padding_grad"] = max(
         float(np.max(np.abs(np.asarray(g.data)[~np.asarray(mk.data)]), initial=0.0))

@@ -15,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import _multihost_launcher as launcher
+import pytest
 
 WORKER = Path(__file__).with_name("_flat_sharded_worker.py")
 ROOT = WORKER.parent.parent
