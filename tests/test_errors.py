@@ -1231,7 +1231,10 @@ def _destructure_on_two_devices(case: str) -> dict:
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
     done = subprocess.run(
-        [sys.executable, "-c", _TWO_DEVICES, case], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", _TWO_DEVICES, case],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
