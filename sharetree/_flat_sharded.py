@@ -31,10 +31,12 @@ from sharetree._paths import Path, path_str
 __all__ = ["ShardedLayout", "sharded_layout", "pack", "unpack", "valid_mask"]
 
 _shard_map: Any = jax.shard_map  # jax >= 0.7 (jax.experimental.shard_map is deprecated)
-# jax >= 0.9 types a gather as invariant, whose transpose is a slice: no collective in the
-# VJP beyond the tree's own. Before it, the untyped gather transposes to a reduce-scatter
-# of copies JAX divides back (exact, one collective more per replicated buffer).
+# Where all_gather takes to="invarying" (jax 0.10), the gather is typed invariant and
+# transposes to a slice: no collective in the VJP beyond the tree's own. Elsewhere the
+# untyped gather transposes to a reduce-scatter of copies that JAX scales back (exact,
+# one collective more per replicated buffer).
 _TYPED = "to" in inspect.signature(jax.lax.all_gather).parameters
+_PROGRAMS = 32  # compiled pack / unpack / mask programs kept per kind (each holds its mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +176,7 @@ def _pack_local(*shards: jax.Array, layout: ShardedLayout, dtype: np.dtype) -> j
     return jnp.concatenate(pieces) if pieces else jnp.zeros((0,), dtype)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=_PROGRAMS)
 def _packer(layout: ShardedLayout, dtype: np.dtype) -> Any:
     local = functools.partial(_pack_local, layout=layout, dtype=dtype)
     mapped = _shard_map(
@@ -224,7 +226,7 @@ def _unpack_local(
     return tuple(out)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=_PROGRAMS)
 def _unpacker(layout: ShardedLayout, dtypes: tuple[np.dtype, ...]) -> Any:
     local = functools.partial(_unpack_local, layout=layout, dtypes=dtypes)
     mapped = _shard_map(
@@ -246,7 +248,7 @@ def unpack(flat: Any, layout: ShardedLayout, dtypes: tuple[np.dtype, ...]) -> li
     return list(_unpacker(layout, dtypes)(flat))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=_PROGRAMS)
 def _masker(layout: ShardedLayout) -> Any:
     def local(block: jax.Array) -> jax.Array:
         ones = [jnp.ones(s, np.bool_) for s in layout.shard_shapes]
