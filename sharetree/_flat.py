@@ -16,6 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from sharetree._errors import error, warn, wrong_type
+from sharetree._flat_sharded import ShardedLayout, pack, sharded_layout, unpack, valid_mask
 from sharetree._materialize import expand_leaves, expanded_tree, leaves_and_structure
 from sharetree._paths import format_aval, path_str
 from sharetree._resolve import Structure
@@ -76,9 +77,11 @@ class Restructure:
         shapes: the shape of each buffer in the vector, in flatten order.
         dtypes: the dtype ``restructure`` gives each buffer back.
         sizes: the number of elements of each buffer.
-        offsets: where each buffer starts in the vector.
-        size: the length of the vector.
+        offsets: where each buffer starts in the vector (sharded: its part in each block).
+        size: the length of the vector (sharded: with its zero padding).
         flat_dtype: the dtype of the vector (the buffers' promoted dtype).
+        sharded: for a tree sharded over a mesh, the shard-major layout of the vector
+            (see "The flat path at scale"); ``None`` for a tree on one device.
 
     Example:
         >>> import jax, jax.numpy as jnp, sharetree as st
@@ -99,6 +102,7 @@ class Restructure:
         dtypes: tuple[np.dtype, ...],
         statics: tuple[tuple[int, _Static], ...],
         flat_dtype: np.dtype,
+        sharded: ShardedLayout | None = None,
     ) -> None:
         self.structure = structure
         self.slots = slots
@@ -106,10 +110,12 @@ class Restructure:
         self.dtypes = dtypes
         self.statics = statics
         self.flat_dtype = flat_dtype
+        self.sharded = sharded
         self.sizes = tuple(math.prod(s) for s in shapes)
-        self.size = sum(self.sizes)
-        self.offsets = tuple(itertools.accumulate(self.sizes[:-1], initial=0)) if shapes else ()
-        self._key = (structure.treedef, slots, shapes, dtypes, statics, flat_dtype)
+        stored = self.sizes if sharded is None else sharded.parts
+        self.size = sum(self.sizes) if sharded is None else sharded.length
+        self.offsets = tuple(itertools.accumulate(stored[:-1], initial=0)) if shapes else ()
+        self._key = (structure.treedef, slots, shapes, dtypes, statics, flat_dtype, sharded)
         self._hash = hash(self._key)
 
     def __eq__(self, other: object) -> bool:
@@ -119,10 +125,14 @@ class Restructure:
         return self._hash
 
     def __repr__(self) -> str:
+        where = ""
+        if self.sharded is not None:
+            where = f", shard-major over {self.sharded.mesh.size} devices"
+            where += f" with {self.sharded.padding:,} padding" if self.sharded.padding else ""
         return (
-            f"Restructure({self.size:,} {self.flat_dtype.name} parameters in "
+            f"Restructure({sum(self.sizes):,} {self.flat_dtype.name} parameters in "
             f"{len(self.slots)} buffers, {self.structure.treedef.num_leaves - len(self.slots)} "
-            f"static leaves, {len(self.structure.views)} views)"
+            f"static leaves, {len(self.structure.views)} views{where})"
         )
 
     def _check(self, flat: Any) -> None:
@@ -149,12 +159,32 @@ class Restructure:
             drop, fix = "would drop the imaginary parts", "pass jnp.real(flat) if it is meant"
             raise error("E12c", where, drop, expected=want, found=found, fix=fix)
 
+    def mask(self) -> jax.Array:
+        """A boolean vector like ``flat``: ``True`` at parameters, ``False`` at padding.
+
+        Only a sharded vector has padding (zeros that get zero gradients); on one device
+        every entry is a parameter. Pass it to ``optax.masked`` or multiply a random
+        perturbation by it.
+
+        Example:
+            >>> import jax.numpy as jnp, sharetree as st
+            >>> flat, re = st.destructure({"w": jnp.ones(3)})
+            >>> re.mask()
+            Array([ True,  True,  True], dtype=bool)
+        """
+        if self.sharded is None:
+            return jnp.ones((self.size,), np.bool_)
+        return valid_mask(self.sharded)
+
     def _leaves(self, flat: Any) -> list[Any]:
         self._check(flat)
         leaves: list[Any] = [None] * self.structure.treedef.num_leaves
         for i, static in self.statics:
             leaves[i] = static.value
-        if self.slots:
+        if self.sharded is not None:
+            for i, buffer in zip(self.slots, unpack(flat, self.sharded, self.dtypes)):
+                leaves[i] = buffer
+        elif self.slots:
             pieces = self._split(jnp.asarray(flat))
             for i, piece, shape, dtype in zip(self.slots, pieces, self.shapes, self.dtypes):
                 if _complex(piece.dtype) and not _complex(dtype):
@@ -259,11 +289,14 @@ class _Layout:
     restructure: Restructure
     on_host: bool  # every buffer a host or CPU array: one NumPy concatenate
     jax_arrays: bool  # every buffer a concrete jax.Array: the jitted concatenate applies
+    shardings: tuple[Any, ...] | None  # each buffer's, where jax has several devices
     calls: int = 0
     jitted: Any = None  # traces (and checks shapes and dtypes) only for a new signature
 
     def concat(self, buffers: list[Any]) -> Any:
         re = self.restructure
+        if re.sharded is not None:  # each device packs its own shards
+            return pack(buffers, re.sharded, re.flat_dtype)
         self.calls += 1
         n = len(buffers)
         if self.jitted is None and self.jax_arrays and self.calls > 1 and 1 < n <= _JIT_CONCAT_MAX:
@@ -340,8 +373,18 @@ def _new_layout(
         jax_arrays = jax_arrays and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     slots, shapes, dtypes, leaf_dtypes = (tuple(c) for c in zip(*buffers)) if buffers else [()] * 4
     flat_dtype = _flat_dtype(set(dtypes)) if dtypes else np.dtype(jnp.result_type(float))
-    restructure = Restructure(structure, slots, shapes, dtypes, tuple(statics), flat_dtype)
-    return _Layout(types, config, leaf_dtypes, restructure, on_host, jax_arrays)
+    sharded = shardings = None
+    if jax.device_count() > 1:  # a buffer may span several devices: its layout is shard-major
+        values = [leaves[i] for i in slots]
+        shardings = tuple(map(_sharding, values))
+        paths = [structure.buffer_paths[i] for i in slots]
+        sharded = sharded_layout(values, paths, list(shapes))
+    restructure = Restructure(structure, slots, shapes, dtypes, tuple(statics), flat_dtype, sharded)
+    return _Layout(types, config, leaf_dtypes, restructure, on_host, jax_arrays, shardings)
+
+
+def _sharding(x: Any) -> Any:
+    return None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
 
 
 _WARNED: set[Any] = set()
@@ -399,7 +442,8 @@ def destructure(tree: Any) -> tuple[jax.Array, Restructure]:
     if previous is not None and previous.types == types and previous.config == config:
         re = previous.restructure
         buffers = [leaves[i] for i in re.slots]
-        if all(_Static(leaves[i]) == static for i, static in re.statics):
+        placed = previous.shardings is None or tuple(map(_sharding, buffers)) == previous.shardings
+        if placed and all(_Static(leaves[i]) == static for i, static in re.statics):
             if previous.jitted is not None:
                 try:  # a new signature traces again, which checks every shape and dtype
                     return previous.concat(buffers), re

@@ -89,6 +89,7 @@ def launch(
     timeout: float = 120.0,
     port: int | None = None,
     stop_all_when_one_dies: bool = True,
+    worker: Path = WORKER,
 ) -> Job:
     """Run ``_multihost_worker.py ARGS`` as ``num_processes`` processes of one job.
 
@@ -99,6 +100,7 @@ def launch(
         port: the coordinator's port (a free loopback port by default).
         stop_all_when_one_dies: kill the others as soon as one worker exits
             with an error (a cluster scheduler ends a job that lost a process).
+        worker: the worker script (``_multihost_worker.py`` by default).
     """
     port = free_port() if port is None else port
     env = _env()
@@ -112,7 +114,7 @@ def launch(
             logs.append((out, err))
             cmd = [
                 sys.executable,
-                str(WORKER),
+                str(worker),
                 *args,
                 "--coordinator",
                 f"127.0.0.1:{port}",

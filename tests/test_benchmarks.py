@@ -237,3 +237,25 @@ def test_default_results_path_never_overwrites(tmp_path):
     assert bench.default_path(tmp_path, now).name == "2026-12-01-0905-2.json"
     assert json.loads(first.read_text()) == {"run": 1}  # the first run is kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-12-01-0905.json", "2026-12-01.json"]
+
+
+@pytest.mark.slow
+def test_flat_sharded_benchmark_checks_hold_at_tiny_size(tmp_path):
+    """``benchmarks.flat_sharded --quick`` on 8 simulated devices (a subprocess): its checks."""
+    import os
+    import subprocess
+
+    out = tmp_path / "flat.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "benchmarks.flat_sharded", "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    facts = result["flat_sharded"]
+    assert facts["devices"] == 8 and result["machine"]["backend"] == "cpu"
+    assert all(facts["checks"].values()), facts["checks"]
+    # the tree sharded over every device but one replicated bias: one gather more, no other
+    tree, flat = facts["collectives"]["tree"], facts["collectives"]["flat"]
+    assert flat.get("all-gather", 0) <= tree.get("all-gather", 0) + 1
+    assert flat.get("all-reduce", 0) <= tree.get("all-reduce", 0)

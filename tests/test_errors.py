@@ -1200,3 +1200,56 @@ def test_261_ties_that_contradict_the_files_recorded_tie(tmp_path):
     save_file({"model.embed.weight": np.ones((3, 2), np.float32)}, path, metadata=meta)
     with raises("E261", "'lm_head.weight' <- 'model.embed.weight'", "scale(2.0)"):
         st.load(path, ties={"lm_head.weight": st.Tied("model.embed.weight", st.scale(2.0))})
+
+
+_TWO_DEVICES = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import sharetree as st
+d = jax.devices()
+on = {"x": Mesh(np.array(d), ("x",)), "y": Mesh(np.array(d[::-1]), ("y",))}
+tree = {"a": jax.device_put(jnp.ones(4), NamedSharding(on["x"], P("x"))), "t": st.Tied("a")}
+if sys.argv[1] == "E300":
+    tree["b"] = jax.device_put(jnp.ones(4), NamedSharding(on["y"], P("y")))
+else:
+    tree["b"] = jax.device_put(jnp.ones(4), d[1])
+try:
+    st.destructure(tree)
+except st.TieError as e:
+    print(json.dumps({"code": e.code, "message": str(e), "type": type(e).__name__}))
+"""
+
+
+def _destructure_on_two_devices(case: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_DEVICES, case],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_300_sharded_buffers_on_two_meshes():
+    e = _destructure_on_two_devices("E300")
+    assert e["code"] == "E300" and e["type"] == "TieError"
+    for fact in ("'b'", "'a'", "'x': 2", "'y': 2", "[0, 1]", "[1, 0]", "NamedSharding(mesh, P())"):
+        assert fact in e["message"], fact
+
+
+def test_301_a_buffer_on_one_device_beside_sharded_ones():
+    e = _destructure_on_two_devices("E301")
+    assert e["code"] == "E301" and e["type"] == "TieError"
+    for fact in ("'b'", "'a'", "SingleDeviceSharding on devices [1]", "NamedSharding(mesh, P())"):
+        assert fact in e["message"], fact
