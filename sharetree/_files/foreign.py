@@ -266,10 +266,17 @@ class _TensorNames:
         self.tensors = tensors
         self.firsts = {n.split(".", 1)[0] for n in tensors}
         self.lasts = {n.rsplit(".", 1)[-1] for n in tensors if "." in n}
+        self.flat = any("." not in n for n in tensors)  # names like 'emb', not 'a.weight'
 
     def named(self, x: str) -> bool:
-        """Whether ``x`` is a tensor of the file, or a dotted name sharing a part with one."""
+        """Whether ``x`` is a tensor of the file or named like one.
+
+        Named like one: a dotted name sharing its first or last part with a tensor's, or,
+        in a file with undotted tensor names (``emb``), an identifier.
+        """
         if x in self.tensors:
+            return True
+        if self.flat and x.isidentifier():
             return True
         return _NAME.fullmatch(x) is not None and (
             x.split(".", 1)[0] in self.firsts or x.rsplit(".", 1)[-1] in self.lasts
@@ -278,7 +285,8 @@ class _TensorNames:
     def tie(self, key: str, value: Any) -> bool:
         """Whether a metadata entry is meant as a tie: both of its names are tensor names.
 
-        ``{"notes": "w.weight"}`` is not (``notes`` names no tensor); ``{"lm_head.weight":
+        ``{"notes": "w.weight"}`` is not (``notes`` is named like no tensor of a file of
+        dotted names); ``{"lm_head.weight":
         "model.embed_tokens.weight"}`` is, the head stored once under the embedding's name.
         """
         return isinstance(value, str) and self.named(key) and self.named(value)
