@@ -16,6 +16,7 @@ import numpy as np
 
 from sharetree._compare import Copies, check_atol, check_copies, kind, kinds_differ
 from sharetree._errors import TieError, add_context, check_mapping, error, one_line, short
+from sharetree._families import Declared, declared_ties, guessed_head, held_ties, read_hf_config
 from sharetree._format import KEY_VERSION
 from sharetree._materialize import abstract_expanded, leaf_view, leaves_and_structure
 from sharetree._mlx import INDEX_FILE, SINGLE_FILE, MlxConfig, mlx_tree, read_config
@@ -466,23 +467,57 @@ def load_foreign(
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: _tensor(r, name) for r in readers for name in r.infos}
     file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
+    config = read_hf_config(path) if os.path.isdir(path) else None
+    declared = None if config is None or ties is not None else declared_ties(config)
+    if declared is not None:  # the ties config.json declares, each checked against the file
+        held = held_ties(label, declared, tensors, file_ties)
+        if held.problems:  # never resolved in silence: the first contradiction
+            raise held.problems[0]
+        tensors = {k: v for k, v in tensors.items() if k not in held.dropped}
+        asked = {t: Tied((r,)) for t, r in held.ties.items()}
     tree, copies = _apply_ties(label, tensors, file_ties, asked)
     tree = read_tree(label, tree, shardings)  # every check first: shapes, ties, shardings
     _check_copies(label, tree, copies, asked, atol)
-    n = f"{len(readers)} files" if len(readers) > 1 else "one file"
-    said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
-    if file_ties:
-        shown = ", ".join(f"{k!r} <- {v!r}" for k, v in file_ties.items())
-        said += f"; restored the ties its safetensors metadata records: {shown}"
-    if asked:
-        shown = ", ".join(
-            f"{k!r} <- {t.ref[0]!r}" + ("" if t.transform == identity else f" ({t.transform!r})")
-            for k, t in asked.items()
-        )
-        said += f"; tied as asked (ties=): {shown}"
-    note = error("E142", f"load: {label}", f"{foreign}: {said}", fix="" if asked else _UNTIED)
-    warnings.warn(str(note), stacklevel=3)
+    if ties is None:  # ties= given: loaded as asked, nothing guessed
+        _warn_guess(label, foreign, declared, tensors, file_ties)
     return tree
+
+
+def _warn_guess(
+    label: str,
+    foreign: str,
+    declared: Declared | None,
+    tensors: Mapping[str, Any],
+    file_ties: Mapping[str, str],
+) -> None:
+    """Warn of what a load without ``ties=`` guessed: nothing, when a covered config says it all.
+
+    E142: no ``config.json`` says what the file ties (loaded as stored); E362: one of a
+    family :mod:`sharetree._families` does not cover may tie (loaded as stored).
+    """
+    if declared is not None and (declared.covered or declared.tied is False):
+        return
+    guess = guessed_head([*tensors, *file_ties])
+    shown = ", ".join(f"{k!r}: {v!r}" for k, v in guess.items())
+    fix = f"st.load(path, ties={{{shown}}})" if guess else _UNTIED
+    if declared is None:
+        said = f"no config.json says what it ties: loaded as stored ({len(tensors)} arrays)"
+        if file_ties:
+            said += "; restored the ties its safetensors metadata records: "
+            said += ", ".join(f"{k!r} <- {v!r}" for k, v in file_ties.items())
+        note = error("E142", f"load: {label}", f"{foreign}: {said}", fix=fix)
+    else:
+        what = f"{declared.architecture or 'no architectures'}"
+        said = "true" if declared.tied else "absent (transformers' default: true)"
+        problem = f"config.json's {declared.key} is {said}, for a model sharetree does not know "
+        problem += f"the ties of ({what}): loaded as stored, untied"
+        if not guess:
+            fix = "name its ties: st.load(path, ties={target: ref}) (transformers 5: "
+            fix += "ties=model.all_tied_weights_keys)"
+        fix += " (python -m sharetree inspect prints the ties it shows), or ties={} to load "
+        fix += "it as stored without this warning"
+        note = error("E362", f"load: {label}", problem, fix=fix)
+    warnings.warn(str(note), stacklevel=5)  # the caller of st.load (bounded)
 
 
 def _load_mlx(

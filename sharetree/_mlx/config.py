@@ -36,6 +36,7 @@ __all__ = [
     "Quant",
     "head_of",
     "read_config",
+    "read_json",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -108,7 +109,7 @@ def _config_error(path: str, problem: str, found: str | None = None, fix: str = 
     return error("E210", f"load: {path!r}", problem, found=found, fix=fix or CONVERT)
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     """The JSON object of ``path`` (E210 if too large, not JSON, a key twice)."""
     if os.path.getsize(path) > MAX_CONFIG_BYTES:
         raise _config_error(path, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB")
@@ -176,7 +177,7 @@ def read_config(directory: str) -> MlxConfig | None:
     path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(path):
         return None
-    config = _read_json(path)
+    config = read_json(path)
     (qk, q), (ck, qc) = _entry("quantization", config), _entry("quantization_config", config)
     if not _is_mlx(q) and not _is_mlx(qc):
         if q is not None and not isinstance(q, dict):
