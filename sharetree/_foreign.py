@@ -539,13 +539,12 @@ def _load_mlx(
     file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
     made = mlx_tree(label, tensors, config, asked, file_ties)
     tree = read_tree(label, made.tree, shardings)
-    n = f"{len(readers)} files" if len(readers) > 1 else "one file"
-    sizes = sorted({(q.bits, q.group_size) for q in made.layers.values()})
-    said = f"loaded as a flat dict from {n} with {config.path!r}: {len(made.layers)} quantized "
-    said += "layers, each {'q', 'scales', 'biases'} under its name and its float '<name>.weight' "
-    said += f"a dequantize view (bits, group_size: {', '.join(map(str, sizes)) or 'none'})"
-    if made.ties:
+    if ties is None and config.tie is None and made.ties:  # the one guess: the default tie
+        n = f"{len(readers)} files" if len(readers) > 1 else "one file"
         shown = ", ".join(f"{k!r} <- {v!r}" for k, v in made.ties.items())
-        said += f"; tied {shown}" + (" (tie_word_embeddings)" if ties is None else " (ties=)")
-    warnings.warn(str(error("E142", f"load: {label}", f"{foreign}: {said}")), stacklevel=5)
+        said = f"loaded from {n} with {config.path!r}, which does not say tie_word_embeddings: "
+        said += f"tied {shown} (transformers' default, the file holding no head)"
+        fix = "write tie_word_embeddings in config.json, or pass ties={} to load it untied"
+        note = error("E142", f"load: {label}", f"{foreign}: {said}", fix=fix)
+        warnings.warn(str(note), stacklevel=5)  # the caller of st.load (bounded)
     return tree
