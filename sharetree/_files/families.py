@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from sharetree._errors import TieError, error
-from sharetree._mlx.config import CONFIG_FILE, EMBEDDINGS, head_of, read_json
+from sharetree._files.hf import CONFIG_FILE
+from sharetree._files.mlx_config import EMBEDDINGS, head_of, read_json
 
 __all__ = [
     "FAMILIES",
@@ -37,7 +38,10 @@ TIE_KEY = "tie_word_embeddings"
 """The config key by which transformers ties a model's output embedding to its input one."""
 
 _LM = {"lm_head.weight": "model.embed_tokens.weight"}  # a decoder-only LM's head and embedding
-_T5 = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+_T5 = {
+    "encoder.embed_tokens.weight": "shared.weight",
+    "decoder.embed_tokens.weight": "shared.weight",
+}
 _BART = {f"{k}.embed_tokens.weight": "shared.weight" for k in ("encoder", "decoder")}
 
 
@@ -76,10 +80,14 @@ FAMILIES: Mapping[str, Family] = {
     ),
     "gpt_neox": Family(
         False,
-        {"GPTNeoXForCausalLM": {"embed_out.weight": "gpt_neox.embed_in.weight"}, "GPTNeoXModel": {}},
+        {
+            "GPTNeoXForCausalLM": {"embed_out.weight": "gpt_neox.embed_in.weight"},
+            "GPTNeoXModel": {},
+        },
     ),
     "opt": Family(
-        True, {"OPTForCausalLM": {"lm_head.weight": "model.decoder.embed_tokens.weight"}, "OPTModel": {}}
+        True,
+        {"OPTForCausalLM": {"lm_head.weight": "model.decoder.embed_tokens.weight"}, "OPTModel": {}},
     ),
     # T5 v1.1 (tie_word_embeddings false) stores its own lm_head: untied, as it was trained
     # (transformers 5's T5Config sets the key true whatever the file says: its issue #48154)
@@ -162,7 +170,9 @@ def declared_ties(config: Mapping[str, Any]) -> Declared:
     archs = config.get("architectures")
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     architecture = archs[0] if len(archs) == 1 else ", ".join(archs)
-    covered = family is not None and len(archs) == 1 and archs[0] in {**family.ties, **family.always}
+    covered = (
+        family is not None and len(archs) == 1 and archs[0] in {**family.ties, **family.always}
+    )
     tied = said
     if said is None and family is not None:
         tied = family.default
@@ -206,9 +216,7 @@ def _differ(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.nanmax(np.where(over, diff, 0.0))) if over.any() else 0.0
 
 
-def _contradiction(
-    label: str, declared: Declared, target: str, ref: str, found: str
-) -> TieError:
+def _contradiction(label: str, declared: Declared, target: str, ref: str, found: str) -> TieError:
     """E360: the config ties ``target`` to ``ref`` and the file stores both, different."""
     where = f"load {label}: {target!r} and {ref!r}"
     problem = f"are stored as two different tensors, but config.json ties them ({declared.key})"
@@ -240,7 +248,9 @@ def held_ties(
     for removed, kept in file_ties.items():
         pair = {removed, kept}
         if declared.tied is False and any({t, r} == pair for t, r in declared.keyed.items()):
-            where = f"load {label}: the tie {removed!r} <- {kept!r} its safetensors metadata records"
+            where = (
+                f"load {label}: the tie {removed!r} <- {kept!r} its safetensors metadata records"
+            )
             problem = f"contradicts config.json, which leaves them untied ({declared.key}: false)"
             found = f"one tensor stored for both names, {kept!r}"
             fix = (
