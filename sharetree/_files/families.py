@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError, error
@@ -209,21 +210,26 @@ def _differ(a: np.ndarray, b: np.ndarray) -> float:
     x, y = a.astype(np.float64), b.astype(np.float64)
     if np.array_equal(x, y, equal_nan=True):
         return 0.0
-    eps = float(np.finfo(a.dtype).eps)  # one rounding of the larger of the two
+    info = jnp.finfo(a.dtype)  # one rounding of the larger of the two (bfloat16 too)
     diff = np.abs(x - y)
-    over = diff > eps * np.maximum(np.abs(x), np.abs(y))
+    tol = np.maximum(
+        float(info.eps) * np.maximum(np.abs(x), np.abs(y)), float(info.smallest_subnormal)
+    )
+    over = diff > tol
     over |= np.isnan(x) != np.isnan(y)
     return float(np.nanmax(np.where(over, diff, 0.0))) if over.any() else 0.0
 
 
-def _contradiction(label: str, declared: Declared, target: str, ref: str, found: str) -> TieError:
+def _contradiction(
+    label: str, declared: Declared, target: str, ref: str, found: str, atol: str
+) -> TieError:
     """E360: the config ties ``target`` to ``ref`` and the file stores both, different."""
     where = f"load {label}: {target!r} and {ref!r}"
     problem = f"are stored as two different tensors, but config.json ties them ({declared.key})"
     fix = (
         f"load as stored: st.load(path, ties={{}}); or tied, keeping {ref!r} (as transformers "
-        f"loads it): st.load(path, ties={{{target!r}: {ref!r}}}, atol=<the difference>), or "
-        f"keeping {target!r}: ties={{{ref!r}: {target!r}}}, atol=<the difference>"
+        f"loads it): st.load(path, ties={{{target!r}: {ref!r}}}{atol}), or keeping {target!r}: "
+        f"ties={{{ref!r}: {target!r}}}{atol}"
     )
     return error("E360", where, problem, found=found, fix=fix)
 
@@ -258,10 +264,12 @@ def held_ties(
                 "ties= to choose (ties= replaces what config.json declares)"
             )
             problems.append(error("E361", where, problem, found=found, fix=fix))
-    recorded = {frozenset((t, r)) for t, r in file_ties.items()}
     for target, ref in declared.ties.items():
-        if frozenset((target, ref)) in recorded or target in file_ties:
+        if target in file_ties:
             continue  # the file stores one tensor for both: its own tie serves
+        if file_ties.get(ref) == target:  # stored under the target's name: moved to the ref
+            ties[target] = ref
+            continue
         if ref not in tensors and ref not in declared.ties:
             if target in tensors:  # stored under the target's name alone: the ref is its view
                 ties[target] = ref
@@ -270,11 +278,12 @@ def held_ties(
             a, b = tensors[target], tensors[ref]
             if (tuple(a.shape), a.dtype) != (tuple(b.shape), b.dtype):
                 found = f"{target!r} {a.dtype}{list(a.shape)}, {ref!r} {b.dtype}{list(b.shape)}"
-                problems.append(_contradiction(label, declared, target, ref, found))
+                problems.append(_contradiction(label, declared, target, ref, found, ""))
                 continue
             if (d := _differ(np.asarray(a.read()), np.asarray(b.read()))) > 0.0:
                 found = f"a largest difference of {d:.6g}"
-                problems.append(_contradiction(label, declared, target, ref, found))
+                atol = f", atol={float(f'{d * 1.01:.2g}'):g}"  # the copy it drops: compared
+                problems.append(_contradiction(label, declared, target, ref, found, atol))
                 continue
             dropped.add(target)
         ties[target] = ref
