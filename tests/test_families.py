@@ -331,3 +331,26 @@ def test_a_family_not_covered_loads_as_stored_and_warns_at_the_callers_line(
     assert w.filename == __file__  # at the caller's line
     assert "lm_head.weight" not in tree
     assert ties_of(quiet_load(other, ties={})) == {}  # ties={}: as stored, nothing guessed
+
+
+def test_an_adapter_on_the_embedding_reaches_the_loaded_head(saved) -> None:
+    """Issue 41, item 3 for Hugging Face: the head is the embedding, so LoRA on it adapts both."""
+    import jax
+    import jax.numpy as jnp
+
+    model, path = saved[("gemma", True)]
+    emb = "model.embed_tokens.weight"
+    out = st.add_lora(quiet_load(path), emb, rank=2, key=jax.random.key(0))
+    lora = out["lora"][emb]
+    ids = jnp.array([3, 0, 31])
+
+    def loss(b):
+        m = st.materialize({**out, "lora": {**out["lora"], emb: {**lora, "b": b}}})["params"]
+        return (m[emb][ids] @ m["lm_head.weight"].T).sum()
+
+    b = lora["b"] - 0.1 * jax.grad(loss)(lora["b"])  # one SGD step on the factor
+    m = st.materialize({**out, "lora": {**out["lora"], emb: {**lora, "b": b}}})["params"]
+    want = state(model)[emb] + np.asarray(lora["a"]) @ np.asarray(b)  # by hand
+    assert float(np.abs(np.asarray(lora["a"]) @ np.asarray(b)).max()) > 0
+    np.testing.assert_allclose(np.asarray(m["lm_head.weight"]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(m["lm_head.weight"]), np.asarray(m[emb]))
