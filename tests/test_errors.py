@@ -1229,6 +1229,11 @@ def test_361_a_recorded_tie_the_config_leaves_untied(tmp_path):
     path = _llama_dir(tmp_path, tie=False, metadata=meta)
     with raises("E361", "'lm_head.weight' <- 'model.embed_tokens.weight'", "false"):
         st.load(path)
+    # a record naming another tensor than the config's: which is which
+    meta = {"format": "pt", "lm_head.weight": "model.norm.weight"}
+    path = _llama_dir(tmp_path, metadata=meta)
+    with raises("E361", "'lm_head.weight' <- 'model.norm.weight'", "'model.embed_tokens.weight'"):
+        st.load(path)
 
 
 def test_362_a_family_not_covered_warns(tmp_path):

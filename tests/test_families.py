@@ -211,7 +211,7 @@ def test_sharded_and_absent_key_and_text_config(saved, tmp_path) -> None:
     absent = edited(tmp_path, tmp_path / "sharded", tie_word_embeddings=None)
     assert ties_of(quiet_load(absent)) == want
     # Llama's default is untied: its stored head stays its own
-    llama, path = saved[("llama", False)]
+    _, path = saved[("llama", False)]
     assert ties_of(quiet_load(edited(tmp_path, path, tie_word_embeddings=None))) == {}
     # a vision-language config holds the key in text_config
     gemma, path = saved[("gemma3_text", True)]
@@ -240,7 +240,7 @@ def test_a_stored_head_equal_to_the_embedding_is_one_buffer(saved, tmp_path) -> 
 
 
 def test_ties_given_override_the_config_and_empty_ties_load_as_stored(saved) -> None:
-    model, path = saved[("gpt2", True)]
+    _, path = saved[("gpt2", True)]
     stored = quiet_load(path, ties={})
     assert ties_of(stored) == {} and "lm_head.weight" not in stored
     assert set(stored) == set(load_file(str(path / "model.safetensors")))
@@ -320,7 +320,7 @@ def test_inspect_prints_the_contradiction(saved, tmp_path) -> None:
 def test_a_family_not_covered_loads_as_stored_and_warns_at_the_callers_line(
     saved, tmp_path
 ) -> None:
-    model, path = saved[("llama", True)]
+    _, path = saved[("llama", True)]
     other = edited(tmp_path, path, model_type="mystery", architectures=["MysteryForCausalLM"])
     with pytest.warns(UserWarning) as caught:
         tree = st.load(other)

@@ -265,6 +265,14 @@ def held_ties(
             )
             problems.append(error("E361", where, problem, found=found, fix=fix))
     for target, ref in declared.ties.items():
+        if target in file_ties and file_ties[target] not in (ref, file_ties.get(ref)):
+            kept = file_ties[target]
+            where = f"load {label}: the tie {target!r} <- {kept!r} its safetensors metadata records"
+            problem = f"contradicts config.json, which ties {target!r} to {ref!r} ({declared.key})"
+            fix = f"pass ties= to choose: ties={{{target!r}: {kept!r}}} as the file stores it, "
+            fix += f"or ties={{{target!r}: {ref!r}}} as config.json declares it"
+            problems.append(error("E361", where, problem, found=f"{kept!r}", fix=fix))
+            continue
         if target in file_ties:
             continue  # the file stores one tensor for both: its own tie serves
         if file_ties.get(ref) == target:  # stored under the target's name: moved to the ref
