@@ -520,3 +520,14 @@ def test_an_adapter_on_the_embedding_reaches_the_tied_head(tmp_path):
     for name in (f"{EMB}.weight", "lm_head.weight"):  # the lookup and the head: both adapted
         np.testing.assert_allclose(np.asarray(m[name], np.float64), want, rtol=2e-2, atol=2e-2)
     np.testing.assert_array_equal(m["lm_head.weight"], m[f"{EMB}.weight"])
+
+
+def test_inspect_shows_the_head_the_mlx_load_ties(tmp_path):
+    """One rule for load and inspect: the head MLX's layout ties is declared, not a guess."""
+    from sharetree.__main__ import describe
+
+    write_by_hand(tmp_path)
+    text = describe(str(tmp_path))
+    assert f"lm_head.weight <- {EMB}.weight: config.json declares it" in text
+    assert "st.load applies these ties unasked" in text and "load it tied" not in text
+    assert "lm_head.weight" in load(tmp_path)  # and the load makes it

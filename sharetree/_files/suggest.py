@@ -21,11 +21,12 @@ from collections import defaultdict
 import jax.numpy as jnp
 import numpy as np
 
+from sharetree._errors import TieError
 from sharetree._files.container import CODES, Reader, TensorInfo
 from sharetree._files.families import declared_ties, guessed_head, held_ties
 from sharetree._files.foreign import metadata_ties
 from sharetree._files.hf import CONFIG_FILE
-from sharetree._files.mlx_config import MAX_CONFIG_BYTES
+from sharetree._files.mlx_config import MAX_CONFIG_BYTES, read_config
 from sharetree._files.reads import Tensor
 from sharetree._transforms import T, Transform, identity
 from sharetree._transforms import slice as slice_
@@ -215,10 +216,22 @@ def _declared(
     out = [Suggestion(t, r, identity, why, True, True) for t, r in held.ties.items()]
     if not declared.covered and declared.tied is not False:
         guess = guessed_head([*tensors, *recorded])
-        why = f"config.json's {declared.key} may tie it ({declared.architecture or '?'} is a "
-        why += "family st.load does not know: it loads it untied)"
-        out += [Suggestion(t, r, identity, why) for t, r in guess.items()]
+        if _mlx(path):  # MLX's layout ties its head by this rule: st.load makes it
+            why = f"config.json declares it ({declared.key}, MLX's layout)"
+            out += [Suggestion(t, r, identity, why, True, True) for t, r in guess.items()]
+        else:
+            why = f"config.json's {declared.key} may tie it ({declared.architecture or '?'} is "
+            why += "a family st.load does not know: it loads it untied)"
+            out += [Suggestion(t, r, identity, why) for t, r in guess.items()]
     return out, problems
+
+
+def _mlx(path: str) -> bool:
+    """Whether ``path`` is a directory whose ``config.json`` quantizes it in MLX's layout."""
+    try:
+        return os.path.isdir(path) and read_config(path) is not None
+    except TieError:  # a config st.load refuses: inspect shows the tensors all the same
+        return False
 
 
 def contradictions(readers: list[Reader], path: str) -> list[str]:
