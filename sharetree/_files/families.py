@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError, error
-from sharetree._files.hf import CONFIG_FILE
-from sharetree._files.mlx_config import EMBEDDINGS, head_of, read_json
+from sharetree._files.disk import read_json
+from sharetree._files.hf import CONFIG_FILE, EMBEDDINGS, MAX_CONFIG_BYTES, config_entry, head_of
 
 __all__ = [
     "FAMILIES",
@@ -145,12 +145,7 @@ class Declared:
 
 def _said(config: Mapping[str, Any]) -> tuple[str, Any]:
     """The config's ``tie_word_embeddings`` (top level, else its ``text_config``'s) and its key."""
-    if TIE_KEY in config:
-        return TIE_KEY, config[TIE_KEY]
-    text = config.get("text_config")
-    if isinstance(text, Mapping) and TIE_KEY in text:
-        return f"text_config.{TIE_KEY}", text[TIE_KEY]
-    return TIE_KEY, None
+    return config_entry(TIE_KEY, config)
 
 
 def declared_ties(config: Mapping[str, Any]) -> Declared:
@@ -301,7 +296,11 @@ def held_ties(
 def read_hf_config(directory: str) -> dict[str, Any] | None:
     """The ``config.json`` object of ``directory`` (``None``: it has none; E210 if not JSON)."""
     path = os.path.join(directory, CONFIG_FILE)
-    return read_json(path) if os.path.isfile(path) else None
+    if not os.path.lexists(path):  # not a regular file: read_json says so
+        return None
+    return read_json(
+        path, "E210", "load", MAX_CONFIG_BYTES, "save the config again (save_pretrained)"
+    )
 
 
 def guessed_head(names: Iterable[str]) -> dict[str, str]:
