@@ -19,7 +19,7 @@ from sharetree._files.format import KEY_LIBRARY, KEY_VERSION
 from sharetree._files.hf import checkpoint_readers
 from sharetree._files.load import read_contents
 from sharetree._files.save import save
-from sharetree._files.suggest import suggest_ties
+from sharetree._files.suggest import contradictions, suggest_ties
 from sharetree._materialize import leaves_and_structure
 from sharetree._paths import key_str
 from sharetree._report import SharingGraph
@@ -208,6 +208,9 @@ def _describe_foreign(
     more = more_line(len(infos), max_rows, "tensors")
     lines = [head, *rows, *(["  " + more] if more else [])]
     seen = suggest_ties(readers, path)
+    found = contradictions(readers, path)
+    lines += [f"it contradicts itself ({len(found)}):"] if found else []
+    lines += [f"  {printable(x)}" for x in found]
     if not seen:
         return "\n".join([*lines, "ties it shows: none"])
     lines.append(f"ties it shows ({len(seen)}):")
@@ -217,11 +220,14 @@ def _describe_foreign(
     more = more_line(len(seen), max_rows, "ties")
     lines += ["  " + more] if more else []
     asked = [t for t in seen if not t.recorded]
-    if asked:
-        code = ", ".join(printable(t.code()) for t in asked)
+    if asked:  # ties= replaces what config.json declares: given with it
+        code = ", ".join(printable(t.code()) for t in seen if t.declared or not t.recorded)
         lines.append(f"load it tied: st.load({printable(repr(path))}, ties={{{code}}})")
     else:
-        lines.append("st.load restores these ties unasked (its metadata records them)")
+        lines.append(
+            "st.load applies these ties unasked (its metadata records them, its config.json "
+            "declares them)"
+        )
     return "\n".join(lines)
 
 

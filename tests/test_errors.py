@@ -1255,3 +1255,51 @@ def test_301_a_buffer_on_one_device_beside_sharded_ones():
     assert e["code"] == "E301" and e["type"] == "TieError"
     for fact in ("'b'", "'a'", "SingleDeviceSharding on devices [1]", "NamedSharding(mesh, P())"):
         assert fact in e["message"], fact
+
+
+def _llama_dir(tmp_path, head_delta=None, tie=True, metadata=None):
+    """A Llama directory by hand: config.json and the embedding (and a head ``head_delta`` away)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    emb = np.arange(8, dtype=np.float32).reshape(4, 2)
+    tensors = {"model.embed_tokens.weight": emb, "model.norm.weight": np.ones(2, np.float32)}
+    if head_delta is not None:
+        tensors["lm_head.weight"] = emb + np.float32(head_delta)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": tie}))
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata=metadata)
+    return tmp_path
+
+
+def test_360_a_head_the_config_ties_stored_apart(tmp_path):
+    path = _llama_dir(tmp_path, head_delta=0.25)
+    with raises("E360", "'lm_head.weight'", "'model.embed_tokens.weight'", "0.25", "ties={}"):
+        st.load(path)
+
+
+def test_361_a_recorded_tie_the_config_leaves_untied(tmp_path):
+    meta = {"format": "pt", "lm_head.weight": "model.embed_tokens.weight"}
+    path = _llama_dir(tmp_path, tie=False, metadata=meta)
+    with raises("E361", "'lm_head.weight' <- 'model.embed_tokens.weight'", "false"):
+        st.load(path)
+    # a record naming another tensor than the config's: which is which
+    meta = {"format": "pt", "lm_head.weight": "model.norm.weight"}
+    path = _llama_dir(tmp_path, metadata=meta)
+    with raises("E361", "'lm_head.weight' <- 'model.norm.weight'", "'model.embed_tokens.weight'"):
+        st.load(path)
+
+
+def test_362_a_family_not_covered_warns(tmp_path):
+    import json
+
+    path = _llama_dir(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "mystery"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning) as caught:
+        tree = st.load(path)
+    (w,) = caught
+    assert str(w.message).startswith("[E362]") and "tie_word_embeddings" in str(w.message)
+    assert "lm_head.weight" not in tree

@@ -15,6 +15,13 @@ import numpy as np
 from sharetree._compare import Copies, check_atol, check_copies, kind, kinds_differ
 from sharetree._errors import TieError, add_context, check_mapping, error, short, warn
 from sharetree._files.container import CODES, Reader
+from sharetree._files.families import (
+    Declared,
+    declared_ties,
+    guessed_head,
+    held_ties,
+    read_hf_config,
+)
 from sharetree._files.format import KEY_VERSION
 from sharetree._files.hf import checkpoint_readers
 from sharetree._files.mlx_config import MlxConfig, read_config
@@ -339,22 +346,57 @@ def load_foreign(
     asked = {} if ties is None else _parse_ties(ties)
     tensors = {name: _tensor(r, name) for r in readers for name in r.infos}
     file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
+    config = read_hf_config(path) if os.path.isdir(path) else None
+    declared = None if config is None or ties is not None else declared_ties(config)
+    if declared is not None:  # the ties config.json declares, each checked against the file
+        held = held_ties(label, declared, tensors, file_ties)
+        if held.problems:  # never resolved in silence: the first contradiction
+            raise held.problems[0]
+        tensors = {k: v for k, v in tensors.items() if k not in held.dropped}
+        asked = {t: Tied((r,)) for t, r in held.ties.items()}
     tree, copies = _apply_ties(label, tensors, file_ties, asked)
     tree = read_tree(label, tree, shardings)  # every check first: shapes, ties, shardings
     _check_copies(label, tree, copies, asked, atol)
-    n = f"{len(readers)} files" if len(readers) > 1 else "one file"
-    said = f"loaded as a flat dict of {len(tensors)} arrays {{tensor name: array}} from {n}"
-    if file_ties:
-        shown = ", ".join(f"{k!r} <- {v!r}" for k, v in file_ties.items())
-        said += f"; restored the ties its safetensors metadata records: {shown}"
-    if asked:
-        shown = ", ".join(
-            f"{k!r} <- {t.ref[0]!r}" + ("" if t.transform == identity else f" ({t.transform!r})")
-            for k, t in asked.items()
-        )
-        said += f"; tied as asked (ties=): {shown}"
-    warn("E142", f"load: {label}", f"{foreign}: {said}", fix="" if asked else _UNTIED)
+    if ties is None:  # ties= given: loaded as asked, nothing guessed
+        _warn_guess(label, foreign, declared, tensors, file_ties)
     return tree
+
+
+def _warn_guess(
+    label: str,
+    foreign: str,
+    declared: Declared | None,
+    tensors: Mapping[str, Any],
+    file_ties: Mapping[str, str],
+) -> None:
+    """Warn of what a load without ``ties=`` guessed: nothing, when a covered config says it all.
+
+    E142: no ``config.json`` says what the file ties (loaded as stored); E362: one of a
+    family :mod:`sharetree._families` does not cover may tie (loaded as stored).
+    """
+    if declared is not None and (declared.covered or declared.tied is False):
+        return
+    guess = guessed_head([*tensors, *file_ties])
+    shown = ", ".join(f"{k!r}: {v!r}" for k, v in guess.items())
+    fix = f"st.load(path, ties={{{shown}}})" if guess else _UNTIED
+    if declared is None:
+        said = f"no config.json says what it ties: loaded as stored ({len(tensors)} arrays)"
+        if file_ties:
+            said += "; restored the ties its safetensors metadata records: "
+            said += ", ".join(f"{k!r} <- {v!r}" for k, v in file_ties.items())
+        code, problem = "E142", f"{foreign}: {said}"
+    else:
+        what = f"{declared.architecture or 'no architectures'}"
+        said = "true" if declared.tied else "absent (transformers' default: true)"
+        problem = f"config.json's {declared.key} is {said}, for a model sharetree does not know "
+        problem += f"the ties of ({what}): loaded as stored, untied"
+        if not guess:
+            fix = "name its ties: st.load(path, ties={target: ref}) (transformers 5: "
+            fix += "ties=model.all_tied_weights_keys)"
+        fix += " (python -m sharetree inspect prints the ties it shows), or ties={} to load "
+        fix += "it as stored without this warning"
+        code = "E362"
+    warn(code, f"load: {label}", problem, fix=fix)
 
 
 def _load_mlx(
@@ -376,13 +418,11 @@ def _load_mlx(
     file_ties = {k: v for r in readers for k, v in metadata_ties(r.metadata, tensors).items()}
     made = mlx_tree(label, tensors, config, asked, file_ties)
     tree = read_tree(label, made.tree, shardings)
-    n = f"{len(readers)} files" if len(readers) > 1 else "one file"
-    sizes = sorted({(q.bits, q.group_size) for q in made.layers.values()})
-    said = f"loaded as a flat dict from {n} with {config.path!r}: {len(made.layers)} quantized "
-    said += "layers, each {'q', 'scales', 'biases'} under its name and its float '<name>.weight' "
-    said += f"a dequantize view (bits, group_size: {', '.join(map(str, sizes)) or 'none'})"
-    if made.ties:
+    if ties is None and config.tie is None and made.ties:  # the one guess: the default tie
+        n = f"{len(readers)} files" if len(readers) > 1 else "one file"
         shown = ", ".join(f"{k!r} <- {v!r}" for k, v in made.ties.items())
-        said += f"; tied {shown}" + (" (tie_word_embeddings)" if ties is None else " (ties=)")
-    warn("E142", f"load: {label}", f"{foreign}: {said}")
+        said = f"loaded from {n} with {config.path!r}, which does not say tie_word_embeddings: "
+        said += f"tied {shown} (transformers' default, the file holding no head)"
+        fix = "write tie_word_embeddings in config.json, or pass ties={} to load it untied"
+        warn("E142", f"load: {label}", f"{foreign}: {said}", fix=fix)
     return tree

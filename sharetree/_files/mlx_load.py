@@ -24,7 +24,6 @@ from sharetree._files.mlx_config import (
 from sharetree._files.reads import Pending
 from sharetree._materialize import abstract_expanded
 from sharetree._tied import Tied
-from sharetree._transforms import chain
 
 __all__ = ["MlxTree", "mlx_tree"]
 
@@ -181,9 +180,9 @@ def _tie(
         fix = "leave it out of ties= (an MLX directory's head is absent when tied)"
         raise error("E214", where, "but the file holds the target", found=repr(target), fix=fix)
     stem = ref[: -len(".weight")] if ref.endswith(".weight") else ""
-    if stem in layers:  # the packed layer's view, then the tie's own transform
-        tree[target] = Tied(_triple(stem), chain(layers[stem].transform(), t.transform))
-    elif ref in tree and not isinstance(tree[ref], (Tied, dict)):
+    if stem in layers or (ref in tree and not isinstance(tree[ref], (Tied, dict))):
+        # a view of the weight as the model uses it (a packed layer's: its dequantize view),
+        # so what is applied to that weight later (st.add_lora) reaches the tie too
         tree[target] = Tied((ref,), t.transform)
     else:
         fix = "tie to a float tensor or a quantized layer's '<name>.weight'"

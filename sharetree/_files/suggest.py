@@ -16,28 +16,24 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import TieError
 from sharetree._files.container import CODES, Reader, TensorInfo
 from sharetree._files.disk import read_json
+from sharetree._files.families import declared_ties, guessed_head, held_ties
 from sharetree._files.foreign import metadata_ties
-from sharetree._files.hf import (
-    CONFIG_FILE,
-    EMBEDDINGS,
-    MAX_CONFIG_BYTES,
-    head_of,
-    ties_word_embeddings,
-)
+from sharetree._files.hf import CONFIG_FILE, MAX_CONFIG_BYTES
 from sharetree._files.mlx_config import CONVERT, read_config
+from sharetree._files.reads import Tensor
 from sharetree._match import Matcher, View, constant
 from sharetree._transforms import T, Transform, identity
 from sharetree._transforms import slice as slice_
 
-__all__ = ["Suggestion", "suggest_ties"]
+__all__ = ["Suggestion", "contradictions", "suggest_ties"]
 
 
 _HEADS = ("lm_head.weight", "output.weight")
@@ -48,7 +44,8 @@ _HEADS = ("lm_head.weight", "output.weight")
 class Suggestion:
     """One tie a checkpoint shows: ``target`` is ``transform(ref)``, and how it was seen.
 
-    ``recorded``: the file's metadata records it (``st.load`` restores it unasked).
+    ``recorded``: the file's metadata records it or its ``config.json`` declares it
+    (``st.load`` makes it unasked).
     """
 
     target: str
@@ -56,6 +53,8 @@ class Suggestion:
     transform: Transform
     why: str
     recorded: bool = False
+    declared: bool = False
+    """``config.json`` declares it: ``st.load`` makes it unless ``ties=`` is given."""
 
     def code(self) -> str:
         """The ``ties=`` entry as Python: ``'head': 'embed'`` or ``'head': st.Tied(...)``."""
@@ -156,26 +155,57 @@ def _config(path: str) -> dict[str, Any] | None:
         return None
 
 
-def _head_tie(names: Iterable[str], config: dict[str, object] | None) -> list[Suggestion]:
-    """The head a config's ``tie_word_embeddings`` leaves out, read from the one embedding."""
+def _tensor(reader: Reader, info: TensorInfo) -> Tensor | None:
+    """The tensor of ``info``, not read yet (``None``: a dtype this process does not know)."""
+    if info.code not in CODES:
+        return None
+    return Tensor(reader, info.name, info.shape, np.dtype(jnp.dtype(CODES[info.code])))
+
+
+def _declared(
+    readers: list[Reader], path: str, recorded: dict[str, str]
+) -> tuple[list[Suggestion], list[str]]:
+    """The ties ``config.json`` declares (``st.load`` makes them), and its contradictions.
+
+    One rule with the load (:func:`sharetree._families.held_ties`); a config of a family
+    it does not cover that may tie shows the head ``st.load`` would leave untied.
+    """
+    config = _config(path)
     if config is None:
-        return []
-    said = ties_word_embeddings(config)
-    if said is None:  # transformers' default (PretrainedConfig) ties when the config does not say
-        said = "model_type" in config
-    if said is not True:
-        return []
-    names = list(names)
-    if any(n.endswith(h) for n in names for h in _HEADS):
-        return []
-    weights = [n[: -len(".weight")] for n in names if n.endswith(".weight")]
-    embeddings = [n for n in weights if n.rsplit(".", 1)[-1] in EMBEDDINGS]
-    if len(embeddings) != 1:
-        return []
-    (embed,) = embeddings
-    head = head_of(embed)
-    why = "config.json ties word embeddings (tie_word_embeddings) and no head is stored"
-    return [Suggestion(head, f"{embed}.weight", identity, why)]
+        return [], []
+    declared = declared_ties(config)
+    tensors = {
+        name: t
+        for r in readers
+        for name, info in r.infos.items()
+        if (t := _tensor(r, info)) is not None
+    }
+    held = held_ties(repr(path), declared, tensors, recorded)
+    problems = [str(e) for e in held.problems]
+    why = f"config.json declares it ({declared.key})"
+    out = [Suggestion(t, r, identity, why, True, True) for t, r in held.ties.items()]
+    if not declared.covered and declared.tied is not False:
+        guess = guessed_head([*tensors, *recorded])
+        if _mlx(path):  # MLX's layout ties its head by this rule: st.load makes it
+            why = f"config.json declares it ({declared.key}, MLX's layout)"
+            out += [Suggestion(t, r, identity, why, True, True) for t, r in guess.items()]
+        else:
+            why = f"config.json's {declared.key} may tie it ({declared.architecture or '?'} is "
+            why += "a family st.load does not know: it loads it untied)"
+            out += [Suggestion(t, r, identity, why) for t, r in guess.items()]
+    return out, problems
+
+
+def _mlx(path: str) -> bool:
+    """Whether ``path`` is a directory whose ``config.json`` quantizes it in MLX's layout."""
+    return os.path.isdir(path) and read_config(path) is not None
+
+
+def contradictions(readers: list[Reader], path: str) -> list[str]:
+    """Each contradiction of the checkpoint with its ``config.json``, as ``st.load`` raises it."""
+    names = {name: info for r in readers for name, info in r.infos.items()}
+    recorded = {k: v for r in readers for k, v in metadata_ties(r.metadata, names).items()}
+    return _declared(readers, path, recorded)[1]
 
 
 def suggest_ties(readers: list[Reader], path: str) -> list[Suggestion]:
@@ -186,8 +216,9 @@ def suggest_ties(readers: list[Reader], path: str) -> list[Suggestion]:
         path: the file or directory, for its ``config.json``.
 
     Returns:
-        The suggestions, recorded ones first (``recorded=True``: ``st.load`` restores
-        them unasked), then tensors equal to earlier ones, then a head the config ties.
+        The suggestions, recorded ones first (``recorded=True``: ``st.load`` makes them
+        unasked: the metadata's, then those ``config.json`` declares), then tensors equal
+        to earlier ones, then a head the config of a family not covered may tie.
 
     Example:
         >>> import os, tempfile, numpy as np
@@ -201,20 +232,22 @@ def suggest_ties(readers: list[Reader], path: str) -> list[Suggestion]:
         ["'head': st.Tied('emb', st.T)"]
     """
     names = {name: info for r in readers for name, info in r.infos.items()}
+    recorded = {k: v for r in readers for k, v in metadata_ties(r.metadata, names).items()}
     out = [
         Suggestion(removed, kept, identity, "recorded in its metadata", recorded=True)
-        for r in readers
-        for removed, kept in metadata_ties(r.metadata, names).items()
+        for removed, kept in recorded.items()
     ]
-    config = _config(path)
+    declared = _declared(readers, path, recorded)[0]
+    out += [s for s in declared if s.recorded]
     equal = _equal_ties(readers)
-    if os.path.isdir(path) and read_config(path) is not None:
+    if _mlx(path):
         # MLX's layout: a quantized layer's tensors are one value (st.load's view of them)
         # and a stored target cannot be tied by ties= (E214): none of these would load
         equal = []
-    out += _quantized_alike(equal, readers)
+    made = {s.target for s in out}
+    out += [s for s in _quantized_alike(equal, readers) if s.target not in made]
     have = set(names) | {s.target for s in out}
-    out += [s for s in _head_tie(names, config) if s.target not in have]
+    out += [s for s in declared if not s.recorded and s.target not in have]
     return out
 
 
