@@ -121,7 +121,8 @@ def sharded_layout(
         return None
     lead = shardings[first]
     if not isinstance(lead, NamedSharding):
-        raise error("E300", **_not_on_mesh(paths[first], lead, None))
+        where = f"destructure {path_str(paths[first])!r}"
+        raise error("E300", where, **_not_on_mesh(lead, None))
     mesh = typing.cast(Mesh, lead.mesh)
     specs, shard_shapes, gather, replicas, parts = [], [], [], [], []
     for s, path, shape in zip(shardings, paths, shapes):
@@ -130,8 +131,10 @@ def sharded_layout(
         elif isinstance(s, NamedSharding) and s.mesh == mesh:
             spec = s.spec
         else:
-            facts = _not_on_mesh(path, s, (paths[first], lead))
-            raise error("E301", **facts) if len(s.device_set) == 1 else error("E300", **facts)
+            where, facts = f"destructure {path_str(path)!r}", _not_on_mesh(s, (paths[first], lead))
+            if len(s.device_set) == 1:
+                raise error("E301", where, **facts)
+            raise error("E300", where, **facts)
         shard = tuple(NamedSharding(mesh, spec).shard_shape(tuple(shape)))
         used = _used_axes(spec)
         axes = tuple(a for a in mesh.axis_names if a not in used)
@@ -146,13 +149,12 @@ def sharded_layout(
     )
 
 
-def _not_on_mesh(path: Path, sharding: Any, lead: tuple[Path, Any] | None) -> dict[str, str]:
-    where = f"destructure {path_str(path)!r}"
+def _not_on_mesh(sharding: Any, lead: tuple[Path, Any] | None) -> dict[str, str]:
     if lead is None:
         expected = "a NamedSharding for a buffer that spans several devices"
     else:
         expected = f"the mesh of {path_str(lead[0])!r} ({_mesh_text(lead[1])})"
-    return {"where": where, "expected": expected, "found": _mesh_text(sharding), "fix": _FIX_MESH}
+    return {"expected": expected, "found": _mesh_text(sharding), "fix": _FIX_MESH}
 
 
 def _mesh_text(sharding: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import json
 import pathlib
 import re
 import tempfile
@@ -256,11 +257,23 @@ def _load_of_a_foreign_file() -> None:
 
 
 def _load_of_an_mlx_directory() -> None:
-    """E142: an ``mlx_lm`` directory (its config's quantization and tie read)."""
-    from test_mlx_files import write_by_hand
+    """E142: an ``mlx_lm`` directory whose config does not say ``tie_word_embeddings``."""
+    from test_mlx_files import QUANTIZATION, write_by_hand
 
     with tempfile.TemporaryDirectory() as folder:
-        write_by_hand(pathlib.Path(folder))
+        write_by_hand(pathlib.Path(folder), config={"quantization": QUANTIZATION})
+        st.load(folder)
+
+
+def _load_of_an_unknown_family() -> None:
+    """E362: a Hugging Face directory of a family sharetree does not know, its config tied."""
+    from safetensors.numpy import save_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = {"model_type": "mystery", "tie_word_embeddings": True}
+        (pathlib.Path(folder) / "config.json").write_text(json.dumps(config))
+        weights = {"model.embed_tokens.weight": np.ones((4, 2), np.float32)}
+        save_file(weights, str(pathlib.Path(folder) / "model.safetensors"))
         st.load(folder)
 
 
@@ -270,6 +283,7 @@ WARNINGS = {
     "E160": [_static_leaf_changes],
     "E161": [_mask_of_a_view],
     "E165": [_shadowed_ref],
+    "E362": [_load_of_an_unknown_family],
 }
 ENTRY_POINTS = [(code, call) for code, calls in sorted(WARNINGS.items()) for call in calls]
 

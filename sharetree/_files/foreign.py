@@ -384,7 +384,8 @@ def _warn_guess(
         if file_ties:
             said += "; restored the ties its safetensors metadata records: "
             said += ", ".join(f"{k!r} <- {v!r}" for k, v in file_ties.items())
-        code, problem = "E142", f"{foreign}: {said}"
+        warn("E142", f"load: {label}", f"{foreign}: {said}", fix=fix)
+        return
     else:
         what = f"{declared.architecture or 'no architectures'}"
         said = "true" if declared.tied else "absent (transformers' default: true)"
@@ -395,8 +396,7 @@ def _warn_guess(
             fix += "ties=model.all_tied_weights_keys)"
         fix += " (python -m sharetree inspect prints the ties it shows), or ties={} to load "
         fix += "it as stored without this warning"
-        code = "E362"
-    warn(code, f"load: {label}", problem, fix=fix)
+        warn("E362", f"load: {label}", problem, fix=fix)
 
 
 def _load_mlx(
