@@ -8,10 +8,11 @@ from sharetree._flat import Restructure, destructure
 from sharetree._format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._grad_by_use import grad_by_use
 from sharetree._grad_report import GradReport, grad_report
-from sharetree._labels import label_by_path, mask_by_path
+from sharetree._labels import Partition, combine, label_by_path, mask_by_path, partition
 from sharetree._load import load
 from sharetree._materialize import materialize
 from sharetree._mlx import save_mlx
+from sharetree._peft import load_adapter, save_adapter
 from sharetree._report import Buffer, SharingGraph, View, ViewInput, canonicalize
 from sharetree._save import save
 from sharetree._sharding import shardings_by_path
@@ -73,6 +74,7 @@ __all__ = [
     "identity",
     "index",
     "label_by_path",
+    "load_adapter",
     "load",
     "lora",
     "mask_by_path",
@@ -83,6 +85,10 @@ __all__ = [
     "reshape",
     "save",
     "save_mlx",
+    "save_adapter",
+    "partition",
+    "combine",
+    "Partition",
     "scale",
     "shardings_by_path",
     "slice",

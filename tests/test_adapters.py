@@ -466,11 +466,10 @@ def test_requantize_refuses_a_float_base_and_a_table_other_views_read():
     float_base = st.add_lora(_params(), "embed", rank=R, key=jax.random.key(0))
     with raises("E208", "'embed'", "float buffer"):
         st.merge_lora(float_base, requantize=True)
-    tree = _packed_tree()
-    tree["probe"] = st.Tied(
+    out = st.add_lora(_packed_tree(), "embed", rank=R, key=jax.random.key(0))
+    out["params"]["probe"] = st.Tied(  # another view of the packed table, tied after add_lora
         {n: f"packed/{n}" for n in ("q", "scales", "biases")}, st.dequantize(4, G) >> st.T
     )
-    out = st.add_lora(tree, "embed", rank=R, key=jax.random.key(0))
     with raises("E208", "'embed'", "'params/probe'"):
         st.merge_lora(out, requantize=True)
     with raises("E208", "requantize="):
