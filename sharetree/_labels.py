@@ -275,12 +275,14 @@ def partition(tree: Any, mask: Any) -> Partition:
         ([1.0, 1.0], dtype('uint32'))
     """
     with flattening(tree):
-        kps, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)
-    try:
-        bits = treedef.flatten_up_to(mask)
-    except (ValueError, TypeError) as e:
+        kps = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)[0]
+        treedef = jtu.tree_structure(tree, is_leaf=is_tied)
+    with flattening(mask):
+        bits = jtu.tree_leaves(mask, is_leaf=is_tied)
+        same = jtu.tree_structure(mask, is_leaf=is_tied) == treedef
+    if not same:
         fix = "build the mask from this tree: st.mask_by_path(tree, patterns)"
-        raise error("E341", "partition: mask", "is not of the tree's structure", fix=fix) from e
+        raise error("E341", "partition: mask", "is not of the tree's structure", fix=fix)
     train, frozen = [], []
     for (kp, x), bit in zip(kps, bits, strict=True):
         if is_tied(x):
@@ -298,7 +300,7 @@ def partition(tree: Any, mask: Any) -> Partition:
             raise error("E341", where, expected="a float array to train", found=found, fix=fix)
         train.append(x if bit else None)
         frozen.append(None if bit else x)
-    return Partition(treedef.unflatten(train), treedef.unflatten(frozen))
+    return Partition(jtu.tree_unflatten(treedef, train), jtu.tree_unflatten(treedef, frozen))
 
 
 def combine(trainable: Any, frozen: Any) -> Any:

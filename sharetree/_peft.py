@@ -302,7 +302,7 @@ def _check_dir(directory: Any, verb: str) -> str:
         raise wrong_type(
             "E346", f"{verb}: adapter_dir", "a directory path", directory, "pass a str"
         )
-    return os.fspath(directory)  # type: ignore[return-value]
+    return str(os.fspath(directory))
 
 
 def load_adapter(adapter_dir: PathOrStr, tree: Any) -> dict[str, Any]:
@@ -375,7 +375,8 @@ def load_adapter(adapter_dir: PathOrStr, tree: Any) -> dict[str, Any]:
         if at is None:
             hint = closest(module + ".weight", names)
             fix = f"load the model it adapts; {hint}"
-            raise _key_error(pair.keys["A"], f"adapts {module!r}, not in the tree", fix)
+            problem = f"adapts {module!r}, whose {module + '.weight'!r} is not in the tree"
+            raise _key_error(pair.keys["A"], problem, fix)
         adapters[at] = _factors(module, pair, config, tuple(avals[at].shape), path_str(at))
     values = expanded_by_path(tree) if read.bases else {}
     for name, (key, copy) in read.bases.items():
@@ -475,14 +476,14 @@ def save_adapter(
     if set(tree) != {PARAMS, LORA}:
         found = f"keys {sorted(map(str, tree))}"
         raise _save_error("tree", "is not add_lora's structure", found, "pass add_lora's output")
-    structure, found = adapters_of(tree)
-    if not found:
+    structure, adapted = adapters_of(tree)
+    if not adapted:
         raise _save_error("tree", "holds no adapter", fix="add_lora or load_adapter first")
     values = expanded_by_path(tree)
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, tuple[int, float]] = {}
     tied = False
-    for at, t in found.items():
+    for at, t in adapted.items():
         module = _module(at)
         parts = parts_of(t.transform)
         a = np.asarray(values[(LORA, *at[1:], "a")])

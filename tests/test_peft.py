@@ -60,7 +60,7 @@ def forward(m: dict, config, tokens=TOKENS) -> jax.Array:
     """Llama's logits by hand in jnp: RMSNorm, RoPE, grouped-query causal attention, SwiGLU."""
     d, nh, nkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd, eps = d // nh, config.rms_norm_eps
-    theta = config.rope_parameters["rope_theta"]
+    theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
 
     def norm(x, w):
         return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
