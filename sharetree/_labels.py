@@ -276,7 +276,7 @@ def partition(tree: Any, mask: Any) -> Partition:
     """
     with flattening(tree):
         kps = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)[0]
-        treedef = jtu.tree_structure(tree, is_leaf=is_tied)
+        treedef: Any = jtu.tree_structure(tree, is_leaf=is_tied)
     with flattening(mask):
         bits = jtu.tree_leaves(mask, is_leaf=is_tied)
         same = jtu.tree_structure(mask, is_leaf=is_tied) == treedef
