@@ -4,17 +4,17 @@ from sharetree._adapters import add_lora, merge_lora
 from sharetree._detect import find_ties, tie_identical
 from sharetree._display import summary
 from sharetree._errors import TieError, TieTypeError
+from sharetree._files.format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
+from sharetree._files.load import load
+from sharetree._files.mlx_save import save_mlx
+from sharetree._files.peft import load_adapter, save_adapter
+from sharetree._files.save import save
 from sharetree._flat import Restructure, destructure
-from sharetree._format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._grad_by_use import grad_by_use
 from sharetree._grad_report import GradReport, grad_report
 from sharetree._labels import Partition, combine, label_by_path, mask_by_path, partition
-from sharetree._load import load
 from sharetree._materialize import materialize
-from sharetree._mlx import save_mlx
-from sharetree._peft import load_adapter, save_adapter
 from sharetree._report import Buffer, SharingGraph, View, ViewInput, canonicalize
-from sharetree._save import save
 from sharetree._sharding import shardings_by_path
 from sharetree._tie import tie
 from sharetree._tied import Tied

@@ -13,15 +13,16 @@ from typing import NoReturn
 
 from sharetree._display import summary
 from sharetree._errors import TieError, add_context, bounded, error, one_line
-from sharetree._foreign import checkpoint_readers
-from sharetree._format import KEY_LIBRARY, KEY_VERSION
-from sharetree._load import read_contents
+from sharetree._files.container import Reader
+from sharetree._files.disk import PathOrStr, file_path
+from sharetree._files.format import KEY_LIBRARY, KEY_VERSION
+from sharetree._files.hf import checkpoint_readers
+from sharetree._files.load import read_contents
+from sharetree._files.save import save
+from sharetree._files.suggest import suggest_ties
 from sharetree._materialize import leaves_and_structure
 from sharetree._paths import key_str
 from sharetree._report import SharingGraph
-from sharetree._safetensors import PathOrStr, Reader, file_path
-from sharetree._save import save
-from sharetree._suggest import suggest_ties
 from sharetree._tables import check_max_rows, format_bytes, more_line, printable, text_table
 from sharetree._transforms import identity, is_described
 

@@ -29,7 +29,7 @@ def main(mode: str, folder: str) -> None:
 
     import sharetree as st
     from benchmarks.memory import PeakAnon, fixed_mmap_threshold
-    from sharetree import _safetensors
+    from sharetree._files import container
 
     warnings.simplefilter("ignore")  # the foreign-file warning
     fixed_mmap_threshold()
@@ -44,7 +44,7 @@ def main(mode: str, folder: str) -> None:
 
     reads: list[tuple[str, tuple[tuple[int, int], ...] | None, int]] = []
     readers = [0]
-    real_read, real_init = _safetensors.Reader.read, _safetensors.Reader.__init__
+    real_read, real_init = container.Reader.read, container.Reader.__init__
 
     def counting_read(self, name, index=None, view=None):
         a = real_read(self, name, index, view)
@@ -56,7 +56,7 @@ def main(mode: str, folder: str) -> None:
         readers[0] += 1
         real_init(self, *a, **k)
 
-    _safetensors.Reader.read, _safetensors.Reader.__init__ = counting_read, counting_init
+    container.Reader.read, container.Reader.__init__ = counting_read, counting_init
     own, hf = os.path.join(folder, "own.safetensors"), os.path.join(folder, "hf.safetensors")
     st.save(own, TREE)
     save_file(SD, hf, metadata={"format": "pt"})

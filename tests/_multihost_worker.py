@@ -520,7 +520,7 @@ def digest(path: str) -> str | None:
 
 def save_job(args: argparse.Namespace) -> None:
     """Every process saves its share of one file; then the faults, the kill last."""
-    from sharetree import _cooperate
+    from sharetree._files import rounds
 
     mesh, me, out = make_mesh(), jax.process_index(), {}
     path = os.path.join(args.outdir, "coop.safetensors")
@@ -568,16 +568,16 @@ def save_job(args: argparse.Namespace) -> None:
         faults["not_shared"] = error_facts(lambda: st.save("model.safetensors", tree))
     finally:
         os.chdir(cwd)
-    real = _cooperate.write_runs
+    real = rounds.write_runs
 
     def full(fd, start, part, runs):  # the disk fills while process 1 writes
         if me == 1:
             raise OSError(28, "No space left on device")
         return real(fd, start, part, runs)
 
-    _cooperate.write_runs = full
+    rounds.write_runs = full
     faults["disk_full"] = error_facts(lambda: st.save(path, tree))
-    _cooperate.write_runs = real
+    rounds.write_runs = real
     out["intact_after_faults"] = digest(path) == before
     out["entries_after_faults"] = sorted(os.listdir(args.outdir))
     out["faults"] = faults
@@ -615,7 +615,7 @@ def save_job(args: argparse.Namespace) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(fd, start, part, runs)
 
-    _cooperate.write_runs = killed
+    rounds.write_runs = killed
     start = time.monotonic()
     out["killed"] = error_facts(lambda: st.save(path, tree, timeout=args.save_timeout))
     out["killed_seconds"] = time.monotonic() - start

@@ -354,17 +354,17 @@ def test_32_bad_user_metadata(tmp_path):
 
 
 def test_33_prng_key_of_unknown_impl(tmp_path, monkeypatch):
-    from sharetree import _save
+    from sharetree._files import tree_json
 
-    monkeypatch.setattr(_save, "KEY_IMPLS", ("rbg",))
+    monkeypatch.setattr(tree_json, "KEY_IMPLS", ("rbg",))
     with raises("E33", "'k'", "'threefry2x32'", "rbg"):
         st.save(tmp_path / "k.safetensors", {"k": jax.random.key(0)})
 
 
 def test_34_not_fully_addressable_without_gather(tmp_path, monkeypatch):
-    from sharetree import _save
+    from sharetree._files import tree_json
 
-    monkeypatch.setattr(_save, "_addressable", lambda x: False)
+    monkeypatch.setattr(tree_json, "addressable", lambda x: False)
     with raises("E34", "'w'", "gather=True"):
         st.save(tmp_path / "m.safetensors", {"w": W})
 
@@ -1021,9 +1021,9 @@ def _save_on_two_processes(monkeypatch, tmp_path, tree_of, **kw):
     """``st.save`` on 2 simulated processes (threads; every buffer spread): what each raised."""
     from _processes import run_processes
 
-    from sharetree import _save
+    from sharetree._files import tree_json
 
-    monkeypatch.setattr(_save, "_addressable", lambda x: False)
+    monkeypatch.setattr(tree_json, "addressable", lambda x: False)
     path = tmp_path / "m.safetensors"
     out = run_processes(2, lambda i: st.save(path, tree_of(i), **kw))
     assert str(out[0]) == str(out[1]), out  # the same error on every process
@@ -1041,12 +1041,12 @@ def test_220_processes_calling_save_with_different_arguments(tmp_path, monkeypat
 
 
 def test_221_a_path_not_every_process_sees(tmp_path, monkeypatch):
-    from sharetree import _cooperate
+    from sharetree._files import rounds
 
-    real, local = _cooperate._write_marker, tmp_path / "local"
+    real, local = rounds._write_marker, tmp_path / "local"
     local.mkdir()
     monkeypatch.setattr(  # process 1 writes its marker on a disk process 0 does not see
-        _cooperate, "_write_marker", lambda d, b, t, me: real(str(local) if me else d, b, t, me)
+        rounds, "_write_marker", lambda d, b, t, me: real(str(local) if me else d, b, t, me)
     )
     e = _save_on_two_processes(monkeypatch, tmp_path, lambda i: {"w": W})
     with raises("E221", "m.safetensors'", str(tmp_path), "[1]", "shared filesystem"):
@@ -1054,19 +1054,19 @@ def test_221_a_path_not_every_process_sees(tmp_path, monkeypatch):
 
 
 def test_222_a_sharding_that_leaves_a_part_unowned():
-    from sharetree import _cooperate
+    from sharetree._files import plan
 
     with raises("E222", "'w'", "2:4 of axis 0", "held by no device", "gather=True"):
-        _cooperate.plan_parts("save: the buffer at 'w'", (4, 2), {((0, 2), (0, 2)): [0]}, [0])
+        plan.plan_parts("save: the buffer at 'w'", (4, 2), {((0, 2), (0, 2)): [0]}, [0])
 
 
 def test_223_a_system_error_on_one_process(tmp_path, monkeypatch):
-    from sharetree import _cooperate
+    from sharetree._files import rounds
 
     def full(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_cooperate, "write_runs", full)
+    monkeypatch.setattr(rounds, "write_runs", full)
     e = _save_on_two_processes(monkeypatch, tmp_path, lambda i: {"w": W})
     with raises("E223", "m.safetensors'", "process 0 of 2", "No space left on device"):
         _raise(e)
@@ -1075,9 +1075,9 @@ def test_223_a_system_error_on_one_process(tmp_path, monkeypatch):
 def test_224_a_process_that_does_not_answer(tmp_path, monkeypatch):
     from _processes import run_processes
 
-    from sharetree import _save
+    from sharetree._files import tree_json
 
-    monkeypatch.setattr(_save, "_addressable", lambda x: False)
+    monkeypatch.setattr(tree_json, "addressable", lambda x: False)
     path = tmp_path / "m.safetensors"
     out = run_processes(2, lambda i: None if i else st.save(path, {"w": W}, timeout=0.2))
     with raises("E224", "m.safetensors'", "process 1 of 2", "0.2 s", "'check'", "timeout="):

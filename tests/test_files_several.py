@@ -22,7 +22,7 @@ from _raises import raises
 from safetensors import safe_open
 
 import sharetree as st
-import sharetree._header
+import sharetree._files.header
 from sharetree.__main__ import describe, main
 from sharetree._transforms import REGISTRY
 
@@ -396,7 +396,7 @@ def test_the_users_class_taking_other_names_than_the_file_never_computes(tmp_pat
 
 def test_a_version_4_file_is_refused_by_a_reader_of_version_3(tmp_path, monkeypatch):
     st.save(tmp_path / "m.safetensors", lora_tree())
-    monkeypatch.setattr(sharetree._header, "FORMAT_VERSION", 3)
+    monkeypatch.setattr(sharetree._files.header, "FORMAT_VERSION", 3)
     with raises("E126", "m.safetensors", "version 4", "up to 3", "pip install -U"):
         st.load(tmp_path / "m.safetensors")
     with raises("E126", "version 4", "up to 3"):

@@ -1,4 +1,4 @@
-"""sharetree._header: a file's untrusted ``sharetree.*`` metadata, checked field by field.
+"""sharetree._files.header: a file's untrusted ``sharetree.*`` metadata, checked field by field.
 
 Every malformed file is a TieError naming the file, the node's path and the field
 (``_raises.raises``: the code, then the facts the message must show).
@@ -19,8 +19,7 @@ from _raises import message, raises
 
 import sharetree as st
 from sharetree.__main__ import describe
-from sharetree._format import FORMAT_VERSION
-from sharetree._header import FIELDS
+from sharetree._files.format import FIELDS, FORMAT_VERSION
 
 # ------------------------------------------------------------------- the table
 

@@ -393,7 +393,7 @@ def _sharded(tmp_path, sd, groups, index=None):
 
 
 def test_save_pretrained_directories(tmp_path, monkeypatch) -> None:
-    from sharetree import _safetensors
+    from sharetree._files import container
 
     sd = _without_head()
     names = sorted(sd)
@@ -401,13 +401,13 @@ def test_save_pretrained_directories(tmp_path, monkeypatch) -> None:
     single.mkdir()
     save_file(sd, str(single / "model.safetensors"), metadata={"format": "pt"})
     reads: list[str] = []
-    real = _safetensors.Reader.read
+    real = container.Reader.read
 
     def counting(self, name, index=None, view=None):
         reads.append(name)
         return real(self, name, index, view)
 
-    monkeypatch.setattr(_safetensors.Reader, "read", counting)
+    monkeypatch.setattr(container.Reader, "read", counting)
     d, _ = _sharded(tmp_path, sd, [names[:2], names[2:4], names[4:]])
     for where in (single, d):
         reads.clear()

@@ -40,6 +40,27 @@ def read_layers(text):
 
 
 LAYERS = read_layers(ARCHITECTURE.read_text())
+INNER = re.compile(r"\|\s*files module\s*\|\s*job\s*\|")
+
+
+def read_inner_order(text):
+    """The modules of ``_files``, top to bottom, from the page's ``| files module | job |``."""
+    lines = [line.strip() for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if INNER.fullmatch(line)]
+    assert len(starts) == 1, (
+        f"docs/architecture.md needs one '| files module | job |' table: {starts}"
+    )
+    order = []
+    for line in lines[starts[0] + 2 :]:
+        if not line.startswith("|"):
+            break
+        name = re.fullmatch(r"\|\s*`(\w+)`\s*\|.+\|", line)
+        assert name, f"a row of the files table names one module, then its job: {line!r}"
+        order.append(name.group(1))
+    return order
+
+
+FILES_ORDER = read_inner_order(ARCHITECTURE.read_text())
 PLANNED = {n.rstrip("/"): n.endswith("/") for _, names in LAYERS for n in names}  # -> a package?
 LAYER = {n.rstrip("/"): i for i, (_, names) in enumerate(LAYERS) for n in names}
 
@@ -189,6 +210,25 @@ def test_no_import_circle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def test_the_files_package_imports_only_modules_above_it_in_its_table():
+    present = sorted(f.stem for f in (PACKAGE / "_files").glob("*.py") if f.stem != "__init__")
+    assert sorted(FILES_ORDER) == present, "docs/architecture.md's files table and sharetree/_files"
+    assert len(FILES_ORDER) == len(set(FILES_ORDER)), "a module is listed twice in the files table"
+    rank = {m: i for i, m in enumerate(FILES_ORDER)}
+    bad = []
+    for m in FILES_ORDER:
+        path = FILES[f"_files.{m}"]
+        for name, _, line in _imports(path):
+            own = _own(name)
+            if own is not None and own.startswith("_files.") and own != f"_files.{m}":
+                other = own.split(".")[1]
+                if rank[other] > rank[m]:
+                    bad.append(f"_files/{m}.py:{line} imports {other}, below it in the files table")
+            if own == "_files":
+                bad.append(f"_files/{m}.py:{line} imports the package _files itself")
+    assert not bad, "\n".join(bad)
 
 
 def test_the_readme_points_to_the_architecture_page_and_keeps_no_table_of_its_own():

@@ -27,9 +27,9 @@ from hypothesis import strategies as hs
 from safetensors.numpy import load_file, save_file
 
 import sharetree as st
-from sharetree import _safetensors
 from sharetree.__main__ import describe
-from sharetree._load import read_metadata
+from sharetree._files import container
+from sharetree._files.load import read_metadata
 
 # ----------------------------------------------------------------- round trips
 
@@ -681,7 +681,7 @@ def test_describe_a_sharetree_file(tmp_path) -> None:
 def test_describe_reads_no_tensor_data(tmp_path, monkeypatch) -> None:
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
-    monkeypatch.setattr(_safetensors.Reader, "tensors", lambda self: pytest.fail("read data"))
+    monkeypatch.setattr(container.Reader, "tensors", lambda self: pytest.fail("read data"))
     # the same text as the summary of the tree that was saved
     assert describe(path, max_rows=3).splitlines()[1:] == st.summary(TIED, max_rows=3).splitlines()
 

@@ -1,4 +1,4 @@
-"""sharetree._safetensors: the header read by the library, raw reads, atomic writes."""
+"""sharetree._files.container, reads and disk: the header, raw reads, atomic writes."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from safetensors.numpy import save_file
 
-from sharetree import _safetensors
-from sharetree._safetensors import Reader, TensorInfo, atomic_write
+from sharetree._files import container, disk, reads
+from sharetree._files.container import Reader, TensorInfo, atomic_write
 
 
 def test_reader_header_from_the_library(tmp_path) -> None:
@@ -65,7 +65,7 @@ def test_atomic_write_removes_its_temporary_file_on_failure(tmp_path, monkeypatc
     def fail(tensors, filename, metadata):
         raise OSError(5, "I/O error")
 
-    monkeypatch.setattr(_safetensors, "_serialize_file", fail)
+    monkeypatch.setattr(container, "_serialize_file", fail)
     with pytest.raises(OSError, match="I/O error"):
         atomic_write(path, {"a": np.zeros(2)}, {})
     assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["x.safetensors"]
@@ -139,7 +139,7 @@ def test_atomic_write_refuses_a_read_only_file_as_open_would(tmp_path, monkeypat
     before = path.read_bytes()
     os.chmod(path, 0o444)
     # root may write any file; act as a user who may not write this one
-    monkeypatch.setattr(_safetensors.os, "access", lambda p, mode: p != str(path))
+    monkeypatch.setattr(disk.os, "access", lambda p, mode: p != str(path))
     with pytest.raises(PermissionError, match=r"x\.safetensors'.*read-only"):
         atomic_write(str(path), {"a": np.zeros(1)}, {})
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["x.safetensors"]
@@ -154,7 +154,7 @@ def test_tensor_parts_equal_numpy_slices(tmp_path_factory, data) -> None:
     """``Tensor.read(index)`` of any part, stored or transposed, is NumPy's slice of the array."""
     import jax.numpy as jnp
 
-    from sharetree._safetensors import Tensor
+    from sharetree._files.reads import Tensor
 
     shape = tuple(data.draw(hs.lists(hs.integers(0, 5), min_size=1, max_size=3), label="shape"))
     dtype = np.dtype(jnp.dtype(data.draw(hs.sampled_from(_READ_DTYPES), label="dtype")))
@@ -182,12 +182,12 @@ def test_tensor_parts_equal_numpy_slices(tmp_path_factory, data) -> None:
 
 
 def test_a_transposed_tensor_is_read_in_bounded_chunks(tmp_path, monkeypatch) -> None:
-    from sharetree._safetensors import Tensor
+    from sharetree._files.reads import Tensor
 
     path = str(tmp_path / "x.safetensors")
     full = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
     save_file({"x": full}, path)
-    monkeypatch.setattr(_safetensors, "_CHUNK", 3 * 40 * 4)  # three rows of the transpose
+    monkeypatch.setattr(reads, "_CHUNK", 3 * 40 * 4)  # three rows of the transpose
     reader = Reader(path)
     parts = []
     real = Reader.read

@@ -23,9 +23,9 @@ from hypothesis import strategies as hs
 from safetensors.numpy import load_file
 
 import sharetree as st
-from sharetree import _safetensors, _save
-from sharetree._format import FORMAT_VERSION, MAX_DEPTH
-from sharetree._load import read_metadata
+from sharetree._files import container, tree_json
+from sharetree._files.format import FORMAT_VERSION, MAX_DEPTH
+from sharetree._files.load import read_metadata
 
 # ----------------------------------------------------------- what a file holds
 
@@ -111,7 +111,7 @@ def test_failed_write_leaves_previous_file_intact(tmp_path, monkeypatch) -> None
             f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{partial")  # a torn write
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_safetensors, "_serialize_file", half_then_fail)
+    monkeypatch.setattr(container, "_serialize_file", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         st.save(path, {"other": np.zeros(100)})
     assert path.read_bytes() == before
@@ -123,7 +123,7 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     before = path.read_bytes()
-    real = _safetensors._serialize_file
+    real = container._serialize_file
 
     def write_then_interrupt(tensors, filename, metadata):
         real(tensors, filename, metadata)
@@ -131,7 +131,7 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
             f.truncate(os.path.getsize(filename) // 2)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_safetensors, "_serialize_file", write_then_interrupt)
+    monkeypatch.setattr(container, "_serialize_file", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         st.save(path, {"x": np.ones(1000)})
     assert path.read_bytes() == before
@@ -305,7 +305,7 @@ def test_prng_key_of_unknown_impl_is_refused_before_writing(tmp_path, monkeypatc
     path = tmp_path / "k.safetensors"
     st.save(path, TIED)
     before = path.read_bytes()
-    monkeypatch.setattr(_save, "KEY_IMPLS", ("rbg",))
+    monkeypatch.setattr(tree_json, "KEY_IMPLS", ("rbg",))
     with raises("E33", "'k'", "'threefry2x32'", "expected rbg", "jax.random.key_data"):
         st.save(path, {"k": jax.random.key(0)})
     assert path.read_bytes() == before
@@ -332,7 +332,7 @@ def test_bad_user_metadata_is_refused_before_writing(tmp_path, metadata, facts) 
 
 def test_not_fully_addressable_buffer_needs_gather(tmp_path, monkeypatch) -> None:
     tree = {"w": jnp.arange(4.0), "b": jnp.ones(2), "t": st.Tied("w")}
-    monkeypatch.setattr(_save, "_addressable", lambda x: x.shape != (4,))
+    monkeypatch.setattr(tree_json, "addressable", lambda x: x.shape != (4,))
     path = tmp_path / "m.safetensors"
     with raises("E34", "'w'", "several processes", "gather=True"):
         st.save(path, tree)

@@ -1,8 +1,8 @@
 """``st.save`` by several processes: one file, each process writing its share (issue 35).
 
-The processes are simulated here by threads of this process (``_cooperate.ThreadGroup``:
+The processes are simulated here by threads of this process (``processes.ThreadGroup``:
 a shared dict for the coordination service's key-value store), with every buffer
-treated as spread over processes (``_save._addressable`` patched); the plan gives host
+treated as spread over processes (``tree_json.addressable`` patched); the plan gives host
 buffers to the process with the fewest bytes so far, so both simulated processes write.
 ``tests/test_multihost.py`` runs the real thing: 2 processes x 4 devices over gloo.
 The file is checked against ``safetensors``' own reader and writer, never against ours.
@@ -24,13 +24,13 @@ from _raises import message
 from safetensors.numpy import load_file, save_file
 
 import sharetree as st
-from sharetree import _cooperate, _save
-from sharetree._safetensors import Slot, byte_runs, header_bytes
+from sharetree._files import plan, processes, rounds, tree_json
+from sharetree._files.container import Slot, byte_runs, header_bytes
 
 
 @pytest.fixture
 def spread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_save, "_addressable", lambda x: False)
+    monkeypatch.setattr(tree_json, "addressable", lambda x: False)
 
 
 def _tree() -> dict[str, Any]:
@@ -91,18 +91,18 @@ def test_two_processes_write_one_file_every_reader_reads(tmp_path, spread) -> No
     path = tmp_path / "model.safetensors"
     tree = _tree()
     written: list[tuple[int, int]] = []
-    real = _cooperate.write_runs
+    real = rounds.write_runs
 
     def counted(fd, start, part, runs):  # which simulated process wrote how many bytes
         n = real(fd, start, part, runs)
         written.append((threading.current_thread().name, n))
         return n
 
-    _cooperate.write_runs = counted
+    rounds.write_runs = counted
     try:
         out = run_processes(2, lambda i: st.save(path, tree, metadata={"format": "pt"}))
     finally:
-        _cooperate.write_runs = real
+        rounds.write_runs = real
     assert out == [None, None], out
     assert len({name for name, _ in written}) == 2  # both processes wrote a share
     file = load_file(str(path))  # safetensors' own reader
@@ -160,15 +160,15 @@ def test_a_disk_that_fills_while_writing_keeps_the_old_file(tmp_path, spread, mo
     save_file({"old": np.ones(3, np.float32)}, str(path))
     os.chmod(path, 0o640)
     before = path.read_bytes()
-    real = _cooperate.write_runs
+    real = rounds.write_runs
 
     def full(fd, start, part, runs):  # process 1 writes half a part, then the disk is full
-        if _cooperate.current_group("").me == 1:
+        if processes.current_group("").me == 1:
             os.pwrite(fd, b"\xff" * 3, start)
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, start, part, runs)
 
-    monkeypatch.setattr(_cooperate, "write_runs", full)
+    monkeypatch.setattr(rounds, "write_runs", full)
     out = run_processes(2, lambda i: st.save(path, _tree()))
     assert all(isinstance(e, st.TieError) and e.code == "E223" for e in out), out
     assert str(out[0]) == str(out[1]) and "No space left on device" in str(out[0])
@@ -177,7 +177,7 @@ def test_a_disk_that_fills_while_writing_keeps_the_old_file(tmp_path, spread, mo
     # a stale temporary of a save killed earlier: gone after the next successful save
     (tmp_path / ".model.safetensors.0123456789ab.tmp").write_bytes(b"half")
     (tmp_path / ".model.safetensors.0123456789ab.p1").write_bytes(b"")
-    monkeypatch.setattr(_cooperate, "write_runs", real)
+    monkeypatch.setattr(rounds, "write_runs", real)
     assert run_processes(2, lambda i: st.save(path, _tree())) == [None, None]
     assert _temporaries(tmp_path) == []
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640  # the replaced file's mode
@@ -212,12 +212,12 @@ def test_a_path_some_process_does_not_see_is_refused(tmp_path, spread, monkeypat
     path = tmp_path / "model.safetensors"
     elsewhere = tmp_path / "local_disk_of_process_1"
     elsewhere.mkdir()
-    real = _cooperate._write_marker
+    real = rounds._write_marker
 
     def local(directory, base, token, me):  # process 1 writes to a disk the others do not see
         return real(str(elsewhere) if me == 1 else directory, base, token, me)
 
-    monkeypatch.setattr(_cooperate, "_write_marker", local)
+    monkeypatch.setattr(rounds, "_write_marker", local)
     out = run_processes(2, lambda i: st.save(path, _tree()))
     assert all(isinstance(e, st.TieError) and e.code == "E221" for e in out), out
     assert "[1]" in str(out[0]) and str(tmp_path) in str(out[0])
@@ -237,10 +237,10 @@ def test_a_process_that_never_comes_is_a_timeout_not_a_hang(tmp_path, spread) ->
 
 def test_parts_must_tile_the_array() -> None:
     with pytest.raises(st.TieError) as info:
-        _cooperate.plan_parts("save: 'w'", (4, 4), {((0, 2), (0, 4)): [0]}, [0, 0])
+        plan.plan_parts("save: 'w'", (4, 4), {((0, 2), (0, 4)): [0]}, [0, 0])
     assert info.value.code == "E222" and "2:4 of axis 0" in str(info.value)
     load = [0, 0, 0]
-    owners = _cooperate.plan_parts(
+    owners = plan.plan_parts(
         "w", (4, 2), {((0, 2), (0, 2)): [0, 1, 2], ((2, 4), (0, 2)): [0, 1, 2]}, load
     )
     assert [o for _, o in owners] == [0, 1] and load == [4, 4, 0]  # one writer per replica set

@@ -16,10 +16,10 @@ from _raises import raises
 from safetensors.numpy import save_file
 
 import sharetree as st
-from sharetree import _safetensors
 from sharetree.__main__ import describe
-from sharetree._safetensors import Reader
-from sharetree._suggest import suggest_ties
+from sharetree._files import container
+from sharetree._files.container import Reader
+from sharetree._files.suggest import suggest_ties
 
 V, D = 12, 4
 RNG = np.random.default_rng(0)
@@ -96,13 +96,13 @@ def test_only_tensors_whose_shapes_allow_a_tie_are_read(tmp_path, monkeypatch):
     path = str(tmp_path / "m.safetensors")
     save_file(sd, path)
     read: list[str] = []
-    real = _safetensors.Reader.read
+    real = container.Reader.read
 
     def spy(self, name, *a, **k):
         read.append(name)
         return real(self, name, *a, **k)
 
-    monkeypatch.setattr(_safetensors.Reader, "read", spy)
+    monkeypatch.setattr(container.Reader, "read", spy)
     suggest_ties([Reader(path)], path)
     assert "model.big.weight" not in read and "model.mlp.weight" not in read
     assert "lm_head.weight" in read

@@ -14,17 +14,21 @@ from sharetree._errors import (
     error,
     short,
 )
-from sharetree._materialize import abstract_expanded
-from sharetree._mlx.config import CONFIG_FILE, CONVERT, EMBEDDINGS, NAMES, MlxConfig, Quant, head_of
-from sharetree._safetensors import (
-    Pending,
+from sharetree._files.hf import CONFIG_FILE
+from sharetree._files.mlx_config import (
+    CONVERT,
+    EMBEDDINGS,
+    NAMES,
+    MlxConfig,
+    Quant,
+    head_of,
 )
+from sharetree._files.reads import Pending
+from sharetree._materialize import abstract_expanded
 from sharetree._tied import Tied
 from sharetree._transforms import chain
 
 __all__ = ["MlxTree", "mlx_tree"]
-
-# ----------------------------------------------------------------------------- the tree
 
 
 @dataclasses.dataclass(frozen=True)

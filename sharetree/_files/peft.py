@@ -33,17 +33,11 @@ from sharetree._errors import (
     short,
     wrong_type,
 )
+from sharetree._files.container import Reader, atomic_write
+from sharetree._files.disk import DuplicateKey, PathOrStr, atomic_write_text, unique_pairs
+from sharetree._files.mlx_config import EMBEDDINGS, MAX_CONFIG_BYTES
 from sharetree._materialize import abstract_expanded, expanded_by_path, leaves_and_structure
-from sharetree._mlx.config import EMBEDDINGS
 from sharetree._paths import Path, closest, flattening, keypath_to_path, path_str
-from sharetree._safetensors import (
-    DuplicateKey,
-    PathOrStr,
-    Reader,
-    atomic_write,
-    atomic_write_text,
-    unique_pairs,
-)
 from sharetree._tied import is_tied
 from sharetree._transforms import identity, parts_of
 
@@ -53,7 +47,6 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 """PEFT's prefix of every tensor name (the ``PeftModel`` around the model)."""
 
-MAX_CONFIG_BYTES = 16 << 20
 _FIX_PEFT = "load it in PEFT and merge it (merge_and_unload), then st.load the merged model"
 
 # options whose value is read, and options that change nothing in the weights (training

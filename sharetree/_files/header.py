@@ -22,136 +22,41 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from sharetree._errors import FIXES, TieError, add_context, error, one_line, short
-from sharetree._format import (
+from sharetree._errors import TieError, add_context, error, one_line, short
+from sharetree._files.container import NATIVE_CODES, Reader
+from sharetree._files.disk import DuplicateKey, unique_pairs
+from sharetree._files.format import (
+    BAD,
+    FIELDS,
     FORMAT_VERSION,
-    KEY_IMPLS,
     KEY_LIBRARY,
     KEY_TREE,
     KEY_VERSION,
     MAX_DEPTH,
+    REF_FIELDS,
+    RESAVE,
+    VALUES,
+    Field,
 )
+from sharetree._files.reads import BufferLeaf, Tensor
 from sharetree._paths import Path, Ref, format_aval, path_str
-from sharetree._safetensors import (
-    NATIVE_CODES,
-    BufferLeaf,
-    DuplicateKey,
-    Reader,
-    Tensor,
-    is_numeric,
-    unique_pairs,
-)
 from sharetree._tied import Tied
 from sharetree._transforms import ANY_NAMES, Transform, describe_several, input_names
 
-__all__ = ["BAD", "FIELDS", "REF_FIELDS", "Field", "Header", "Unsaved", "read_header"]
+__all__ = ["Unsaved", "Header", "read_header"]
 
-RESAVE = FIXES["resave"] + " (its tensors alone: safetensors.numpy.load_file(path))"
-
-
-class Field(NamedTuple):
-    """One field of a node of ``sharetree.tree``.
-
-    ``norm`` gives the value as the walk uses it, or :data:`BAD` for a value of the right
-    JSON type that is still not acceptable.
-    """
-
-    name: str
-    json: tuple[type, ...]  # the types json.loads gives for an acceptable value
-    want: str  # what it should be, as a message says
-    norm: Callable[[Any], Any] | None = None
-    required: bool = True
-
-
-BAD = object()
-"""What a normaliser gives for a value it does not accept."""
-
-
-def _accept(ok: Callable[[Any], bool]) -> Callable[[Any], Any]:
-    """A normaliser that keeps a value ``ok`` accepts."""
-    return lambda v: v if ok(v) else BAD
-
-
-def _dtype(v: str) -> Any:
-    """A numeric dtype's name as ``jnp.dtype`` reads it (``"float32"``, never ``"f4"``)."""
-    try:  # numpy parses more than names (a SyntaxError for some): identifiers only
-        d = np.dtype(jnp.dtype(v)) if v.isidentifier() else None
-    except TypeError:
-        d = None
-    return d if d is not None and d.name == v and is_numeric(d) else BAD
-
-
-def _sizes(v: list[Any]) -> Any:
-    """A shape: sizes >= 0 (json.loads' types: a bool is no int)."""
-    return tuple(v) if all(type(d) is int and d >= 0 for d in v) else BAD
-
-
-_REAL = (int, float)
-_VALUES: dict[str, Callable[[Any], bool]] = {
-    "bool": lambda v: type(v) is bool,
-    "int": lambda v: type(v) is int,
-    "float": lambda v: type(v) in _REAL,
-    "str": lambda v: type(v) is str,
-    "complex": lambda v: type(v) is list and len(v) == 2 and all(type(x) in _REAL for x in v),
-}
-"""The Python leaves a ``value`` node holds: its ``type`` and the check of its ``value``."""
-
-_TYPE = Field("type", (str,), "a type name (printable, at most 500 characters)",
-              _accept(lambda v: 0 < len(v) <= 500 and v.isprintable()))  # fmt: skip
-_KEYS = Field("keys", (list,), "a list of str or int keys",
-              _accept(lambda v: all(type(k) in (str, int) for k in v)))  # fmt: skip
-_CHILDREN = Field("children", (list,), "a list of nodes")
-_KEYS_OF_REF = _accept(lambda v: v and all(type(k) in (str, int) for k in v))
-_CLIMB = _accept(lambda v: type(v) is int and 0 <= v <= MAX_DEPTH)
-
-REF_FIELDS: tuple[Field, ...] = (
-    Field("ref", (list,), "a non-empty list of str or int keys", _KEYS_OF_REF),
-    Field("up", (int,), f"an int from 0 to {MAX_DEPTH}", _CLIMB, required=False),
-)
-"""The fields of each input of a tie's ``refs`` (a view of several positions, version 4)."""
-
-FIELDS: dict[str, tuple[Field, ...]] = {
-    "none": (),
-    "list": (_CHILDREN,),
-    "tuple": (_CHILDREN,),
-    "dict": (_KEYS, _CHILDREN),
-    "odict": (_KEYS, _CHILDREN),
-    "node": (_TYPE, _KEYS, _CHILDREN),
-    "static": (_TYPE,),
-    "value": (
-        Field("type", (str,), ", ".join(_VALUES), _accept(lambda v: v in _VALUES)),
-        Field("value", (bool, int, float, str, list, dict, type(None)), "a value"),  # see value()
-    ),
-    "tied": (  # one of ref (with its up) and refs: checked by _Walk.tied
-        Field("ref", (list,), "a non-empty list of str or int keys", _KEYS_OF_REF,
-              required=False),
-        Field("up", (int,), f"an int from 0 to {MAX_DEPTH}, in a file of version 3",
-              _CLIMB, required=False),
-        Field("refs", (dict,), 'a non-empty object {input name: {"ref": [...]}}, version 4',
-              _accept(bool), required=False),
-        Field("transform", (dict,), "a transform spec (a JSON object)"),
-    ),
-    "buffer": (
-        Field("tensor", (str,), "a tensor name"),
-        Field("dtype", (str,), "a numeric dtype name", _dtype),
-        Field("shape", (list,), "a list of sizes >= 0", _sizes),
-        Field("raw", (bool,), "true or false"),
-        Field("scalar", (bool,), "true or false", required=False),
-        Field("key", (str, type(None)), f"one of {', '.join(KEY_IMPLS)}",
-              _accept(lambda v: v is None or v in KEY_IMPLS), required=False),
-    ),
-}  # fmt: skip
-"""Each node kind ``t`` and its fields (the table of "The file format"); others are ignored."""
 
 _KIND = Field("t", (str,), "a node kind")
+
 _UPGRADE = "upgrade sharetree (pip install -U sharetree)"
+
 _INPUTS_FIX = (
     "load it with the transform classes that wrote it (their inputs), or save the tree again "
     "with st.save"
 )
+
 _DEFAULTS = {"scalar": False, "key": None, "up": None, "ref": None, "refs": None}
 
 
@@ -293,7 +198,7 @@ class _Walk:
 
     def value(self, v: dict[str, Any], path: Path) -> Any:
         kind, value = v["type"], v["value"]
-        if not _VALUES[kind](value):
+        if not VALUES[kind](value):
             raise self.bad(path, "field 'value'", f"a {kind} value", value)
         if kind == "complex":
             return complex(*value)

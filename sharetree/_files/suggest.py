@@ -21,13 +21,15 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from sharetree._foreign import metadata_ties
-from sharetree._mlx.config import CONFIG_FILE, EMBEDDINGS, MAX_CONFIG_BYTES, head_of
-from sharetree._safetensors import CODES, Reader, TensorInfo
+from sharetree._files.container import CODES, Reader, TensorInfo
+from sharetree._files.foreign import metadata_ties
+from sharetree._files.hf import CONFIG_FILE
+from sharetree._files.mlx_config import EMBEDDINGS, MAX_CONFIG_BYTES, head_of
 from sharetree._transforms import T, Transform, identity
 from sharetree._transforms import slice as slice_
 
 __all__ = ["Suggestion", "suggest_ties"]
+
 
 _HEADS = ("lm_head.weight", "output.weight")
 """How they name the head a ``tie_word_embeddings`` model does not store."""
@@ -212,8 +214,8 @@ def suggest_ties(readers: list[Reader], path: str) -> list[Suggestion]:
     Example:
         >>> import os, tempfile, numpy as np
         >>> from safetensors.numpy import save_file
-        >>> from sharetree._safetensors import Reader
-        >>> from sharetree._suggest import suggest_ties
+        >>> from sharetree._files.container import Reader
+        >>> from sharetree._files.suggest import suggest_ties
         >>> emb = np.arange(6.0, dtype=np.float32).reshape(3, 2)
         >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
         >>> save_file({"emb": emb, "head": emb.T.copy()}, path)

@@ -18,37 +18,26 @@ from sharetree._errors import (
     one_line,
     short,
 )
-from sharetree._safetensors import (
-    DuplicateKey,
-    unique_pairs,
-)
+from sharetree._files.disk import DuplicateKey, unique_pairs
+from sharetree._files.hf import CONFIG_FILE
 from sharetree._transforms import Transform, dequantize
 
 __all__ = [
-    "CONFIG_FILE",
-    "CONVERT",
-    "EMBEDDINGS",
-    "INDEX_FILE",
     "MAX_CONFIG_BYTES",
+    "EMBEDDINGS",
     "NAMES",
-    "SINGLE_FILE",
-    "MlxConfig",
+    "CONVERT",
     "Quant",
+    "MlxConfig",
     "head_of",
     "read_config",
 ]
 
-SINGLE_FILE = "model.safetensors"
-"""The weights file of a ``save_pretrained`` (or ``mlx_lm``) directory."""
-
-INDEX_FILE = "model.safetensors.index.json"
-"""The index of a sharded directory (``weight_map``: tensor -> shard) (``mlx_lm``: always)."""
-
-CONFIG_FILE = "config.json"
-"""The model's configuration, where MLX records its quantization."""
 
 MAX_CONFIG_BYTES = 16 << 20  # a configuration is small; anything larger is not one
+
 _PARAMS = ("group_size", "bits", "mode")  # the keys of a quantization that are not layers
+
 EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
 """The last key of an input embedding's name in the models ``mlx_lm`` knows."""
 
@@ -99,9 +88,6 @@ def head_of(embedding: str) -> str:
     stem = "model." + embedding.rsplit(".", 1)[-1]
     prefix = embedding[: -len(stem)] if embedding.endswith(stem) else ""
     return f"{prefix}lm_head.weight"
-
-
-# ----------------------------------------------------------------------------- reading
 
 
 def _config_error(path: str, problem: str, found: str | None = None, fix: str = "") -> TieError:

@@ -1,10 +1,10 @@
 """``load``: a file's canonical tree, every ``Tied`` back; ``read_contents`` for ``inspect``.
 
 A load goes down the layers once: the safetensors header is read once
-(``_safetensors.Reader``); a file sharetree did not write (or a directory) is handed
-whole to ``_foreign``; otherwise ``_header`` checks the ``sharetree.*`` metadata and
+(``container.Reader``); a file sharetree did not write (or a directory) is handed
+whole to ``foreign``; otherwise ``header`` checks the ``sharetree.*`` metadata and
 makes the tree (ties resolved, buffers not read), this module fits it to ``like``,
-``_materialize`` checks the sharing graph, and only then ``_safetensors.read_tree``
+``_materialize`` checks the sharing graph, and only then ``reads.read_tree``
 reads each tensor, once. The format: "The file format" in ``docs/saving_and_scaling.md``.
 """
 
@@ -19,16 +19,18 @@ from typing import Any
 import jax.tree_util as jtu
 
 from sharetree._errors import FIXES, TieError, add_context, bounded, check_mapping, error
-from sharetree._foreign import load_foreign
-from sharetree._format import KEY_VERSION, PREFIX
-from sharetree._header import Header, Unsaved, read_header
+from sharetree._files.container import Reader
+from sharetree._files.disk import PathOrStr, file_path
+from sharetree._files.foreign import load_foreign
+from sharetree._files.format import KEY_VERSION, PREFIX
+from sharetree._files.header import Header, Unsaved, read_header
+from sharetree._files.reads import Pending, only_in, read_tree
 from sharetree._materialize import abstract_expanded
 from sharetree._paths import TieMap, leaves_with_paths, path_str
-from sharetree._safetensors import PathOrStr, Pending, Reader, file_path, only_in, read_tree
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import describe_transform, transform_from_spec
 
-__all__ = ["load", "read_contents", "read_metadata"]
+__all__ = ["read_metadata", "read_contents", "load"]
 
 
 def read_metadata(path: PathOrStr) -> dict[str, str]:
@@ -40,7 +42,7 @@ def read_metadata(path: PathOrStr) -> dict[str, str]:
 def read_contents(reader: Reader, functions: Any = None, *, describe: bool = False) -> Header:
     """The tree of a file ``st.save`` wrote, its metadata checked (``_header``); no tensor read.
 
-    Buffers are :class:`~sharetree._safetensors.BufferLeaf` leaves, read when asked. With
+    Buffers are :class:`~sharetree._files.reads.BufferLeaf` leaves, read when asked. With
     ``describe`` (what ``python -m sharetree inspect`` shows): ``jax.ShapeDtypeStruct``
     leaves of their data, and each transform a stand-in that names an ``fn``'s function or
     an unknown class without calling it. Every problem is a TieError naming the file and

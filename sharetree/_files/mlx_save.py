@@ -17,20 +17,19 @@ from sharetree._errors import (
     one_line,
     wrong_type,
 )
-from sharetree._materialize import abstract_expanded
-from sharetree._mlx.config import CONFIG_FILE, EMBEDDINGS, INDEX_FILE, SINGLE_FILE, Quant, head_of
-from sharetree._safetensors import (
-    PathOrStr,
-    atomic_write,
-    atomic_write_text,
-    file_path,
+from sharetree._files.container import atomic_write
+from sharetree._files.disk import PathOrStr, atomic_write_text, file_path
+from sharetree._files.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from sharetree._files.mlx_config import (
+    EMBEDDINGS,
+    Quant,
+    head_of,
 )
+from sharetree._materialize import abstract_expanded
 from sharetree._tied import Tied
 from sharetree._transforms import identity
 
 __all__ = ["save_mlx"]
-
-# ----------------------------------------------------------------------------- saving
 
 
 def _save_error(where: str, problem: str, found: str | None = None, fix: str = "") -> TieError:

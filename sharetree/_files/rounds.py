@@ -26,330 +26,26 @@ the same :class:`~sharetree.TieError`.
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import re
 import secrets
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
-from jax._src import distributed  # the coordination service's client (as Orbax reaches it)
 
 from sharetree._errors import TieError, add_context, error, one_line, rebuilt, short
-from sharetree._safetensors import (
-    Layout,
-    Slot,
-    atomic_write_text,
-    byte_runs,
-    create_temp,
-    header_bytes,
-    replaced_mode,
-    write_runs,
-)
-
-__all__ = [
-    "Group",
-    "Owned",
-    "FileOut",
-    "INDEX",
-    "Part",
-    "Plan",
-    "Spread",
-    "ThreadGroup",
-    "current_group",
-    "joined",
-    "plan_parts",
-    "save_together",
-]
-
-Bounds = tuple[tuple[int, int], ...]
-"""A part of an array: ``(start, stop)`` per axis."""
-
-
-class Group(abc.ABC):
-    """The processes of a job, as a save sees them: who this is, and a shared key-value store."""
-
-    me: int
-    count: int
-
-    @abc.abstractmethod
-    def publish(self, key: str, value: str) -> None:
-        """Store ``value`` under ``key`` for every process to read."""
-
-    @abc.abstractmethod
-    def read(self, key: str, timeout: float) -> str:
-        """The value of ``key`` once it is published; ``TimeoutError`` after ``timeout`` s."""
-
-    def forget(self, prefix: str) -> None:  # noqa: B027 - nothing to do by default
-        """Drop every key under ``prefix`` (a finished save's)."""
-
-    def process_of(self, device: Any) -> int:
-        """The process that holds ``device``."""
-        return int(device.process_index)
-
-    def next_save(self) -> int:
-        """The number of this save: each process counts its saves, the same on every process."""
-        return next(_SAVES)
-
-
-class JaxGroup(Group):
-    """The processes of ``jax.distributed``: its coordination service's key-value store."""
-
-    def __init__(self, where: str) -> None:
-        client = distributed.global_state.client
-        self.me, self.count = jax.process_index(), jax.process_count()
-        if client is None:  # several processes without jax.distributed (no coordination service)
-            what = "cannot write a buffer sharded over several processes: "
-            what += "jax.distributed is not initialized (no coordination service)"
-            fix = "call jax.distributed.initialize() first, or save with gather=True"
-            raise error("E34", where, what, fix=fix)
-        self.client = client
-
-    def publish(self, key: str, value: str) -> None:
-        self.client.key_value_set(key, value)
-
-    def read(self, key: str, timeout: float) -> str:
-        try:
-            return str(self.client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
-        except Exception as e:  # DEADLINE_EXCEEDED, or the service gone with process 0
-            raise TimeoutError(one_line(e)) from e
-
-    def forget(self, prefix: str) -> None:
-        with contextlib.suppress(Exception):
-            self.client.key_value_delete(prefix)
-
-
-class ThreadGroup(Group):
-    """Processes simulated by threads of one process (tests), or this process alone.
-
-    A shared dict is the store. ``st.save(..., max_shard_size=)`` of host buffers writes
-    through a group of one (``ThreadGroup(0, 1, ThreadGroup.store())``).
-
-    ``store``: one dict shared by the group's members (``ThreadGroup.store()``);
-    ``process_of``: which simulated process holds a device (all process 0 by default).
-    """
-
-    def __init__(
-        self,
-        me: int,
-        count: int,
-        store: dict[str, Any],
-        process_of: Callable[[Any], int] | None = None,
-    ) -> None:
-        self.me, self.count, self.values = me, count, store
-        self.changed: threading.Condition = store.setdefault("", threading.Condition())
-        self.where = process_of or (lambda device: 0)
-        self.saves = itertools.count()
-
-    @staticmethod
-    def store() -> dict[str, Any]:
-        """A new store for the members of one simulated job."""
-        return {"": threading.Condition()}
-
-    def publish(self, key: str, value: str) -> None:
-        with self.changed:
-            self.values[key] = value
-            self.changed.notify_all()
-
-    def read(self, key: str, timeout: float) -> str:
-        with self.changed:
-            if not self.changed.wait_for(lambda: key in self.values, timeout):
-                raise TimeoutError(f"no value for {key!r} within {timeout:g} s")
-            return str(self.values[key])
-
-    def process_of(self, device: Any) -> int:
-        return self.where(device)
-
-    def next_save(self) -> int:
-        return next(self.saves)
-
-
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def joined(group: Group) -> Iterator[Group]:
-    """Within the block, this thread's saves are ``group``'s (a simulated process, in tests)."""
-    before = getattr(_LOCAL, "group", None)
-    _LOCAL.group = group
-    try:
-        yield group
-    finally:
-        _LOCAL.group = before
-
-
-def current_group(where: str) -> Group | None:
-    """The processes a save writes with: this thread's :func:`joined` group, JAX's, or none.
-
-    ``where``: the save, for the message of E34 (several processes, no coordination service).
-    """
-    group = getattr(_LOCAL, "group", None)
-    if group is not None:
-        return group
-    if jax.process_count() > 1:
-        return JaxGroup(where)
-    return None
-
-
-class Part(NamedTuple):
-    """One part of a tensor and the process that writes it (``device``: where it is read)."""
-
-    bounds: Bounds
-    owner: int
-    device: Any
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Spread:
-    """A tensor of the file, not read yet: its slot, the array and the parts its processes own.
-
-    ``value``: a ``jax.Array`` (parts read from their devices) or a host array (one part);
-    ``raw``: stored as its bytes (``uint8``), ``shape``/``itemsize`` the array's own.
-    """
-
-    slot: Slot
-    value: Any
-    shape: tuple[int, ...]
-    itemsize: int
-    parts: tuple[Part, ...]
-
-    def summary(self) -> str:
-        """What every process must agree on for this tensor: its slot and its plan."""
-        parts = [(p.bounds, p.owner) for p in self.parts]
-        return json.dumps([*self.slot, list(self.shape), parts], separators=(",", ":"))
-
-
-class Owned(NamedTuple):
-    """A part of an array (its bounds) and the process that writes it."""
-
-    bounds: Bounds
-    owner: int
-
-
-def plan_parts(
-    where: str, shape: tuple[int, ...], parts: dict[Bounds, list[int]], load: list[int]
-) -> tuple[Owned, ...]:
-    """An owner for each distinct part: the process holding it with the fewest bytes so far.
-
-    ``parts``: each part's bounds and the processes holding a replica of it; ``load``:
-    the bytes (or elements) each process writes so far, updated. The parts must tile the
-    array (a grid of intervals per axis, every cell held), else E222 naming ``where``.
-
-    Example:
-        >>> load = [0, 0]
-        >>> plan_parts("w", (4,), {((0, 4),): [0, 1]}, load), load
-        ((Owned(bounds=((0, 4),), owner=0),), [4, 0])
-        >>> [p.owner for p in plan_parts("v", (4,), {((0, 2),): [0, 1], ((2, 4),): [0, 1]}, load)]
-        [1, 1]
-        >>> load
-        [4, 4]
-    """
-    _check_tiles(where, shape, parts)
-    out = []
-    for bounds, holders in sorted(parts.items()):
-        size = int(np.prod([b - a for a, b in bounds], dtype=np.int64))
-        owner = min(sorted(set(holders)), key=lambda p: load[p])
-        load[owner] += size
-        out.append(Owned(bounds, owner))
-    return tuple(out)
-
-
-def _check_tiles(where: str, shape: tuple[int, ...], parts: dict[Bounds, list[int]]) -> None:
-    """E222 unless ``parts`` are exactly the cells of a grid over ``shape`` (each held)."""
-    axes: list[set[tuple[int, int]]] = [set() for _ in shape]
-    for bounds in parts:
-        for a, interval in enumerate(bounds):
-            axes[a].add(interval)
-    problem = ""
-    for a, (n, intervals) in enumerate(zip(shape, axes)):
-        at = 0
-        for start, stop in sorted(intervals):
-            if start != at:
-                what = "held by no device" if start > at else "held twice, overlapping"
-                problem = f"the indices {min(at, start)}:{max(at, start)} of axis {a} are {what}"
-                break
-            at = stop
-        if not problem and at != n and n > 0:
-            problem = f"the indices {at}:{n} of axis {a} are held by no device"
-        if problem:
-            break
-    cells = int(np.prod([len(x) for x in axes], dtype=np.int64)) if shape else 1
-    if not problem and len(parts) != cells:
-        problem = f"its {len(parts)} distinct parts leave {cells - len(parts)} of a grid unowned"
-    if problem:
-        what = f"has a sharding whose parts do not cover it: {problem}; nothing was written"
-        fix = "reshard it (jax.device_put with a NamedSharding), or save with gather=True"
-        raise error("E222", where, what, found=f"parts {short(sorted(parts), 200)}", fix=fix)
-
-
-def spread(name: str, code: str, x: Any, raw: bool, where: str, group: Group, load: list[int]):
-    """The :class:`Spread` of the array ``x`` stored as ``name`` (no data read)."""
-    shape, itemsize = tuple(x.shape), int(np.dtype(x.dtype).itemsize)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-    slot = Slot(name, code, (nbytes,) if raw else shape, nbytes)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        held: dict[Bounds, list[int]] = {}
-        for device, index in x.sharding.devices_indices_map(shape).items():
-            bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-            held.setdefault(bounds, []).append(group.process_of(device))
-        owned = plan_parts(where, shape, held, load)
-    else:  # a host array (or one this process holds whole): one part
-        owned = plan_parts(
-            where, shape, {tuple((0, n) for n in shape): list(range(group.count))}, load
-        )
-    parts = tuple(Part(bounds, owner, None) for bounds, owner in owned)
-    return Spread(slot, x, shape, itemsize, parts)
-
-
-class Options(NamedTuple):
-    """What a save of several processes needs besides the tree.
-
-    ``directory``: ``path`` is a directory of Hugging Face's sharded layout (``FileOut``
-    names, an index), not one file.
-    """
-
-    path: str
-    timeout: float
-    directory: bool = False
-
-
-class FileOut(NamedTuple):
-    """One safetensors file of a save: its name in the directory, its tensors and metadata."""
-
-    name: str
-    tensors: list[Spread]
-    meta: dict[str, str]
-
-
-class Plan(NamedTuple):
-    """What ``build`` gives :func:`save_together`.
-
-    The files, the facts every process must agree on, and the index file (name and
-    text) of the directory layout.
-    """
-
-    files: list[FileOut]
-    facts: dict[str, str]
-    index_file: tuple[str, str] | None = None
-
-
-INDEX = "model.safetensors.index.json"
-"""The index of Hugging Face's sharded layout (tensor name -> file)."""
-
-_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
-"""The weights files of a directory a sharded save replaces (as ``save_pretrained`` does)."""
-
-
-_SAVES = itertools.count()
-"""Each process numbers its saves of several processes: the same sequence on every process."""
+from sharetree._files.container import Layout, byte_runs, header_bytes, write_runs
+from sharetree._files.disk import atomic_write_text, create_temp, fsync_directory, replaced_mode
+from sharetree._files.hf import INDEX_FILE, WEIGHTS
+from sharetree._files.plan import Options, Part, Plan, Spread
+from sharetree._files.processes import Group
+
+__all__ = ["save_together"]
 
 
 class _Rounds:
@@ -437,7 +133,7 @@ def save_together(group: Group, options: Options, build: Callable[[], Plan]) -> 
     token = outs[0]["facts"]["token"]
     target = os.path.realpath(path)
     if options.directory:
-        directory, names, base = target, [f.name for f in plan.files], INDEX
+        directory, names, base = target, [f.name for f in plan.files], INDEX_FILE
     else:
         directory, base = os.path.dirname(target), os.path.basename(target)
         names = [base]
@@ -507,9 +203,9 @@ def _commit(
         names = [*names, name]
     if layout_of_directory:
         for old in os.listdir(directory):
-            if _WEIGHTS.fullmatch(old) and old not in names:
+            if WEIGHTS.fullmatch(old) and old not in names:
                 os.unlink(os.path.join(directory, old))
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def _layout(path: str, tensors: list[Spread], meta: dict[str, str]) -> Layout:
@@ -611,15 +307,6 @@ def _read_part(t: Spread, part: Part) -> np.ndarray:
                 return np.asarray(shard.data)
         raise RuntimeError(f"no device of this process holds the part {index} of {t.slot.name!r}")
     return np.asarray(x)[index]
-
-
-def _fsync_directory(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _remove_stale(directory: str, bases: list[str]) -> None:
