@@ -7,7 +7,8 @@ from sharetree._errors import TieError, TieTypeError
 from sharetree._files.format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._files.load import load
 from sharetree._files.mlx_save import save_mlx
-from sharetree._files.peft import load_adapter, save_adapter
+from sharetree._files.peft import load_adapter
+from sharetree._files.peft_save import save_adapter
 from sharetree._files.save import save
 from sharetree._flat import Restructure, destructure
 from sharetree._grad_by_use import grad_by_use
