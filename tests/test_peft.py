@@ -139,11 +139,12 @@ def from_pretrained(tmp_path, adapter):
 # --- PEFT -> sharetree ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{}, {"use_rslora": True, "rank_pattern": {"v_proj": 2}}])
+PATTERNS = {"use_rslora": True, "rank_pattern": {"v_proj": 2}, "alpha_pattern": {"q_proj": 3}}
+
+
+@pytest.mark.parametrize("options", [{}, PATTERNS], ids=["plain", "patterns"])
 def test_a_peft_adapter_loads_and_gives_peft_logits(tmp_path, tied, options) -> None:
     tree, peft_model = peft_adapter(tmp_path, tied, **options)
-    if options:
-        options["alpha_pattern"] = {"q_proj": 3}
     out = st.load_adapter(tmp_path / "adapter", tree)
     m = st.materialize(out)["params"]
     close(forward(m, peft_model.config), torch_logits(peft_model))
@@ -170,6 +171,28 @@ def test_merge_lora_equals_merge_and_unload_untied(tmp_path) -> None:
     assert set(merged) == set(reference)
     for k, v in reference.items():
         np.testing.assert_allclose(np.asarray(merged[k]), v.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_fan_in_fan_out_gpt2_merges_as_merge_and_unload(tmp_path) -> None:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=32,
+                                     vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
+                           fan_in_fan_out=True, init_lora_weights=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = peft.get_peft_model(model, lora)
+        peft_model.save_pretrained(tmp_path / "adapter")
+        reference = peft_model.merge_and_unload().state_dict()
+    tree = base_tree(tmp_path / "base", False)
+    out = st.load_adapter(tmp_path / "adapter", tree)
+    assert out["lora"]["transformer.h.0.attn.c_attn.weight"]["a"].shape == (16, 2)  # (in, r)
+    merged = st.merge_lora(out)
+    for k, v in merged.items():
+        if not isinstance(v, st.Tied):
+            np.testing.assert_allclose(np.asarray(v), reference[k].numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_tied_adapter_merges_once_as_peft_computes_it_unmerged(tmp_path) -> None:
