@@ -374,3 +374,23 @@ def test_a_tied_copy_that_differs_from_the_embedding_is_named(tmp_path) -> None:
     _edit(tmp_path, tensors=lambda t: {**t, head_a: t[head_a] * 2})
     with raises("E345", repr(head_a), "'base_model.model.model.embed_tokens.lora_embedding_A'"):
         st.load_adapter(tmp_path / "adapter", tree)
+
+
+def test_modules_to_save_replace_their_buffer_and_a_view_is_refused(tmp_path) -> None:
+    model = make(False)
+    model.save_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                           modules_to_save=["lm_head"], init_lora_weights=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = peft.get_peft_model(model, lora).eval()
+        with torch.no_grad():  # as if trained: the saved copy is no longer the base's
+            peft_model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.25)
+        peft_model.save_pretrained(tmp_path / "adapter")
+    tree = base_tree(tmp_path / "base", False)
+    out = st.load_adapter(tmp_path / "adapter", tree)
+    np.testing.assert_array_equal(out["params"][HEAD], tree[HEAD] + np.float32(0.25))
+    close(forward(st.materialize(out)["params"], model.config), torch_logits(peft_model))
+    tree[HEAD] = st.Tied(EMB)  # a head that is a view: replacing it would change the lookup
+    with raises("E345", "'base_model.model.lm_head.weight'", "'lm_head.weight'", "st.untie"):
+        st.load_adapter(tmp_path / "adapter", tree)
