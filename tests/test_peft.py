@@ -391,6 +391,9 @@ def test_modules_to_save_replace_their_buffer_and_a_view_is_refused(tmp_path) ->
     out = st.load_adapter(tmp_path / "adapter", tree)
     np.testing.assert_array_equal(out["params"][HEAD], tree[HEAD] + np.float32(0.25))
     close(forward(st.materialize(out)["params"], model.config), torch_logits(peft_model))
+    st.save_adapter(tmp_path / "again", out, modules_to_save=["lm_head"])
+    back = from_pretrained(tmp_path, tmp_path / "again")
+    close(torch_logits(back), torch_logits(peft_model))  # the whole head travels back
     tree[HEAD] = st.Tied(EMB)  # a head that is a view: replacing it would change the lookup
     with raises("E345", "'base_model.model.lm_head.weight'", "'lm_head.weight'", "st.untie"):
         st.load_adapter(tmp_path / "adapter", tree)

@@ -52,6 +52,7 @@ def save_adapter(
     base_model_name_or_path: str | None = None,
     *,
     embeddings: Iterable[str] | None = None,
+    modules_to_save: Iterable[str] = (),
 ) -> None:
     """Write the adapters of ``tree`` (``add_lora``'s structure) as a PEFT LoRA directory.
 
@@ -71,6 +72,10 @@ def save_adapter(
         tree: ``{"params": ..., "lora": ...}`` from ``add_lora`` or ``load_adapter``.
         base_model_name_or_path: the base model's name or path, recorded in the config.
         embeddings: the last names of embedding modules, if not the usual ones.
+        modules_to_save: modules trained whole (``"lm_head"``): each ``<module>.weight``,
+            a buffer of ``params``, is written whole, as PEFT's ``modules_to_save``
+            (``load_adapter`` puts such a tensor in place of its buffer; it is not an
+            adapter, so it is written only where named here).
 
     Raises:
         TieError: E347, a tree PEFT cannot hold (not ``add_lora``'s structure, a stack of
@@ -143,7 +148,16 @@ def save_adapter(
                 raise _save_error(repr(path_str(at[1:])), problem, fix="st.untie those views")
             tensors[f"{PREFIX}{module}.lora_A.weight"] = b
             tensors[f"{PREFIX}{module}.lora_B.weight"] = a
+    saved = [modules_to_save] if isinstance(modules_to_save, str) else list(modules_to_save)
+    for module in saved:
+        at = (PARAMS, *module.split("."), "weight")
+        at = at if at in values else (PARAMS, module + ".weight")
+        if at not in values or at in structure.ties or at in adapted:
+            fix = "name a module whose weight is a buffer of params, neither a view nor adapted"
+            raise _save_error(f"modules_to_save {module!r}", "names no such weight", fix=fix)
+        tensors[f"{PREFIX}{module}.weight"] = np.asarray(values[at])
     config = _config_dict(ranks, tied, base_model_name_or_path)
+    config["modules_to_save"] = saved or None
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise error("E346", f"save_adapter: {directory!r}", "is a file", fix="give a directory")
     os.makedirs(directory, exist_ok=True)
