@@ -424,7 +424,7 @@ S1, S2 = "'model-00001-of-00002.safetensors'", "'model-00002-of-00002.safetensor
     "case, facts",
     [
         ("missing shard", [f"names the shard {S2}", "does not exist", "copy the missing shard"]),
-        ("listed twice", ["lists 'model.norm.weight' twice"]),
+        ("listed twice", ["names 'model.norm.weight' twice"]),
         ("in no shard", [f"puts 'extra.weight' in {S1}", "in no shard"]),
         ("not listed", ["does not list it", f"the shard {S2} holds 'model.norm.weight'"]),
         ("stored twice", [f"'model.norm.weight' stored in both {S1} and {S2}"]),
@@ -599,3 +599,39 @@ def test_ties_that_contradict_the_files_recorded_tie_are_refused_whatever_atol(t
     with pytest.warns(UserWarning):  # the file's tie, said again either way: accepted
         assert st.load(str(path), ties={HEAD: EMB})[HEAD] == st.Tied(EMB)
         assert st.load(str(path), ties={EMB: HEAD})[EMB] == st.Tied(HEAD)
+
+
+class _CountingTensors(dict):
+    """A file's tensors by name that counts how often a name is looked up in it."""
+
+    lookups = 0
+
+    def __contains__(self, name):
+        type(self).lookups += 1
+        return super().__contains__(name)
+
+
+@pytest.mark.parametrize("n", [300, 3000])
+def test_a_recorded_chain_is_followed_in_lookups_linear_in_its_entries(tmp_path, n) -> None:
+    from sharetree._files.foreign import metadata_ties
+
+    names = [f"model.copy{i}.weight" for i in range(n)]
+    chain = {names[i]: names[i + 1] for i in range(n - 1)} | {names[-1]: EMB}
+    _CountingTensors.lookups = 0
+    tensors = _CountingTensors({EMB: np.zeros((V, D), np.float32)})
+    got = metadata_ties(chain, tensors)
+    assert got == dict.fromkeys(names, EMB)  # every name of the chain ends at the one stored
+    assert _CountingTensors.lookups <= 10 * n  # a quadratic walk makes ~n * n / 2 of them
+    if n == 3000:  # the whole load of such a file: each name a view of the one tensor
+        path = _recorded(tmp_path, {EMB: hf_state_dict()[EMB]}, chain)
+        with pytest.warns(UserWarning):
+            tree = st.load(str(path))
+        assert tree[names[0]] == tree[names[-1]] == st.Tied(EMB) and len(tree) == n + 1
+
+
+def test_metadata_that_names_no_tensor_is_not_a_tie(tmp_path) -> None:
+    sd = hf_state_dict()
+    notes = {"notes": EMB, "source": "https://huggingface.co", "model.x": "see " + EMB}
+    with pytest.warns(UserWarning):
+        tree = st.load(str(_recorded(tmp_path, sd, notes)))
+    assert sorted(tree) == sorted(sd)  # no parameter 'notes', 'source' or 'model.x'

@@ -106,12 +106,12 @@ def test_failed_write_leaves_previous_file_intact(tmp_path, monkeypatch) -> None
     st.save(path, TIED)
     before = path.read_bytes()
 
-    def half_then_fail(tensors, filename, metadata):
+    def half_then_fail(filename, tensors, metadata):
         with open(filename, "wb") as f:
             f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{partial")  # a torn write
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(container, "_serialize_file", half_then_fail)
+    monkeypatch.setattr(container, "write_tensors", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         st.save(path, {"other": np.zeros(100)})
     assert path.read_bytes() == before
@@ -123,15 +123,15 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch) ->
     path = tmp_path / "m.safetensors"
     st.save(path, TIED)
     before = path.read_bytes()
-    real = container._serialize_file
+    real = container.write_tensors
 
-    def write_then_interrupt(tensors, filename, metadata):
-        real(tensors, filename, metadata)
+    def write_then_interrupt(filename, tensors, metadata):
+        real(filename, tensors, metadata)
         with open(filename, "r+b") as f:
             f.truncate(os.path.getsize(filename) // 2)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(container, "_serialize_file", write_then_interrupt)
+    monkeypatch.setattr(container, "write_tensors", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         st.save(path, {"x": np.ones(1000)})
     assert path.read_bytes() == before

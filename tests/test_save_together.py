@@ -1,6 +1,6 @@
 """``st.save`` by several processes: one file, each process writing its share (issue 35).
 
-The processes are simulated here by threads of this process (``processes.ThreadGroup``:
+The processes are simulated here by threads of this process (``_processes.ThreadGroup``:
 a shared dict for the coordination service's key-value store), with every buffer
 treated as spread over processes (``tree_json.addressable`` patched); the plan gives host
 buffers to the process with the fewest bytes so far, so both simulated processes write.

@@ -114,3 +114,88 @@ def test_inspect_refuses_a_recorded_tie_it_cannot_honour(tmp_path):
     save_file(sd, path, metadata={"lm_head.weight": "model.embed.weight"})
     with raises("E260", "'lm_head.weight' <- 'model.embed.weight'"):
         describe(path)
+
+
+def _packed_layer(rng, scale: float) -> dict[str, np.ndarray]:
+    """An MLX-style quantized layer: packed words, scales, biases (the words shared below)."""
+    return {
+        "q": rng.integers(0, 2**32, size=(V, 4), dtype=np.uint32),  # 4 bits, a group of 32
+        "scales": np.full((V, 1), scale, np.float32) + rng.random((V, 1), dtype=np.float32),
+        "biases": rng.random((V, 1), dtype=np.float32),
+    }
+
+
+def test_a_quantized_head_with_the_embedding_s_words_but_other_scales_is_no_tie(tmp_path):
+    rng = np.random.default_rng(1)
+    emb = _packed_layer(rng, 1.0)
+    head = {"q": emb["q"].copy(), "scales": 2 * emb["scales"], "biases": emb["biases"].copy()}
+    parts = {"weight": emb["q"], "scales": emb["scales"], "biases": emb["biases"]}
+    sd = {f"model.embed_tokens.{k}": v for k, v in parts.items()}
+    sd |= {"lm_head.weight": head["q"], "lm_head.scales": head["scales"],
+           "lm_head.biases": head["biases"]}  # fmt: skip
+    path = str(tmp_path / "m.safetensors")
+    save_file(sd, path)
+    # by hand: the float head is 2x the embedding's scales times the same words
+    assert not np.array_equal(head["scales"], emb["scales"])
+    found = _ties(suggest_ties([Reader(path)], path))
+    assert "lm_head.weight" not in found  # the words alone are not the value
+    assert {frozenset((t, r)) for t, (r, _) in found.items()} == {
+        frozenset(("lm_head.biases", "model.embed_tokens.biases"))  # equal as stored: a tie
+    }
+    sd["lm_head.scales"] = emb["scales"].copy()  # now all three agree: the same layer
+    save_file(sd, path)
+    found = _ties(suggest_ties([Reader(path)], path))
+    assert found["lm_head.weight"] == ("model.embed_tokens.weight", st.identity)
+
+
+def test_inspect_of_an_untied_mlx_directory_suggests_only_ties_that_load(tmp_path):
+    rng = np.random.default_rng(2)
+    emb, head = _packed_layer(rng, 1.0), _packed_layer(rng, 1.0)
+    head["biases"] = emb["biases"].copy()  # stored twice: equal tensors, as another tool may
+    sd = {f"model.embed_tokens.{n}": emb[k] for k, n in
+          (("q", "weight"), ("scales", "scales"), ("biases", "biases"))}  # fmt: skip
+    sd |= {f"lm_head.{n}": head[k] for k, n in
+           (("q", "weight"), ("scales", "scales"), ("biases", "biases"))}  # fmt: skip
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "mlx"})
+    config = {"model_type": "llama", "tie_word_embeddings": False,
+              "quantization": {"group_size": 32, "bits": 4}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    text = describe(str(tmp_path))
+    lines = [x for x in text.splitlines() if x.startswith("load it tied: ")]
+    for line in lines:  # whatever it suggests loads
+        st.load(tmp_path, ties=eval(line.split("ties=", 1)[1][:-1], {"st": st}))
+    with pytest.warns(UserWarning):  # E142: MLX's layout
+        tree = st.load(tmp_path)
+    assert "lm_head" in tree and "model.embed_tokens" in tree  # untied: both layers
+
+
+@pytest.mark.parametrize("bad", ["not json", "a directory"])
+def test_a_config_load_refuses_is_refused_by_inspect_alike(tmp_path, bad):
+    save_file(_state_dict(), str(tmp_path / "model.safetensors"))
+    if bad == "not json":
+        (tmp_path / "config.json").write_text("{'tie_word_embeddings': true")
+    else:
+        (tmp_path / "config.json").mkdir()
+    fact = "not valid JSON" if bad == "not json" else "not a regular file"
+    with raises("E210", "config.json", fact):
+        st.load(tmp_path)
+    with raises("E210", "config.json", fact):
+        describe(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("config", "tied"),
+    [
+        ({"model_type": "llava", "text_config": {"tie_word_embeddings": True}}, True),
+        ({"model_type": "llava", "text_config": {"tie_word_embeddings": False}}, False),
+        ({"model_type": "llama", "tie_word_embeddings": False}, False),
+        ({"model_type": "llama"}, True),  # transformers' default
+    ],
+)
+def test_the_head_rule_reads_text_config_as_mlx_loads_it(tmp_path, config, tied):
+    sd = _state_dict()
+    del sd["lm_head.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    found = _ties(suggest_ties([Reader(str(tmp_path / "model.safetensors"))], str(tmp_path)))
+    assert ("lm_head.weight" in found) is tied

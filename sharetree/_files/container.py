@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -15,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import error, one_line, short
-from sharetree._files.disk import DuplicateKey, create_temp, replaced_mode, unique_pairs
+from sharetree._files.disk import DuplicateKey, unique_pairs, write_atomically
 
 __all__ = [
     "NATIVE_CODES",
@@ -31,7 +29,9 @@ __all__ = [
     "Runs",
     "byte_runs",
     "write_runs",
+    "write_tensors",
     "atomic_write",
+    "CODE_OF",
 ]
 
 
@@ -42,6 +42,9 @@ NATIVE_CODES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
 """safetensors dtype codes -> the dtype names ``st.save`` stores under their own code."""
+
+CODE_OF = {name: code for code, name in NATIVE_CODES.items()}
+"""dtype name -> the safetensors code it is stored under."""
 
 CODES = {
     **NATIVE_CODES, "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
@@ -153,16 +156,8 @@ def part_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
 
 
-_MAX_HEADER = 100 << 20
+_MAX_HEADER = 100_000_000
 """The largest header any safetensors reader takes (a larger one is refused by the library)."""
-
-
-def _serialize_file(
-    tensors: dict[str, np.ndarray], filename: str, metadata: dict[str, str]
-) -> None:
-    from safetensors.numpy import save_file
-
-    save_file(tensors, filename, metadata=metadata)
 
 
 class Slot(NamedTuple):
@@ -190,7 +185,7 @@ _ORDER = "U64 I64 F64 C64 F32 U32 I32 BF16 F16 U16 I16 F8_E8M0 F8_E4M3 F8_E5M2 I
 the widest first, so every tensor's data starts aligned."""
 
 
-def header_bytes(slots: list[Slot], metadata: dict[str, str]) -> Layout:
+def header_bytes(slots: list[Slot], metadata: dict[str, str] | None) -> Layout:
     """The layout of a safetensors file of ``slots``, as ``safetensors.save_file`` lays it out.
 
     The tensors are ordered by dtype (as ``safetensors`` orders them: the widest first), then
@@ -198,12 +193,14 @@ def header_bytes(slots: list[Slot], metadata: dict[str, str]) -> Layout:
     starts aligned. The header is byte for byte the one ``safetensors`` writes.
 
     Example:
-        >>> lay = header_bytes([Slot("a", "F32", (2,), 8), Slot("b", "U8", (3,), 3)], {})
+        >>> lay = header_bytes([Slot("a", "F32", (2,), 8), Slot("b", "U8", (3,), 3)], None)
         >>> lay.start, lay.size, len(lay.header) % 8
         ({'a': 120, 'b': 128}, 131, 0)
     """
     ordered = sorted(slots, key=lambda s: (_ORDER.index(s.code), s.name))
-    entries: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    entries: dict[str, Any] = (
+        {} if metadata is None else {"__metadata__": dict(sorted(metadata.items()))}
+    )
     offset, offsets = 0, {}
     for s in ordered:
         entries[s.name] = {"dtype": s.code, "shape": list(s.shape), "data_offsets": [0, 0]}
@@ -278,27 +275,36 @@ def write_runs(fd: int, start: int, part: np.ndarray, runs: Runs) -> int:
     return len(data)
 
 
-def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """Write a safetensors file to a temporary file beside ``path``, then rename it over ``path``.
+def write_tensors(
+    path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None
+) -> None:
+    """Write the safetensors file of ``tensors`` and ``metadata`` to ``path`` (a new file).
 
-    A new file gets the umask's mode, a replaced file keeps its mode.
+    The one writer of a whole file: the header from :func:`header_bytes`, then each
+    tensor's bytes (little-endian, C order) at its offset. The file is byte for byte the
+    one ``safetensors.numpy.save_file`` writes for the same tensors and metadata.
+
+    Example:
+        >>> import os, tempfile, numpy as np
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        >>> write_tensors(path, {"a": np.arange(3, dtype=np.float32)}, {"k": "v"})
+        >>> Reader(path).read("a"), Reader(path).metadata
+        (array([0., 1., 2.], dtype=float32), {'k': 'v'})
     """
-    target = os.path.realpath(path)  # through a symlink: the link stays, its target is replaced
-    directory = os.path.dirname(target)
-    mode = replaced_mode(path, target)
-    try:
-        tmp = create_temp(directory, os.path.basename(target))
-    except OSError as e:  # a missing or read-only directory: name the file, not the temporary
-        raise type(e)(e.errno, f"cannot write {path!r}: {e.strerror} ({directory!r})") from e
-    try:
-        if mode is None:  # the kernel applied the umask to 0o666: that is the mode
-            mode = stat.S_IMODE(os.stat(tmp).st_mode)
-        _serialize_file(tensors, tmp, metadata)  # (safetensors may replace the file: new mode)
-        os.chmod(tmp, mode)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    arrays = {name: np.asarray(a) for name, a in tensors.items()}
+    slots = [Slot(n, CODE_OF[a.dtype.name], a.shape, a.nbytes) for n, a in arrays.items()]
+    layout = header_bytes(slots, metadata)
+    with open(path, "wb") as f:
+        f.write(layout.header)
+        for name in sorted(arrays, key=layout.start.__getitem__):  # in the file's order
+            a = arrays[name]
+            a = a.astype(a.dtype.newbyteorder("<"), order="C", copy=False)
+            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+
+
+def atomic_write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """:func:`write_tensors` to a temporary file beside ``path``, then committed over ``path``.
+
+    A new file gets the umask's mode, a replaced file keeps its mode (``disk.commit``).
+    """
+    write_atomically(path, lambda tmp: write_tensors(tmp, tensors, metadata))

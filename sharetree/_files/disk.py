@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple, Union
 
-from sharetree._errors import error, short, wrong_type
+from sharetree._errors import error, one_line, short, wrong_type
 
 __all__ = [
     "PathOrStr",
     "file_path",
     "DuplicateKey",
     "unique_pairs",
+    "read_json",
     "create_temp",
     "replaced_mode",
-    "atomic_write_text",
+    "write_atomically",
+    "write_text",
+    "text_writer",
     "fsync_directory",
+    "Staged",
+    "commit_several",
+    "write_several",
 ]
 
 
@@ -57,6 +65,33 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def read_json(path: str, code: str, verb: str, limit: int, fix: str) -> dict[str, Any]:
+    """The JSON object of the small file ``path``, read bounded: every problem a ``code`` error.
+
+    The one reader of every small JSON file (a config, an index): a regular file (not a
+    directory, a pipe or a device) of at most ``limit`` bytes, valid JSON naming no key twice
+    in one object, an object at the top. ``verb``: the caller's (``load``), for the message.
+    """
+    where = f"{verb}: {path!r}"
+    if not os.path.isfile(path):
+        what = "is not a regular file (a directory, a pipe or a device)"
+        raise error(code, where, what, fix=fix)
+    if os.path.getsize(path) > limit:
+        raise error(code, where, f"is larger than {limit >> 20} MiB", fix=fix)
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    try:
+        data = json.loads(raw, object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
+        found = f"{short(e.first, 100)} and {short(e.second, 100)}"
+        raise error(code, where, f"names {short(e.key)} twice", found=found, fix=fix) from None
+    except (ValueError, RecursionError) as e:
+        raise error(code, where, "is not valid JSON", found=one_line(e)[:200], fix=fix) from e
+    if not isinstance(data, dict):
+        raise error(code, where, "is not a JSON object", found=type(data).__name__, fix=fix)
+    return data
+
+
 def create_temp(directory: str, base: str, token: str | None = None) -> str:
     """Create a new file ``.{base}.{token}.tmp`` in ``directory``, mode ``0o666`` less the umask.
 
@@ -87,30 +122,146 @@ def replaced_mode(path: str, target: str) -> int | None:
     return mode
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` beside ``path`` then rename it over ``path``, as ``atomic_write`` does.
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then commit it over ``path``.
 
-    A new file gets the umask's mode, a replaced file keeps its mode (a read-only one is
-    refused, left as it was).
+    Through a symlink the link stays and its target is replaced. A new file gets the
+    umask's mode; a replaced file keeps its mode (a read-only one is refused, left as it
+    was). On any failure the temporary file is removed and ``path`` is left as it was.
     """
     target = os.path.realpath(path)
+    directory = os.path.dirname(target)
     mode = replaced_mode(path, target)
-    tmp = create_temp(os.path.dirname(target), os.path.basename(target))
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        tmp = create_temp(directory, os.path.basename(target))
+    except OSError as e:  # a missing or read-only directory: name the file, not the temporary
+        raise type(e)(e.errno, f"cannot write {path!r}: {e.strerror} ({directory!r})") from e
+    try:
+        write(tmp)
+        commit_several(path, [Staged(tmp, target, mode)])
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 
 
+def text_writer(text: str) -> Callable[[str], None]:
+    """A ``write(tmp)`` of ``text`` (UTF-8) for :func:`write_atomically`, :func:`write_several`."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    return write
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_atomically`)."""
+    write_atomically(path, text_writer(text))
+
+
+class Staged(NamedTuple):
+    """A file written under a temporary name, to be committed over ``target`` with ``mode``."""
+
+    tmp: str
+    target: str
+    mode: int | None
+
+
+def commit_several(label: str, files: list[Staged]) -> None:
+    """The one commit of every file a save writes: one file, or several as one set.
+
+    Each file is flushed to disk (``fsync``), given its mode (the replaced file's, or the
+    umask's for a new one), renamed over its target, and the directory is flushed too, so
+    the renames survive a crash. Several files are committed all, or none:
+
+    In order (the file that names the others, an index or a config, last): each
+    temporary file is flushed and given its mode, each replaced file is kept under a
+    backup name, then each is renamed over its target. If a rename fails, the files
+    already renamed are put back (a new one removed) and the error is raised; if that too
+    fails, E270 names the files that changed. ``label``: the save, for the message.
+    """
+    for f in files:
+        if f.mode is not None:
+            os.chmod(f.tmp, f.mode)
+        fd = os.open(f.tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    backups: dict[str, str | None] = {}
+    done: list[str] = []
+    try:
+        for f in files:
+            backups[f.target] = None
+            if os.path.lexists(f.target):
+                backup = f.tmp + ".old"
+                os.link(f.target, backup)
+                backups[f.target] = backup
+        for f in files:
+            os.replace(f.tmp, f.target)
+            done.append(f.target)
+        for directory in dict.fromkeys(os.path.dirname(f.target) for f in files):
+            fsync_directory(directory)
+    except BaseException as e:
+        _put_back(label, done, backups, e)
+        raise
+    finally:
+        for left in backups.values():
+            if left is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(left)
+
+
+def write_several(label: str, writes: list[tuple[str, Callable[[str], None]]]) -> None:
+    """Each ``write(tmp)`` to a temporary file beside its path, then all committed as one set.
+
+    ``writes``: ``(path, write)`` in commit order (:func:`commit_several`); a failure
+    before the commit leaves every path as it was and no temporary file behind.
+    """
+    staged: list[Staged] = []
+    try:
+        for path, write in writes:
+            target = os.path.realpath(path)
+            mode = replaced_mode(path, target)
+            staged.append(Staged(create_temp(os.path.dirname(target), os.path.basename(target)),
+                                 target, mode))  # fmt: skip
+            write(staged[-1].tmp)
+        commit_several(label, staged)
+    finally:
+        for f in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(f.tmp)
+
+
+def _put_back(label: str, done: list[str], backups: dict[str, str | None], cause: BaseException):
+    """Undo the renames of ``done``: each replaced file back from its backup, a new one removed."""
+    failed: list[str] = []
+    for target in reversed(done):
+        try:
+            backup = backups[target]
+            if backup is None:
+                os.unlink(target)
+            else:
+                os.replace(backup, target)
+                backups[target] = None
+        except OSError:
+            failed.append(target)
+    for directory in dict.fromkeys(os.path.dirname(t) for t in done):
+        fsync_directory(directory)
+    if failed:
+        failed = sorted(os.path.basename(t) for t in failed)
+        kept = sorted(os.path.basename(t) for t in done if os.path.basename(t) not in failed)
+        what = (
+            f"failed while committing its files ({type(cause).__name__}: {cause}); "
+            f"now holding the new version: {failed}; put back as they were: {kept or 'none'}"
+        )
+        fix = "save again (the files listed are from this save, the others from the previous one)"
+        raise error("E270", f"save: {label!r}", what, fix=fix) from cause
+
+
 def fsync_directory(directory: str) -> None:
+    """Flush ``directory``'s entries (a rename in it) to disk, where the system allows it."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:

@@ -213,10 +213,10 @@ def metadata_ties(metadata: Mapping[str, str], tensors: Mapping[str, Any]) -> di
     """The ``{removed: kept}`` ties safetensors metadata records, as ``save_model`` writes them.
 
     ``tensors``: the file's tensors by name (each with a ``shape`` and a ``dtype`` or a
-    dtype ``code``). An entry is read as a tie when its key or value is a tensor of the
-    file, or both look like its tensor names (a dotted name sharing its first or last part
-    with one, ``lm_head.weight``); other entries are plain metadata (``format``, the
-    framework, never a tie). A recorded tie that cannot be honoured is E260: the kept
+    dtype ``code``). An entry is read as a tie when both of its names are tensor names (a
+    tensor of the file, or a dotted name sharing its first or last part with one,
+    ``lm_head.weight``); other entries are plain metadata (``format``, ``notes``, never a
+    tie). A chain of entries is followed in time linear in the entries. A recorded tie that cannot be honoured is E260: the kept
     tensor missing, the removed name stored too, or entries that lead round in a cycle.
 
     Example:
@@ -226,57 +226,62 @@ def metadata_ties(metadata: Mapping[str, str], tensors: Mapping[str, Any]) -> di
         {'head.weight': 'embed.weight'}
     """
     # in sorted order: a file's metadata has no order of its own (safetensors hashes it)
-    items = sorted(metadata.items())
-    entries = {k: v for k, v in items if k != "format" and _tie_like(k, v, tensors)}
+    like = _TensorNames(tensors)
+    entries = {k: v for k, v in sorted(metadata.items()) if k != "format" and like.tie(k, v)}
+    fix = "save the model again (safetensors.torch.save_model writes these entries)"
     out: dict[str, str] = {}
     for removed, kept in entries.items():
         where = f"load: the tie {removed!r} <- {kept!r} the file's safetensors metadata records"
-        fix = "save the model again (safetensors.torch.save_model writes these entries)"
         if removed in tensors:
             found = f"{removed!r} {_aval_of(tensors[removed])} stored too"
             if kept in tensors:
                 found += f", beside {kept!r} {_aval_of(tensors[kept])}"
             problem = "names as removed (stored once, under the kept name) a tensor the file holds"
             raise error("E260", where, problem, found=found, fix=fix)
-        seen = [removed, kept]
-        while kept not in tensors and kept in entries and kept not in seen[:-1]:
-            kept = entries[kept]  # a chain of removed names ends at the stored one
-            seen.append(kept)
-        if kept in seen[:-1]:
-            cycle = " <- ".join(map(repr, seen))
-            problem = "forms a cycle: no name of it is stored"
-            raise error("E260", where, problem, found=cycle, fix=fix)
-        if kept not in tensors:
-            found = f"no tensor {kept!r}; {closest(kept, set(tensors))}"
+        # a chain of removed names ends at the stored one: each name walked once, its end kept
+        path, on_path, x = [removed], {removed}, kept
+        while x not in tensors and x not in out and x in entries:
+            if x in on_path:
+                cycle = " <- ".join(map(repr, [*path[path.index(x) :], x]))
+                problem = "forms a cycle: no name of it is stored"
+                raise error("E260", where, problem, found=cycle, fix=fix)
+            path.append(x)
+            on_path.add(x)
+            x = entries[x]
+        end = x if x in tensors else out.get(x)
+        if end is None:
+            found = f"no tensor {x!r}; {closest(x, set(tensors))}"
             raise error("E260", where, "keeps a tensor the file lacks", found=found, fix=fix)
-        out[removed] = kept
-    return out
+        out.update(dict.fromkeys(path, end))
+    return {removed: out[removed] for removed in entries}
 
 
 _NAME = re.compile(r"[\w\-]+(\.[\w\-]+)+")
 
 
-def _tie_like(key: str, value: Any, tensors: Mapping[str, Any]) -> bool:
-    """Whether a metadata entry is meant as a tie.
+class _TensorNames:
+    """What a file's tensor names look like: their first and last parts, found once."""
 
-    It is when it keeps a tensor of the file, or when each of its names is a tensor or
-    looks like one (a dotted name sharing its first or last part with a tensor's).
-    """
-    if not isinstance(value, str):
-        return False
-    if value in tensors and key not in tensors:  # as save_model writes it
-        return True
-    firsts = {n.split(".", 1)[0] for n in tensors}
-    lasts = {n.rsplit(".", 1)[-1] for n in tensors if "." in n}
+    def __init__(self, tensors: Mapping[str, Any]) -> None:
+        self.tensors = tensors
+        self.firsts = {n.split(".", 1)[0] for n in tensors}
+        self.lasts = {n.rsplit(".", 1)[-1] for n in tensors if "." in n}
 
-    def named(x: str) -> bool:
-        if x in tensors:
+    def named(self, x: str) -> bool:
+        """Whether ``x`` is a tensor of the file, or a dotted name sharing a part with one."""
+        if x in self.tensors:
             return True
         return _NAME.fullmatch(x) is not None and (
-            x.split(".", 1)[0] in firsts or x.rsplit(".", 1)[-1] in lasts
+            x.split(".", 1)[0] in self.firsts or x.rsplit(".", 1)[-1] in self.lasts
         )
 
-    return named(key) and named(value)
+    def tie(self, key: str, value: Any) -> bool:
+        """Whether a metadata entry is meant as a tie: both of its names are tensor names.
+
+        ``{"notes": "w.weight"}`` is not (``notes`` names no tensor); ``{"lm_head.weight":
+        "model.embed_tokens.weight"}`` is, the head stored once under the embedding's name.
+        """
+        return isinstance(value, str) and self.named(key) and self.named(value)
 
 
 def _aval_of(tensor: Any) -> str:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from sharetree._errors import error, one_line, short
+from sharetree._errors import error, short
 from sharetree._files.container import Reader
-from sharetree._files.disk import DuplicateKey, unique_pairs
+from sharetree._files.disk import read_json
 from sharetree._files.format import KEY_VERSION
 
-__all__ = ["CONFIG_FILE", "INDEX_FILE", "SINGLE_FILE", "WEIGHTS", "checkpoint_readers"]
+__all__ = [
+    "CONFIG_FILE",
+    "EMBEDDINGS",
+    "INDEX_FILE",
+    "MAX_CONFIG_BYTES",
+    "SINGLE_FILE",
+    "WEIGHTS",
+    "checkpoint_readers",
+    "config_entry",
+    "head_of",
+    "ties_word_embeddings",
+]
 
 
 SINGLE_FILE = "model.safetensors"
@@ -99,20 +110,8 @@ _NOT_PRETRAINED += " convert a pytorch_model.bin to safetensors first"
 
 def _weight_map(index: str) -> Any:
     """The ``weight_map`` of the shard index ``index`` (``_names_problem`` checks it)."""
-    where = f"load: {index!r}"
-    if os.path.getsize(index) > _MAX_INDEX_BYTES:
-        big = f"is larger than {_MAX_INDEX_BYTES >> 20} MiB"
-        raise error("E48", where, big, fix="check that the path names the right file")
-    with open(index, "rb") as f:
-        raw = f.read()
-    try:
-        data = json.loads(raw, object_pairs_hook=unique_pairs)
-    except (ValueError, RecursionError) as e:  # DuplicateKey: a key listed twice
-        bad = f"is not valid JSON ({one_line(e)[:200]})"
-        if isinstance(e, DuplicateKey):
-            bad = f"lists {e.key!r} twice ({e.first!r} and {e.second!r})"
-        raise error("E48", where, bad, fix=_REWRITE) from e
-    return data.get("weight_map") if isinstance(data, dict) else None
+    data = read_json(index, "E48", "load", _MAX_INDEX_BYTES, _REWRITE)
+    return data.get("weight_map")
 
 
 def _names_problem(path: str, weight_map: Any) -> tuple[str, str] | None:
@@ -149,3 +148,36 @@ def _holdings_problem(readers: list[Reader], weight_map: dict[str, str]) -> tupl
             problem = f"{said}, but the shard {where[name]!r} holds {name!r}"
             return problem, f"{_REWRITE}, or remove the stray shard"
     return None
+
+
+MAX_CONFIG_BYTES = 16 << 20  # a configuration is small; anything larger is not one
+
+EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
+"""The last key of an input embedding's name in the models ``mlx_lm`` knows."""
+
+
+def head_of(embedding: str) -> str:
+    """The head's tensor name for an embedding: ``lm_head.weight`` beside its ``model``."""
+    stem = "model." + embedding.rsplit(".", 1)[-1]
+    prefix = embedding[: -len(stem)] if embedding.endswith(stem) else ""
+    return f"{prefix}lm_head.weight"
+
+
+def config_entry(name: str, config: Mapping[str, Any]) -> tuple[str, Any]:
+    """``config[name]``, else the one in ``text_config`` (a vision-language model's)."""
+    if name in config:
+        return name, config[name]
+    text = config.get("text_config")
+    if isinstance(text, dict) and name in text:
+        return f"text_config.{name}", text[name]
+    return name, None
+
+
+def ties_word_embeddings(config: Mapping[str, Any]) -> bool | None:
+    """What a ``config.json`` says of ``tie_word_embeddings`` (or its ``text_config``'s).
+
+    ``None``: it does not say (transformers' default then ties, where no head is stored);
+    a value that is not a bool is ``None`` too (nothing a reader could act on).
+    """
+    said = config_entry("tie_word_embeddings", config)[1]
+    return said if isinstance(said, bool) else None

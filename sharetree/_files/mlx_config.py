@@ -6,7 +6,6 @@ See the package's docstring for the layout.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -15,31 +14,22 @@ from sharetree._errors import (
     TieError,
     add_context,
     error,
-    one_line,
     short,
 )
-from sharetree._files.disk import DuplicateKey, unique_pairs
-from sharetree._files.hf import CONFIG_FILE
+from sharetree._files.disk import read_json
+from sharetree._files.hf import CONFIG_FILE, MAX_CONFIG_BYTES, config_entry
 from sharetree._transforms import Transform, dequantize
 
 __all__ = [
-    "MAX_CONFIG_BYTES",
-    "EMBEDDINGS",
     "NAMES",
     "CONVERT",
     "Quant",
     "MlxConfig",
-    "head_of",
     "read_config",
 ]
 
 
-MAX_CONFIG_BYTES = 16 << 20  # a configuration is small; anything larger is not one
-
 _PARAMS = ("group_size", "bits", "mode")  # the keys of a quantization that are not layers
-
-EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
-"""The last key of an input embedding's name in the models ``mlx_lm`` knows."""
 
 NAMES = {"q": "weight", "scales": "scales", "biases": "biases"}
 """The inputs of ``dequantize`` and the names MLX gives them (``<name>.weight`` is ``q``)."""
@@ -83,32 +73,8 @@ class MlxConfig:
         return self.quant if entry is True else entry or None
 
 
-def head_of(embedding: str) -> str:
-    """The head's tensor name for an embedding: ``lm_head.weight`` beside its ``model``."""
-    stem = "model." + embedding.rsplit(".", 1)[-1]
-    prefix = embedding[: -len(stem)] if embedding.endswith(stem) else ""
-    return f"{prefix}lm_head.weight"
-
-
 def _config_error(path: str, problem: str, found: str | None = None, fix: str = "") -> TieError:
     return error("E210", f"load: {path!r}", problem, found=found, fix=fix or CONVERT)
-
-
-def _read_json(path: str) -> Any:
-    """The JSON object of ``path`` (E210 if too large, not JSON, a key twice)."""
-    if os.path.getsize(path) > MAX_CONFIG_BYTES:
-        raise _config_error(path, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        data = json.loads(raw, object_pairs_hook=unique_pairs)
-    except DuplicateKey as e:
-        raise _config_error(path, f"names {e.key!r} twice", f"{e.first!r} and {e.second!r}") from e
-    except (ValueError, RecursionError) as e:
-        raise _config_error(path, "is not valid JSON", one_line(e)[:200]) from e
-    if not isinstance(data, dict):
-        raise _config_error(path, "is not a JSON object", type(data).__name__)
-    return data
 
 
 def _is_mlx(q: Any) -> bool:
@@ -143,16 +109,6 @@ def _quant(path: str, key: str, entry: dict[str, Any], *, layer: bool) -> Quant:
     return Quant(bits, group_size, mode)
 
 
-def _entry(name: str, config: dict[str, Any]) -> tuple[str, Any]:
-    """``config[name]``, else the one in ``text_config`` (a vision-language model's)."""
-    if name in config:
-        return name, config[name]
-    text = config.get("text_config")
-    if isinstance(text, dict) and name in text:
-        return f"text_config.{name}", text[name]
-    return name, None
-
-
 def read_config(directory: str) -> MlxConfig | None:
     """The quantization of ``directory``'s ``config.json`` if it is MLX's, else ``None``.
 
@@ -160,10 +116,13 @@ def read_config(directory: str) -> MlxConfig | None:
     tool's (a ``quant_method``: those files load as their tensors, as any foreign file).
     """
     path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # not a regular file: read_json says so
         return None
-    config = _read_json(path)
-    (qk, q), (ck, qc) = _entry("quantization", config), _entry("quantization_config", config)
+    config = read_json(path, "E210", "load", MAX_CONFIG_BYTES, CONVERT)
+    (qk, q), (ck, qc) = (
+        config_entry("quantization", config),
+        config_entry("quantization_config", config),
+    )
     if not _is_mlx(q) and not _is_mlx(qc):
         if q is not None and not isinstance(q, dict):
             raise _config_error(path, f"{qk} is not an object", short(q, 120))
@@ -187,7 +146,7 @@ def read_config(directory: str) -> MlxConfig | None:
         else:
             problem = f"{key}[{name!r}] is not a layer's entry (a dict of sizes, true or false)"
             raise _config_error(path, problem, short(v, 120))
-    tk, tie = _entry("tie_word_embeddings", config)
+    tk, tie = config_entry("tie_word_embeddings", config)
     if tie is not None and not isinstance(tie, bool):
         raise _config_error(
             path, f"{tk} is not true or false", short(tie, 60), "write true or false"

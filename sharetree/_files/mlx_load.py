@@ -14,14 +14,12 @@ from sharetree._errors import (
     error,
     short,
 )
-from sharetree._files.hf import CONFIG_FILE
+from sharetree._files.hf import CONFIG_FILE, EMBEDDINGS, head_of
 from sharetree._files.mlx_config import (
     CONVERT,
-    EMBEDDINGS,
     NAMES,
     MlxConfig,
     Quant,
-    head_of,
 )
 from sharetree._files.reads import Pending
 from sharetree._materialize import abstract_expanded

@@ -17,14 +17,10 @@ from sharetree._errors import (
     one_line,
     wrong_type,
 )
-from sharetree._files.container import atomic_write
-from sharetree._files.disk import PathOrStr, atomic_write_text, file_path
-from sharetree._files.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
-from sharetree._files.mlx_config import (
-    EMBEDDINGS,
-    Quant,
-    head_of,
-)
+from sharetree._files.container import write_tensors
+from sharetree._files.disk import PathOrStr, file_path, text_writer, write_several
+from sharetree._files.hf import CONFIG_FILE, EMBEDDINGS, INDEX_FILE, SINGLE_FILE, head_of
+from sharetree._files.mlx_config import Quant
 from sharetree._materialize import abstract_expanded
 from sharetree._tied import Tied
 from sharetree._transforms import identity
@@ -264,8 +260,15 @@ def save_mlx(directory: PathOrStr, tree: Any, *, config: Mapping[str, Any] | Non
         "weight_map": dict.fromkeys(sorted(tensors), SINGLE_FILE),
     }
     os.makedirs(directory, exist_ok=True)
-    atomic_write(os.path.join(directory, SINGLE_FILE), tensors, {"format": "mlx"})
-    atomic_write_text(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=4))
-    atomic_write_text(
-        os.path.join(directory, CONFIG_FILE), json.dumps(dict(sorted(out.items())), indent=4)
+    config_text = json.dumps(dict(sorted(out.items())), indent=4)
+    write_several(  # the config last: until it is in, the previous checkpoint is whole
+        directory,
+        [
+            (
+                os.path.join(directory, SINGLE_FILE),
+                lambda tmp: write_tensors(tmp, tensors, {"format": "mlx"}),
+            ),
+            (os.path.join(directory, INDEX_FILE), text_writer(json.dumps(index, indent=4))),
+            (os.path.join(directory, CONFIG_FILE), text_writer(config_text)),
+        ],
     )

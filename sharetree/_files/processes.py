@@ -6,7 +6,7 @@ import abc
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -14,7 +14,7 @@ from jax._src import distributed
 
 from sharetree._errors import error, one_line
 
-__all__ = ["Group", "JaxGroup", "ThreadGroup", "joined", "current_group"]
+__all__ = ["Group", "JaxGroup", "OneProcess", "joined", "current_group"]
 
 
 _SAVES = itertools.count()
@@ -74,49 +74,19 @@ class JaxGroup(Group):
             self.client.key_value_delete(prefix)
 
 
-class ThreadGroup(Group):
-    """Processes simulated by threads of one process (tests), or this process alone.
+class OneProcess(Group):
+    """This process alone: a save of one process is a plan with one owner and no rounds."""
 
-    A shared dict is the store. ``st.save(..., max_shard_size=)`` of host buffers writes
-    through a group of one (``ThreadGroup(0, 1, ThreadGroup.store())``).
+    me, count = 0, 1
 
-    ``store``: one dict shared by the group's members (``ThreadGroup.store()``);
-    ``process_of``: which simulated process holds a device (all process 0 by default).
-    """
+    def publish(self, key: str, value: str) -> None:  # pragma: no cover - no round to publish
+        raise RuntimeError("a save of one process publishes nothing")
 
-    def __init__(
-        self,
-        me: int,
-        count: int,
-        store: dict[str, Any],
-        process_of: Callable[[Any], int] | None = None,
-    ) -> None:
-        self.me, self.count, self.values = me, count, store
-        self.changed: threading.Condition = store.setdefault("", threading.Condition())
-        self.where = process_of or (lambda device: 0)
-        self.saves = itertools.count()
-
-    @staticmethod
-    def store() -> dict[str, Any]:
-        """A new store for the members of one simulated job."""
-        return {"": threading.Condition()}
-
-    def publish(self, key: str, value: str) -> None:
-        with self.changed:
-            self.values[key] = value
-            self.changed.notify_all()
-
-    def read(self, key: str, timeout: float) -> str:
-        with self.changed:
-            if not self.changed.wait_for(lambda: key in self.values, timeout):
-                raise TimeoutError(f"no value for {key!r} within {timeout:g} s")
-            return str(self.values[key])
+    def read(self, key: str, timeout: float) -> str:  # pragma: no cover - no round to read
+        raise RuntimeError("a save of one process reads nothing")
 
     def process_of(self, device: Any) -> int:
-        return self.where(device)
-
-    def next_save(self) -> int:
-        return next(self.saves)
+        return 0
 
 
 _LOCAL = threading.local()
@@ -124,7 +94,7 @@ _LOCAL = threading.local()
 
 @contextlib.contextmanager
 def joined(group: Group) -> Iterator[Group]:
-    """Within the block, this thread's saves are ``group``'s (a simulated process, in tests)."""
+    """Within the block, this thread's saves are ``group``'s (the tests' simulated processes)."""
     before = getattr(_LOCAL, "group", None)
     _LOCAL.group = group
     try:

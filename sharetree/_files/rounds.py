@@ -40,7 +40,14 @@ import numpy as np
 
 from sharetree._errors import TieError, add_context, error, one_line, rebuilt, short
 from sharetree._files.container import Layout, byte_runs, header_bytes, write_runs
-from sharetree._files.disk import atomic_write_text, create_temp, fsync_directory, replaced_mode
+from sharetree._files.disk import (
+    Staged,
+    commit_several,
+    create_temp,
+    fsync_directory,
+    replaced_mode,
+    text_writer,
+)
 from sharetree._files.hf import INDEX_FILE, WEIGHTS
 from sharetree._files.plan import Options, Part, Plan, Spread
 from sharetree._files.processes import Group
@@ -60,6 +67,10 @@ class _Rounds:
         """Every process's facts of round ``name``; the first failure raised on every process."""
         g = self.group
         mine: dict[str, Any] = {"facts": facts, "error": None}
+        if g.count == 1:  # one process: nobody to tell, no round
+            if failure is not None:
+                raise failure
+            return [mine]
         if failure is not None:
             tie = isinstance(failure, TieError)
             message = str(failure) if tie else one_line(failure)
@@ -150,25 +161,29 @@ def save_together(group: Group, options: Options, build: Callable[[], Plan]) -> 
                     modes.append(replaced_mode(path, os.path.join(directory, name)))
                     made.append(create_temp(directory, name, token))
                     _start_file(tmp, layout)
-            made.append(_write_marker(directory, base, token, me))
+            if group.count > 1:  # each process shows the others it sees this directory
+                made.append(_write_marker(directory, base, token, me))
         except OSError as e:
             failure = e
         rounds.agree("prepare", failure)
         try:
-            _check_markers(path, directory, base, token, group.count, tmps)
+            if group.count > 1:
+                _check_markers(path, directory, base, token, group.count, tmps)
             for tmp, f, layout in zip(tmps, plan.files, layouts):
                 _write_share(group, tmp, f.tensors, layout)
         except Exception as e:
             failure = e
         rounds.agree("write", failure)
-        with contextlib.suppress(OSError):
-            os.unlink(marker)
-        made.remove(marker)
+        if marker in made:
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+            made.remove(marker)
         try:
             if me == 0:
-                _commit(directory, names, tmps, modes, made, plan.index_file, options.directory)
+                _commit(path, directory, names, tmps, modes, plan.index_file, options.directory)
+                made.clear()  # committed or put back: none of them is this save's any more
                 _remove_stale(directory, [*names, base])
-        except OSError as e:
+        except Exception as e:
             failure = e
         rounds.agree("commit", failure)
     finally:  # after a failure every process agreed on: nobody writes any more
@@ -178,34 +193,38 @@ def save_together(group: Group, options: Options, build: Callable[[], Plan]) -> 
 
 
 def _commit(
+    path: str,
     directory: str,
     names: list[str],
     tmps: list[str],
     modes: list[int | None],
-    made: list[str],
     index: tuple[str, str] | None,
     layout_of_directory: bool,
 ) -> None:
-    """Rename each temporary file over its name (its mode kept), then the index, if any.
+    """Commit the written files as one set (``disk.commit_several``), the index last.
 
     In a directory, the weights files of an earlier save that the new ones do not
-    replace are removed last, as ``save_pretrained`` does.
+    replace are removed after, as ``save_pretrained`` does.
     """
-    for name, tmp, mode in zip(names, tmps, modes):
-        if mode is None:  # a new file: the umask's mode, as the kernel gave the temporary
-            mode = os.stat(tmp).st_mode & 0o7777
-        os.chmod(tmp, mode)
-        os.replace(tmp, os.path.join(directory, name))
-        made.remove(tmp)
+    staged = [Staged(tmp, os.path.join(directory, n), m) for n, tmp, m in zip(names, tmps, modes)]
     if index is not None:
         name, text = index
-        atomic_write_text(os.path.join(directory, name), text)
+        target = os.path.join(directory, name)
+        mode = replaced_mode(path, target)
+        staged.append(Staged(create_temp(directory, name), target, mode))
+        text_writer(text)(staged[-1].tmp)
         names = [*names, name]
+    try:
+        commit_several(path, staged)
+    finally:
+        for f in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(f.tmp)
     if layout_of_directory:
         for old in os.listdir(directory):
             if WEIGHTS.fullmatch(old) and old not in names:
                 os.unlink(os.path.join(directory, old))
-    fsync_directory(directory)
+        fsync_directory(directory)
 
 
 def _layout(path: str, tensors: list[Spread], meta: dict[str, str]) -> Layout:
@@ -312,7 +331,7 @@ def _read_part(t: Spread, part: Part) -> np.ndarray:
 def _remove_stale(directory: str, bases: list[str]) -> None:
     """Remove the temporary and marker files earlier failed saves of ``bases`` left."""
     names = "|".join(re.escape(b) for b in bases)
-    pattern = re.compile(rf"\.({names})\.[0-9a-f]{{12}}\.(tmp|p\d+)")
+    pattern = re.compile(rf"\.({names})\.[0-9a-f]{{12}}\.(tmp|tmp\.old|p\d+)")
     for name in os.listdir(directory):
         if pattern.fullmatch(name):
             with contextlib.suppress(OSError):

@@ -31,7 +31,7 @@ from sharetree._files.disk import PathOrStr, file_path
 from sharetree._files.format import KEY_LIBRARY, KEY_TREE, KEY_VERSION, LIBRARY_VERSION, PREFIX
 from sharetree._files.hf import INDEX_FILE
 from sharetree._files.plan import FileOut, Options, Plan, Spread
-from sharetree._files.processes import Group, ThreadGroup, current_group
+from sharetree._files.processes import Group, OneProcess, current_group
 from sharetree._files.rounds import save_together
 from sharetree._files.tree_json import NOTHING, Writer, spread_over_processes
 from sharetree._materialize import abstract_expanded
@@ -101,7 +101,7 @@ def save(
     if group is None and limit is not None:  # host buffers: process 0 writes, as for one file
         if jax.process_index() != 0:
             return
-        group = ThreadGroup(0, 1, ThreadGroup.store())  # this process alone
+        group = OneProcess()  # one owner, no rounds
     if group is not None:
 
         def build() -> Plan:
@@ -116,12 +116,10 @@ def save(
     check_flattens(tree)  # dict keys jax cannot sort
     abstract_expanded(tree)  # validate the graph and every view's shape first
     meta = _file_metadata(user, writer, structure)
-    from safetensors import SafetensorError
-
     try:
         if jax.process_index() == 0:
             atomic_write(path, writer.tensors, meta)
-    except SafetensorError as e:  # a header over the 100 MB that every safetensors reader takes
+    except OverflowError as e:  # a header over the 100 MB that every safetensors reader takes
         user_bytes = sum(len(k) + len(v) for k, v in user.items())
         sizes = f"{len(meta[KEY_TREE]):,} bytes of tree JSON and {user_bytes:,} of metadata="
         what = f"header too large for readers (100 MB): {sizes} ({one_line(e)}){NOTHING}"

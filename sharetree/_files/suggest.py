@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
+from sharetree._errors import TieError
 from sharetree._files.container import CODES, Reader, TensorInfo
+from sharetree._files.disk import read_json
 from sharetree._files.foreign import metadata_ties
-from sharetree._files.hf import CONFIG_FILE
-from sharetree._files.mlx_config import EMBEDDINGS, MAX_CONFIG_BYTES, head_of
+from sharetree._files.hf import (
+    CONFIG_FILE,
+    EMBEDDINGS,
+    MAX_CONFIG_BYTES,
+    head_of,
+    ties_word_embeddings,
+)
+from sharetree._files.mlx_config import CONVERT, read_config
 from sharetree._transforms import T, Transform, identity
 from sharetree._transforms import slice as slice_
 
@@ -165,26 +173,32 @@ def _equal_ties(readers: list[Reader]) -> list[Suggestion]:
     return list(found.values())
 
 
-def _config(path: str) -> dict[str, object] | None:
-    """The ``config.json`` beside ``path`` (in it, for a directory), if any and readable."""
+def _config(path: str) -> dict[str, Any] | None:
+    """The ``config.json`` in the directory ``path`` (or beside the file ``path``), if any.
+
+    In a directory it is read as ``st.load`` reads it: a config that is not a regular
+    file, not JSON or names a key twice is load's E210 here too. Beside a file (which
+    ``st.load`` reads without it) an unreadable config is no config.
+    """
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     file = os.path.join(folder, CONFIG_FILE)
-    try:
-        if not os.path.isfile(file) or os.path.getsize(file) > MAX_CONFIG_BYTES:
-            return None
-        with open(file, encoding="utf-8") as f:
-            out = json.load(f)
-    except (OSError, ValueError):
+    if not os.path.lexists(file):
         return None
-    return out if isinstance(out, dict) else None
+    try:
+        return read_json(file, "E210", "inspect", MAX_CONFIG_BYTES, CONVERT)
+    except TieError:
+        if os.path.isdir(path):
+            raise
+        return None
 
 
 def _head_tie(names: Iterable[str], config: dict[str, object] | None) -> list[Suggestion]:
     """The head a config's ``tie_word_embeddings`` leaves out, read from the one embedding."""
     if config is None:
         return []
-    # transformers' default (PretrainedConfig) is to tie when the config does not say
-    said = config.get("tie_word_embeddings", "model_type" in config or None)
+    said = ties_word_embeddings(config)
+    if said is None:  # transformers' default (PretrainedConfig) ties when the config does not say
+        said = "model_type" in config
     if said is not True:
         return []
     names = list(names)
@@ -228,7 +242,39 @@ def suggest_ties(readers: list[Reader], path: str) -> list[Suggestion]:
         for r in readers
         for removed, kept in metadata_ties(r.metadata, names).items()
     ]
-    out += _equal_ties(readers)
+    config = _config(path)
+    equal = _equal_ties(readers)
+    if os.path.isdir(path) and read_config(path) is not None:
+        # MLX's layout: a quantized layer's tensors are one value (st.load's view of them)
+        # and a stored target cannot be tied by ties= (E214): none of these would load
+        equal = []
+    out += _quantized_alike(equal, readers)
     have = set(names) | {s.target for s in out}
-    out += [s for s in _head_tie(names, _config(path)) if s.target not in have]
+    out += [s for s in _head_tie(names, config) if s.target not in have]
+    return out
+
+
+def _quantized_alike(found: list[Suggestion], readers: list[Reader]) -> list[Suggestion]:
+    """``found`` less the packed words of two quantized layers whose scales or biases differ.
+
+    A quantized layer is ``<name>.weight`` (packed) beside ``<name>.scales`` and
+    ``<name>.biases`` (MLX's names): two layers are equal only when all three are.
+    """
+    owner = {name: r for r in readers for name in r.infos}
+
+    def triple(weight: str) -> tuple[str, str] | None:
+        stem = weight[: -len(".weight")] if weight.endswith(".weight") else None
+        parts = (f"{stem}.scales", f"{stem}.biases")
+        return parts if stem and all(p in owner for p in parts) else None
+
+    def equal(a: str, b: str) -> bool:
+        return np.array_equal(owner[a].read(a), owner[b].read(b))
+
+    out = []
+    for s in found:
+        mine, theirs = triple(s.target), triple(s.ref)
+        if mine and theirs and s.transform == identity:
+            if not all(equal(a, b) for a, b in zip(mine, theirs, strict=True)):
+                continue  # the same packed words, other values: not a tie
+        out.append(s)
     return out

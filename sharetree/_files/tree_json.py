@@ -21,7 +21,7 @@ from sharetree._errors import (
     short,
     wrong_type,
 )
-from sharetree._files.container import NATIVE_CODES, is_numeric
+from sharetree._files.container import CODE_OF, NATIVE_CODES, is_numeric
 from sharetree._files.format import KEY_IMPLS, MAX_DEPTH
 from sharetree._files.plan import Spread, spread
 from sharetree._files.processes import Group
@@ -41,9 +41,6 @@ _KIND_OF: dict[type, str] = {
 """The node kinds of the containers a file rebuilds on its own."""
 
 NOTHING = "; nothing was written"
-
-_CODE_OF = {name: code for code, name in NATIVE_CODES.items()}
-"""dtype name -> the safetensors code it is stored under."""
 
 
 def _spec(x: Tied, path: Path) -> Any:
@@ -251,7 +248,7 @@ class Writer:
         self.tensors[name] = np.empty(0)  # the name is taken
         self.names.append((path, name))
         assert self.group is not None
-        code = "U8" if raw else _CODE_OF[dt.name]
+        code = "U8" if raw else CODE_OF[dt.name]
         self.spreads.append(spread(name, code, x, raw, at, self.group, self.load))
         node = {"t": "buffer", "tensor": name, "dtype": dt.name, "shape": list(x.shape), "raw": raw}
         return {**node, "scalar": scalar, **({} if impl is None else {"key": impl})}
