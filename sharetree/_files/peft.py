@@ -14,7 +14,6 @@ embedding and gives the tied head the same factors, transposed: ``lora_A = B_emb
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -27,13 +26,12 @@ from sharetree._adapters import Adapter, attach
 from sharetree._errors import (
     TieError,
     error,
-    one_line,
     short,
     wrong_type,
 )
 from sharetree._files.container import Reader
-from sharetree._files.disk import DuplicateKey, PathOrStr, unique_pairs
-from sharetree._files.mlx_config import MAX_CONFIG_BYTES
+from sharetree._files.disk import PathOrStr, read_json
+from sharetree._files.hf import MAX_CONFIG_BYTES
 from sharetree._materialize import abstract_expanded, expanded_by_path, leaves_and_structure
 from sharetree._paths import Path, closest, flattening, keypath_to_path, path_str
 from sharetree._tied import is_tied
@@ -87,23 +85,6 @@ def _config_error(path: str, problem: str, found: str | None = None, fix: str = 
     return error("E342", f"load_adapter: {path!r}", problem, found=found, fix=fix or _FIX_PEFT)
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    """The JSON object of ``path`` (E342 if too large, not JSON, a key twice, not an object)."""
-    if os.path.getsize(path) > MAX_CONFIG_BYTES:
-        raise _config_error(path, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        data = json.loads(raw, object_pairs_hook=unique_pairs)
-    except DuplicateKey as e:
-        raise _config_error(path, f"names {e.key!r} twice", f"{e.first!r} and {e.second!r}") from e
-    except (ValueError, RecursionError) as e:
-        raise _config_error(path, "is not valid JSON", one_line(e)[:200]) from e
-    if not isinstance(data, dict):
-        raise _config_error(path, "is not a JSON object", type(data).__name__)
-    return data
-
-
 def _number(path: str, key: str, v: Any, *, integer: bool) -> Any:
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok or not v > 0 or not math.isfinite(v):
@@ -120,7 +101,7 @@ def _pattern(path: str, key: str, v: Any, *, integer: bool) -> dict[str, Any]:
 
 def _config(path: str) -> _Config:
     """``adapter_config.json`` checked: a LoRA of the options read, nothing else set."""
-    data = _read_json(path)
+    data = read_json(path, "E342", "load_adapter", MAX_CONFIG_BYTES, _FIX_PEFT)
     if data.get("peft_type") != "LORA":
         found = f"peft_type {short(data.get('peft_type'), 40)}"
         raise _config_error(path, "is not a LoRA adapter", found, "load a LoRA (peft_type LORA)")

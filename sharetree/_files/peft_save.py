@@ -17,9 +17,9 @@ import numpy as np
 
 from sharetree._adapters import LORA, PARAMS, adapters_of
 from sharetree._errors import TieError, check_mapping, error, wrong_type
-from sharetree._files.container import atomic_write
-from sharetree._files.disk import PathOrStr, atomic_write_text
-from sharetree._files.mlx_config import EMBEDDINGS
+from sharetree._files.container import write_tensors
+from sharetree._files.disk import PathOrStr, text_writer, write_several
+from sharetree._files.hf import EMBEDDINGS
 from sharetree._files.peft import CONFIG, PREFIX, WEIGHTS, adapter_dir_path
 from sharetree._materialize import expanded_by_path
 from sharetree._paths import Path, path_str
@@ -57,15 +57,16 @@ def save_adapter(
     """Write the adapters of ``tree`` (``add_lora``'s structure) as a PEFT LoRA directory.
 
     ``adapter_config.json`` and ``adapter_model.safetensors`` are written as
-    ``PeftModel.save_pretrained`` writes them, each atomically (a replaced file keeps
-    its mode); only the adapters, never the base. Each adapted ``<module>.weight`` is a
-    Linear (``lora_A`` / ``lora_B``) or, if its module's last name is an embedding's
-    (``embed_tokens``, ``wte``, ``tok_embeddings``, ``word_embeddings`` or ``embeddings=``),
-    an Embedding (``lora_embedding_A`` / ``_B``); each rank and scale is recorded
-    (``r`` and ``lora_alpha`` the most common, ``rank_pattern`` / ``alpha_pattern`` the
-    others). A head tied to an adapted embedding (a ``Tied`` of it, as ``st.load`` gives
-    a tied model) is written in PEFT's tied convention (``ensure_weight_tying``, the head's
-    factors the embedding's transposed), so PEFT applies the one adapter to both.
+    ``PeftModel.save_pretrained`` writes them, committed together (the config last, a
+    replaced file keeps its mode); only the adapters, never the base. Each adapted
+    ``<module>.weight`` is a Linear (``lora_A`` / ``lora_B``) or, if its module's last
+    name is an embedding's (``embed_tokens``, ``wte``, ``tok_embeddings``,
+    ``word_embeddings`` or ``embeddings=``), an Embedding (``lora_embedding_A`` /
+    ``_B``); each rank and scale is recorded (``r`` and ``lora_alpha`` the most common,
+    ``rank_pattern`` / ``alpha_pattern`` the others). A head tied to an adapted
+    embedding (a ``Tied`` of it, as ``st.load`` gives a tied model) is written in PEFT's
+    tied convention (``ensure_weight_tying``, the head's factors the embedding's
+    transposed), so PEFT applies the one adapter to both.
 
     Args:
         adapter_dir: the directory (created if missing).
@@ -162,8 +163,19 @@ def save_adapter(
         raise error("E346", f"save_adapter: {directory!r}", "is a file", fix="give a directory")
     os.makedirs(directory, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    atomic_write(os.path.join(directory, WEIGHTS), tensors, {"format": "pt"})
-    atomic_write_text(os.path.join(directory, CONFIG), json.dumps(config, indent=2, sort_keys=True))
+    write_several(  # the config last: until it is in, the previous adapter is whole
+        directory,
+        [
+            (
+                os.path.join(directory, WEIGHTS),
+                lambda tmp: write_tensors(tmp, tensors, {"format": "pt"}),
+            ),
+            (
+                os.path.join(directory, CONFIG),
+                text_writer(json.dumps(config, indent=2, sort_keys=True)),
+            ),
+        ],
+    )
 
 
 def _config_dict(
