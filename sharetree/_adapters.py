@@ -91,7 +91,9 @@ def add_lora(
     ``lora/<path>/base``, ``a`` of shape ``(..., rows, rank)`` starts uniform in
     ``±1/sqrt(rows)`` and ``b`` of ``(..., rank, columns)`` at zero (as LoRA does), so the
     adapted tree computes what the tree did. Every view of an adapted buffer (a tied head)
-    sees the adapted value; an adapted view leaves its buffer's other readers alone.
+    sees the adapted value. An adapted view moves to its base; where other views read
+    its buffers, neither through it nor as its input, they would not see the adapter,
+    so that is E340 (tie them to the view, adapt the buffer, or ``st.untie`` them first).
     Leading axes are a stack: one adapter per layer of a stacked buffer.
 
     Args:
