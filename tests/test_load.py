@@ -809,3 +809,50 @@ def test_sharded_save_and_load_on_8_simulated_devices(tmp_path) -> None:
         "equal": True,
         "head_value": True,
     }
+
+
+def test_a_load_walks_down_the_files_package_once(tmp_path) -> None:
+    """``st.load`` of a sharetree file, followed call by call (``sys.setprofile``).
+
+    Every call from one module of ``sharetree/_files`` into another goes down the table of
+    the architecture page (to a module above the caller: never back up), ``load`` stops
+    at each module it uses once (the path the page draws), and the header is parsed once.
+    """
+    import pathlib
+    import sys
+
+    from test_layout import FILES_ORDER
+
+    package = str(pathlib.Path(st.__file__).parent / "_files") + "/"
+    root = str(pathlib.Path(st.__file__).parent) + "/"
+    rank = {m: i for i, m in enumerate(FILES_ORDER)}
+    path = tmp_path / "m.safetensors"
+    tree = {"emb": np.ones((3, 2), np.float32), "head": st.Tied("emb", st.T), "b": [np.zeros(2)]}
+    st.save(path, tree)
+    calls = []
+
+    def module(frame):
+        name = frame.f_code.co_filename
+        return name[len(package) : -3] if name.startswith(package) else None
+
+    def profile(frame, event, arg):
+        if event != "call" or module(frame) is None:
+            return
+        caller = frame.f_back
+        while caller is not None and not caller.f_code.co_filename.startswith(root):
+            caller = caller.f_back  # through the standard library and json's hooks
+        if caller is not None and module(caller) != module(frame):
+            calls.append((module(caller), module(frame), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        back = st.load(path)
+    finally:
+        sys.setprofile(None)
+    assert back["head"] == st.Tied("emb", st.T)
+    ups = [c for c in calls if c[0] is not None and rank[c[1]] > rank[c[0]]]
+    assert not ups, f"calls back up the files package: {ups}"
+    from_load = [(callee, fn) for caller, callee, fn in calls if caller == "load"]
+    assert [callee for callee, _ in from_load] == ["disk", "container", "header", "reads"]
+    assert [fn for _, fn in from_load] == ["file_path", "__init__", "read_header", "read_tree"]
+    assert sum(fn == "__init__" and callee == "container" for _, callee, fn in calls) == 1

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharetree._errors import error, one_line, short
-from sharetree._files.disk import DuplicateKey, unique_pairs, write_atomically
+from sharetree._files.disk import DuplicateKey, loads, write_atomically
 
 __all__ = [
     "NATIVE_CODES",
@@ -93,7 +93,7 @@ class Reader:
                 self._data_start = 8 + n
                 header = raw.read(n) if n <= _MAX_HEADER else b""
             self._file = safe_open(path, framework="np")  # validates the header and offsets
-            self._header = json.loads(header, object_pairs_hook=unique_pairs)
+            self._header = loads(header)
             self.metadata: dict[str, str] = self._header.pop("__metadata__", None) or {}
             self.infos: dict[str, TensorInfo] = {  # sorted, as the library lists them
                 name: TensorInfo(name, h["dtype"], tuple(h["shape"]))

@@ -19,6 +19,7 @@ __all__ = [
     "DuplicateKey",
     "unique_pairs",
     "read_json",
+    "loads",
     "create_temp",
     "replaced_mode",
     "write_atomically",
@@ -65,6 +66,16 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def loads(text: str | bytes) -> Any:
+    """``json.loads`` that refuses an object naming a key twice (:class:`DuplicateKey`).
+
+    Example:
+        >>> loads('{"a": 1, "b": {"c": 2}}')
+        {'a': 1, 'b': {'c': 2}}
+    """
+    return json.loads(text, object_pairs_hook=unique_pairs)
+
+
 def read_json(path: str, code: str, verb: str, limit: int, fix: str) -> dict[str, Any]:
     """The JSON object of the small file ``path``, read bounded: every problem a ``code`` error.
 
@@ -81,7 +92,7 @@ def read_json(path: str, code: str, verb: str, limit: int, fix: str) -> dict[str
     with open(path, "rb") as f:
         raw = f.read(limit + 1)
     try:
-        data = json.loads(raw, object_pairs_hook=unique_pairs)
+        data = loads(raw)
     except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
         found = f"{short(e.first, 100)} and {short(e.second, 100)}"
         raise error(code, where, f"names {short(e.key)} twice", found=found, fix=fix) from None

@@ -216,8 +216,9 @@ def metadata_ties(metadata: Mapping[str, str], tensors: Mapping[str, Any]) -> di
     dtype ``code``). An entry is read as a tie when both of its names are tensor names (a
     tensor of the file, or a dotted name sharing its first or last part with one,
     ``lm_head.weight``); other entries are plain metadata (``format``, ``notes``, never a
-    tie). A chain of entries is followed in time linear in the entries. A recorded tie that cannot be honoured is E260: the kept
-    tensor missing, the removed name stored too, or entries that lead round in a cycle.
+    tie). A chain of entries is followed in time linear in the entries. A recorded tie that
+    cannot be honoured is E260: the kept tensor missing, the removed name stored too, or
+    entries that lead round in a cycle.
 
     Example:
         >>> import numpy as np
@@ -266,10 +267,17 @@ class _TensorNames:
         self.tensors = tensors
         self.firsts = {n.split(".", 1)[0] for n in tensors}
         self.lasts = {n.rsplit(".", 1)[-1] for n in tensors if "." in n}
+        self.flat = any("." not in n for n in tensors)  # names like 'emb', not 'a.weight'
 
     def named(self, x: str) -> bool:
-        """Whether ``x`` is a tensor of the file, or a dotted name sharing a part with one."""
+        """Whether ``x`` is a tensor of the file or named like one.
+
+        Named like one: a dotted name sharing its first or last part with a tensor's, or,
+        in a file with undotted tensor names (``emb``), an identifier.
+        """
         if x in self.tensors:
+            return True
+        if self.flat and x.isidentifier():
             return True
         return _NAME.fullmatch(x) is not None and (
             x.split(".", 1)[0] in self.firsts or x.rsplit(".", 1)[-1] in self.lasts
@@ -278,7 +286,8 @@ class _TensorNames:
     def tie(self, key: str, value: Any) -> bool:
         """Whether a metadata entry is meant as a tie: both of its names are tensor names.
 
-        ``{"notes": "w.weight"}`` is not (``notes`` names no tensor); ``{"lm_head.weight":
+        ``{"notes": "w.weight"}`` is not (``notes`` is named like no tensor of a file of
+        dotted names); ``{"lm_head.weight":
         "model.embed_tokens.weight"}`` is, the head stored once under the embedding's name.
         """
         return isinstance(value, str) and self.named(key) and self.named(value)

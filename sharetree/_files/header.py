@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from sharetree._errors import TieError, add_context, error, one_line, short
 from sharetree._files.container import NATIVE_CODES, Reader
-from sharetree._files.disk import DuplicateKey, unique_pairs
+from sharetree._files.disk import DuplicateKey, loads
 from sharetree._files.format import (
     BAD,
     FIELDS,
@@ -108,7 +107,7 @@ def read_header(
         raise error("E29", where, problem, expected=want, fix=RESAVE)
     walk = _Walk(reader, number, resolve, lazy)
     try:
-        tree = walk.node(json.loads(meta[KEY_TREE], object_pairs_hook=unique_pairs), ())
+        tree = walk.node(loads(meta[KEY_TREE]), ())
     except DuplicateKey as e:  # the parser keeps the last of two: a silent pick
         problem = f"names the field {short(e.key, 60)} twice in one object"
         raise error("E52", f"{where}: {KEY_TREE}", problem, fix=RESAVE) from None
