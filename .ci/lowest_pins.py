@@ -35,6 +35,7 @@ PINNED = (
     "tqdm",
     "torch",
     "transformers",
+    "peft",
 )
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"

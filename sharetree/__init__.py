@@ -7,11 +7,13 @@ from sharetree._errors import TieError, TieTypeError
 from sharetree._files.format import LIBRARY_VERSION as __version__  # noqa: F401 (not in __all__)
 from sharetree._files.load import load
 from sharetree._files.mlx_save import save_mlx
+from sharetree._files.peft import load_adapter
+from sharetree._files.peft_save import save_adapter
 from sharetree._files.save import save
 from sharetree._flat import Restructure, destructure
 from sharetree._grad_by_use import grad_by_use
 from sharetree._grad_report import GradReport, grad_report
-from sharetree._labels import label_by_path, mask_by_path
+from sharetree._labels import Partition, combine, label_by_path, mask_by_path, partition
 from sharetree._materialize import materialize
 from sharetree._report import Buffer, SharingGraph, View, ViewInput, canonicalize
 from sharetree._sharding import shardings_by_path
@@ -73,6 +75,7 @@ __all__ = [
     "identity",
     "index",
     "label_by_path",
+    "load_adapter",
     "load",
     "lora",
     "mask_by_path",
@@ -83,6 +86,10 @@ __all__ = [
     "reshape",
     "save",
     "save_mlx",
+    "save_adapter",
+    "partition",
+    "combine",
+    "Partition",
     "scale",
     "shardings_by_path",
     "slice",

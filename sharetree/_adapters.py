@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from sharetree._resolve import Structure, ref_to
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import dequantize, input_names, lora, parts_of, quantize
 
-__all__ = ["add_lora", "merge_lora", "PARAMS", "LORA"]
+__all__ = ["add_lora", "merge_lora", "attach", "adapters_of", "Adapter", "PARAMS", "LORA"]
 
 PARAMS, LORA = "params", "lora"
 """The keys of the tree :func:`add_lora` returns: the adapted tree, and the adapters."""
@@ -42,6 +42,14 @@ PARAMS, LORA = "params", "lora"
 _TAKES = ("a", "b", "base")
 _LORA = type(lora())  # the views add_lora writes start with it
 _DEQUANTIZE = type(dequantize(4, 64))  # the base requantize= writes back
+
+
+class Adapter(NamedTuple):
+    """One adapter: its factors ``a`` and ``b`` and its scale, ``base + scale * a @ b``."""
+
+    a: Any
+    b: Any
+    scale: float
 
 
 def _matches(pattern: str, path: Path) -> bool:
@@ -83,7 +91,9 @@ def add_lora(
     ``lora/<path>/base``, ``a`` of shape ``(..., rows, rank)`` starts uniform in
     ``±1/sqrt(rows)`` and ``b`` of ``(..., rank, columns)`` at zero (as LoRA does), so the
     adapted tree computes what the tree did. Every view of an adapted buffer (a tied head)
-    sees the adapted value; an adapted view leaves its buffer's other readers alone.
+    sees the adapted value. An adapted view moves to its base; where other views read
+    its buffers, neither through it nor as its input, they would not see the adapter,
+    so that is E340 (tie them to the view, adapt the buffer, or ``st.untie`` them first).
     Leading axes are a stack: one adapter per layer of a stacked buffer.
 
     Args:
@@ -120,6 +130,7 @@ def add_lora(
     _check_key(key)
     leaves, structure = leaves_and_structure(tree)
     chosen = _positions(structure, patterns)
+    check_untie(structure, chosen, "add_lora")
     values = expanded_by_path(tree)
     buffers = dict(zip(structure.buffer_paths, leaves, strict=True))
     adapters: dict[Path, dict[str, Any]] = {}
@@ -145,7 +156,68 @@ def add_lora(
         b = jnp.zeros((*lead, rank, cols), dtype)
         # a buffer moves; an adapted view moves with its refs rewritten
         adapters[p] = {"a": a, "b": b, "base": structure.ties.get(p, buffers.get(p))}
-    return _assemble(tree, structure, adapters, scale)
+    return _assemble(tree, structure, adapters, dict.fromkeys(adapters, scale))
+
+
+def attach(tree: Any, adapters: dict[Path, Adapter], where: str) -> dict[str, Any]:
+    """``add_lora``'s structure with the given adapters at their positions (a loaded adapter).
+
+    Each position must be one array of the materialized tree (a buffer or a whole view);
+    the factors' shapes are checked by the caller, the ties by :func:`check_untie`.
+    """
+    leaves, structure = leaves_and_structure(tree)
+    check_untie(structure, list(adapters), where)
+    buffers = dict(zip(structure.buffer_paths, leaves, strict=True))
+    moved = {
+        p: {"a": f.a, "b": f.b, "base": structure.ties.get(p, buffers.get(p))}
+        for p, f in adapters.items()
+    }
+    return _assemble(tree, structure, moved, {p: f.scale for p, f in adapters.items()})
+
+
+def _bases(structure: Structure, at: Path) -> tuple[set[Path], set[Path]]:
+    """The buffers the view ``at`` reads (through views) and the views it reads on the way."""
+    buffers: set[Path] = set()
+    views: set[Path] = set()
+    todo = list(structure.reads[at].values())
+    while todo:
+        r = todo.pop()
+        if r in structure.ties:
+            if r not in views:
+                views.add(r)
+                todo.extend(structure.reads[r].values())
+            continue
+        buffers.update(b for b in structure.buffer_paths if b[: len(r)] == r)
+    return buffers, views
+
+
+def check_untie(structure: Structure, chosen: list[Path], where: str) -> None:
+    """E340 where adapting a view would untie it from another view of the same buffers.
+
+    An adapted view moves to its base; a view that reads the same buffers, but neither
+    through the adapted one nor as its input, would not see the adapter: a silent untie.
+    """
+    for p in chosen:
+        if p not in structure.ties:
+            continue
+        mine, inputs = _bases(structure, p)
+        others = []
+        for q in structure.ties:
+            if q == p or q in inputs:
+                continue
+            theirs, through = _bases(structure, q)
+            if p not in through and theirs & mine:
+                others.append(q)
+        if others:
+            shown = ", ".join(repr(path_str(q)) for q in others[:4])
+            read = ", ".join(repr(path_str(b)) for b in sorted(mine)[:3])
+            problem = f"is a view of {read}, which the views {shown} read too"
+            problem += "; adapting it alone would untie them from it"
+            fix = f"tie them to {path_str(p)!r} (st.Tied({path_str(p)!r}, ...)) so they read the "
+            fix += (
+                "adapted value, adapt the buffer, or st.untie them first to adapt this view alone"
+            )
+            raise error("E340", f"{where}: {path_str(p)!r}", problem, fix=fix)
 
 
 def _check_key(key: Any) -> None:
@@ -161,7 +233,10 @@ def _check_key(key: Any) -> None:
 
 
 def _assemble(
-    tree: Any, structure: Structure, adapters: dict[Path, dict[str, Any]], scale: float
+    tree: Any,
+    structure: Structure,
+    adapters: dict[Path, dict[str, Any]],
+    scales: dict[Path, float],
 ) -> dict[str, Any]:
     """``{"params": tree with the views, "lora": the adapters}``, refs written for their place."""
     new_paths = {p: (PARAMS, *p) for p in adapters}
@@ -180,7 +255,7 @@ def _assemble(
         p = keypath_to_path(kp)
         if p in adapters:
             refs = {n: ref_to(q, new_paths[p], nodes) for n, q in lora_paths[p].items()}
-            return Tied(refs, lora(scale))
+            return Tied(refs, lora(scales[p]))
         return x
 
     with flattening(tree):
@@ -193,6 +268,26 @@ def _assemble(
         for n, v in named.items():
             node[n] = moved(p, (LORA, *p, n), v) if isinstance(v, Tied) else v
     return {PARAMS: params, LORA: nested}
+
+
+def _adapted(structure: Structure) -> dict[Path, Tied]:
+    """The positions (under ``params``) that are ``add_lora``'s views of their own adapter."""
+    merged: dict[Path, Tied] = {}
+    for at, t in structure.ties.items():
+        if at[0] != PARAMS or input_names(t.transform) != _TAKES:
+            continue
+        if type(parts_of(t.transform)[0]) is not _LORA or structure.reads[at] != {
+            n: (LORA, *at[1:], n) for n in _TAKES
+        }:
+            continue
+        merged[at] = t
+    return merged
+
+
+def adapters_of(adapted: Any) -> tuple[Structure, dict[Path, Tied]]:
+    """The structure of ``add_lora``'s output and its adapted positions (under ``params``)."""
+    _, structure = leaves_and_structure(adapted)
+    return structure, _adapted(structure)
 
 
 def merge_lora(adapted: Any, *, requantize: bool = False) -> Any:
@@ -223,15 +318,7 @@ def merge_lora(adapted: Any, *, requantize: bool = False) -> Any:
         fix = "pass what add_lora returned, {'params': ..., 'lora': ...}"
         raise error("E175", "merge_lora", expected="keys ['lora', 'params']", found=found, fix=fix)
     _, structure = leaves_and_structure(adapted)
-    merged: dict[Path, Tied] = {}
-    for at, t in structure.ties.items():
-        if at[0] != PARAMS or input_names(t.transform) != _TAKES:
-            continue
-        if type(parts_of(t.transform)[0]) is not _LORA or structure.reads[at] != {
-            n: (LORA, *at[1:], n) for n in _TAKES
-        }:
-            continue
-        merged[at] = t
+    merged = _adapted(structure)
     used = [
         (at, path_str(r))
         for at, named in structure.reads.items()

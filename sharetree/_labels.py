@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from sharetree._errors import TieError, error, warn, wrong_type
@@ -23,7 +24,16 @@ from sharetree._paths import (
 from sharetree._resolve import Structure, structure_of
 from sharetree._tied import is_tied
 
-__all__ = ["label_by_path", "mask_by_path", "apply_rules", "exact_pattern", "rule_pairs"]
+__all__ = [
+    "label_by_path",
+    "mask_by_path",
+    "partition",
+    "combine",
+    "Partition",
+    "apply_rules",
+    "exact_pattern",
+    "rule_pairs",
+]
 
 _MISSING: Any = object()
 
@@ -234,3 +244,72 @@ def mask_by_path(tree: Any, patterns: str | Iterable[str], *, strict: bool = Tru
     pairs = [(p, True) for p in given]
     hit = lambda _p, _x, rule: rule is not None  # noqa: E731
     return apply_rules(tree, pairs, hit, "mask_by_path", strict, credit_all=True, what="mask bit")
+
+
+class Partition(NamedTuple):
+    """A tree split by a mask: its ``trainable`` leaves, its ``frozen`` ones, ``None`` elsewhere."""
+
+    trainable: Any
+    frozen: Any
+
+
+def partition(tree: Any, mask: Any) -> Partition:
+    """Split ``tree`` by ``mask`` (:func:`mask_by_path`): what ``jax.grad`` takes, and the rest.
+
+    ``trainable`` holds the leaves where ``mask`` is ``True`` and ``None`` elsewhere,
+    ``frozen`` the others; both keep every ``Tied``. Differentiate a loss of
+    ``combine(trainable, frozen)`` with respect to ``trainable`` only: the frozen leaves
+    may be integers (a QLoRA tree's packed ``uint32`` tables), which ``jax.grad`` refuses.
+    A masked leaf that is not a float array is E341.
+
+    Example:
+        >>> import jax, numpy as np, sharetree as st
+        >>> tree = {"q": np.zeros((2, 2), np.uint32), "a": np.ones(2, np.float32)}
+        >>> train, frozen = st.partition(tree, st.mask_by_path(tree, "a"))
+        >>> train
+        {'a': array([1., 1.], dtype=float32), 'q': None}
+        >>> g = jax.grad(lambda t: st.combine(t, frozen)["a"].sum())(train)
+        >>> g["a"].tolist(), st.combine(train, frozen)["q"].dtype
+        ([1.0, 1.0], dtype('uint32'))
+    """
+    with flattening(tree):
+        kps = jtu.tree_flatten_with_path(tree, is_leaf=is_tied)[0]
+        treedef: Any = jtu.tree_structure(tree, is_leaf=is_tied)
+    with flattening(mask):
+        bits = jtu.tree_leaves(mask, is_leaf=is_tied)
+        same = jtu.tree_structure(mask, is_leaf=is_tied) == treedef
+    if not same:
+        fix = "build the mask from this tree: st.mask_by_path(tree, patterns)"
+        raise error("E341", "partition: mask", "is not of the tree's structure", fix=fix)
+    train, frozen = [], []
+    for (kp, x), bit in zip(kps, bits, strict=True):
+        if is_tied(x):
+            train.append(x)
+            frozen.append(x)
+            continue
+        if not isinstance(bit, bool):
+            where = f"partition: mask at {path_str(keypath_to_path(kp))!r}"
+            raise wrong_type("E341", where, "True or False", bit, "use st.mask_by_path")
+        dtype = getattr(x, "dtype", None)
+        if bit and (dtype is None or not jnp.issubdtype(dtype, jnp.inexact)):
+            where = f"partition: {path_str(keypath_to_path(kp))!r}"
+            found = type(x).__name__ if dtype is None else f"{dtype}{list(getattr(x, 'shape', ()))}"
+            fix = "mask float leaves only (the adapters: 'lora/*/[ab]'); keep the rest frozen"
+            raise error("E341", where, expected="a float array to train", found=found, fix=fix)
+        train.append(x if bit else None)
+        frozen.append(None if bit else x)
+    return Partition(jtu.tree_unflatten(treedef, train), jtu.tree_unflatten(treedef, frozen))
+
+
+def combine(trainable: Any, frozen: Any) -> Any:
+    """The tree :func:`partition` split: each leaf from whichever of the two holds it.
+
+    Example:
+        >>> import numpy as np, sharetree as st
+        >>> tree = {"a": np.ones(2), "b": st.Tied("a"), "n": np.arange(2)}
+        >>> st.combine(*st.partition(tree, st.mask_by_path(tree, "a")))
+        {'a': array([1., 1.]), 'b': Tied('a'), 'n': array([0, 1])}
+    """
+    pick = lambda t, f: f if t is None else t  # noqa: E731
+    with flattening(trainable):
+        return jtu.tree_map(pick, trainable, frozen, is_leaf=lambda x: x is None or is_tied(x))

@@ -466,12 +466,76 @@ def test_requantize_refuses_a_float_base_and_a_table_other_views_read():
     float_base = st.add_lora(_params(), "embed", rank=R, key=jax.random.key(0))
     with raises("E208", "'embed'", "float buffer"):
         st.merge_lora(float_base, requantize=True)
-    tree = _packed_tree()
-    tree["probe"] = st.Tied(
+    out = st.add_lora(_packed_tree(), "embed", rank=R, key=jax.random.key(0))
+    out["params"]["probe"] = st.Tied(  # another view of the packed table, tied after add_lora
         {n: f"packed/{n}" for n in ("q", "scales", "biases")}, st.dequantize(4, G) >> st.T
     )
-    out = st.add_lora(tree, "embed", rank=R, key=jax.random.key(0))
     with raises("E208", "'embed'", "'params/probe'"):
         st.merge_lora(out, requantize=True)
     with raises("E208", "requantize="):
         st.merge_lora(out, requantize="yes")
+
+
+# --- the documented recipe on a packed table; adapting a view never unties in silence -------
+
+
+def test_the_documented_recipe_trains_a_qlora_tree_holding_packed_uint32_tables():
+    out = _qlora()
+    packed, w = out["params"]["packed"], out["params"]["w"]
+    with pytest.raises(TypeError):  # what the recipe avoids: grad of the whole tree
+        jax.grad(_loss_st)(out)
+    # the recipe of docs/adapters.md, as written
+    train, frozen = st.partition(out, st.mask_by_path(out, "lora/*/[ab]"))
+    opt = optax.adam(1e-2)
+    state = opt.init(train)
+    for _ in range(3):
+        grads = jax.grad(lambda t: _loss_st(st.combine(t, frozen)))(train)
+        updates, state = opt.update(grads, state, train)
+        train = optax.apply_updates(train, updates)
+    tuned = st.combine(train, frozen)
+    # by hand: the dequantized table in NumPy, optax on the two factors alone
+    table = jnp.asarray(_dequantize_by_hand(packed["q"], packed["scales"], packed["biases"]))
+
+    def hand(ab):
+        adapted = table + S * ab["a"] @ ab["b"]
+        return _lm(adapted, w, adapted.T)
+
+    ab = {k: out["lora"]["embed"][k] for k in "ab"}
+    hand_state = opt.init(ab)
+    for _ in range(3):
+        updates, hand_state = opt.update(jax.grad(hand)(ab), hand_state, ab)
+        ab = optax.apply_updates(ab, updates)
+    for k in "ab":
+        np.testing.assert_allclose(tuned["lora"]["embed"][k], ab[k], rtol=1e-4, atol=1e-6)
+    assert tuned["params"]["packed"]["q"] is packed["q"] and packed["q"].dtype == np.uint32
+    assert tuned["params"]["head"] == st.Tied("embed", st.T)
+
+
+def _two_views_of_one_table():
+    packed = st.quantize(_rand(1, V, 2 * G), 4, G)
+    refs = {n: f"packed/{n}" for n in ("q", "scales", "biases")}
+    return {
+        "packed": packed,
+        "embed": st.Tied(refs, st.dequantize(4, G)),
+        "head": st.Tied(refs, st.dequantize(4, G) >> st.T),  # reads the table, not 'embed'
+    }
+
+
+def test_adapting_a_view_whose_table_another_view_reads_is_refused_naming_it():
+    with raises("E340", "'embed'", "'packed/q'", "'head'"):
+        st.add_lora(_two_views_of_one_table(), "embed", rank=R, key=jax.random.key(0))
+    # the fix it names: tie the head to the adapted view, and the adapter reaches both
+    tree = {**_two_views_of_one_table(), "head": st.Tied("embed", st.T)}
+    out = st.add_lora(tree, "embed", rank=R, key=jax.random.key(0))
+    out["lora"]["embed"]["b"] = _rand(3, R, 2 * G)
+    m = st.materialize(out)["params"]
+    np.testing.assert_array_equal(m["head"], m["embed"].T)
+    # or untie the head first: then the view alone is adapted, as asked
+    tree = st.untie(_two_views_of_one_table(), ["head"])
+    out = st.add_lora(tree, "embed", rank=R, key=jax.random.key(0))
+    assert not isinstance(out["params"]["head"], st.Tied)
+
+
+def test_adapting_both_views_of_one_table_separately_is_refused_too():
+    with raises("E340", "'embed'", "'head'"):
+        st.add_lora(_two_views_of_one_table(), ["embed", "head"], rank=R, key=jax.random.key(0))

@@ -1303,3 +1303,83 @@ def test_362_a_family_not_covered_warns(tmp_path):
     (w,) = caught
     assert str(w.message).startswith("[E362]") and "tie_word_embeddings" in str(w.message)
     assert "lm_head.weight" not in tree
+
+
+def test_340_add_lora_on_a_view_whose_table_another_view_reads():
+    packed = st.quantize(np.linspace(-1, 1, 4 * 32, dtype=np.float32).reshape(4, 32), 4, 32)
+    refs = {n: f"packed/{n}" for n in ("q", "scales", "biases")}
+    tree = {
+        "packed": packed,
+        "embed": st.Tied(refs, st.dequantize(4, 32)),
+        "head": st.Tied(refs, st.dequantize(4, 32) >> st.T),  # reads the table, not 'embed'
+    }
+    with raises("E340", "'embed'", "'packed/q'", "'head'", "st.untie"):
+        st.add_lora(tree, "embed", rank=2, key=jax.random.key(0))
+
+
+def test_341_partition_of_an_integer_leaf_to_train():
+    tree = {"q": np.zeros((2, 2), np.uint32), "a": np.ones(2, np.float32)}
+    with raises("E341", "'q'", "uint32[2, 2]", "lora/*/[ab]"):
+        st.partition(tree, {"q": True, "a": True})
+
+
+def _peft_dir(tmp_path, config=None, tensors=None):
+    """A PEFT LoRA directory written by hand: one Linear ``w`` of shape (4, 3), rank 2."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "adapter"
+    d.mkdir(exist_ok=True)
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["w"], **(config or {})}
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is None:
+        tensors = {
+            "base_model.model.w.lora_A.weight": np.ones((2, 3), np.float32),
+            "base_model.model.w.lora_B.weight": np.ones((4, 2), np.float32),
+        }
+    save_file(tensors, str(d / "adapter_model.safetensors"), {"format": "pt"})
+    return d
+
+
+PEFT_BASE = {"w.weight": np.zeros((4, 3), np.float32)}
+
+
+def test_342_a_peft_option_it_does_not_apply(tmp_path):
+    with raises("E342", "adapter_config.json", "use_dora = True", "merge_and_unload"):
+        st.load_adapter(_peft_dir(tmp_path, {"use_dora": True}), PEFT_BASE)
+
+
+def test_343_a_target_module_absent_from_the_tree(tmp_path):
+    with raises("E343", "'base_model.model.w.lora_A.weight'", "'w'", "'w.weight'"):
+        st.load_adapter(_peft_dir(tmp_path), {"w.weights": PEFT_BASE["w.weight"]})
+
+
+def test_344_a_rank_its_config_does_not_give(tmp_path):
+    with raises("E344", "'base_model.model.w.lora_A.weight'", "'w.weight'", "rank 3", "A [2, 3]"):
+        st.load_adapter(_peft_dir(tmp_path, {"r": 3}), PEFT_BASE)
+
+
+def test_345_a_base_copy_that_differs_from_the_tree(tmp_path):
+    d = _peft_dir(tmp_path)
+    tensors = {
+        "base_model.model.w.lora_A.weight": np.ones((2, 3), np.float32),
+        "base_model.model.w.lora_B.weight": np.ones((4, 2), np.float32),
+        "base_model.model.w.base_layer.weight": np.full((4, 3), 0.5, np.float32),
+    }
+    d = _peft_dir(tmp_path, tensors=tensors)
+    with raises("E345", "'base_model.model.w.base_layer.weight'", "'w.weight'", "0.5"):
+        st.load_adapter(d, PEFT_BASE)
+
+
+def test_346_an_adapter_directory_without_its_safetensors(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.bin").write_bytes(b"")
+    with raises("E346", "adapter_model.safetensors", "missing", "adapter_model.bin"):
+        st.load_adapter(tmp_path, PEFT_BASE)
+
+
+def test_347_save_adapter_of_a_tree_without_adapters(tmp_path):
+    with raises("E347", "save_adapter", "add_lora", "['w.weight']"):
+        st.save_adapter(tmp_path / "out", PEFT_BASE)
+    assert not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ import fnmatch
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _raises import raises
@@ -198,3 +199,62 @@ def test_the_pattern_a_missing_label_suggests_matches_that_leaf():
         with raises("E38", f"(e.g. {pattern!r} or '*')"):
             st.label_by_path({leaf[0]: tree[leaf[0]]}, {"zzz": 1}, strict=False)
     assert st.label_by_path(tree, {"a/b/c": "x", "w[[]0]": "y"}) == {"a/b": {"c": "x"}, "w[0]": "y"}
+
+
+# --- partition / combine: what jax.grad takes, and the frozen rest --------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as hs  # noqa: E402
+
+
+def _mixed_tree():
+    return {
+        "q": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "a": np.ones((2, 2), np.float32),
+        "b": {"k": np.full(3, 2.0, np.float32), "n": np.int32(4)},
+        "v": st.Tied("a", st.T),
+    }
+
+
+@given(hs.lists(hs.booleans(), min_size=2, max_size=2))
+def test_partition_then_combine_gives_the_tree_back_leaf_for_leaf(bits):
+    tree = _mixed_tree()
+    chosen = [p for p, bit in zip(["a", "b/k"], bits, strict=True) if bit]
+    mask = (
+        st.mask_by_path(tree, chosen, strict=False)
+        if chosen
+        else jax.tree.map(lambda _: False, tree)
+    )
+    train, frozen = st.partition(tree, mask)
+    flat_t = dict(jax.tree_util.tree_flatten_with_path(train, is_leaf=lambda x: x is None)[0])
+    flat_f = dict(jax.tree_util.tree_flatten_with_path(frozen, is_leaf=lambda x: x is None)[0])
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        picked = "/".join(keypath_to_path(kp)) in chosen
+        assert (flat_t[kp] is x) == picked and (flat_f[kp] is x) != picked
+        assert (flat_t[kp] is None) != picked
+    back = st.combine(train, frozen)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    assert all(x is y for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True))
+
+
+def test_grad_of_the_trainable_part_equals_the_gradient_by_hand():
+    tree = _mixed_tree()
+    train, frozen = st.partition(tree, st.mask_by_path(tree, "a"))
+
+    def loss(t):
+        m = st.materialize(st.combine(t, frozen))
+        return jnp.sum(m["v"] * jnp.arange(4.0).reshape(2, 2)) + jnp.sum(m["q"])
+
+    g = jax.grad(loss)(train)
+    np.testing.assert_array_equal(g["a"], np.arange(4.0).reshape(2, 2).T)  # d/da of sum(a.T*c)
+    assert g["q"] is None and g["v"] == st.Tied("a", st.T)
+
+
+def test_partition_refuses_integer_leaves_to_train_and_masks_of_another_tree():
+    tree = _mixed_tree()
+    with raises("E341", "'b/n'", "int32[]"):
+        st.partition(tree, st.mask_by_path(tree, "b"))
+    with raises("E341", "mask", "st.mask_by_path"):
+        st.partition(tree, {"a": True})
+    with raises("E341", "'a'", "str", cls=st.TieTypeError):
+        st.partition(tree, {**st.mask_by_path(tree, "a"), "a": "yes"})
