@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ __all__ = [
     "REGISTRY",
     "SPEC_FIX",
     "ArrayFn",
+    "Gather",
     "Names",
     "Resolve",
     "Transform",
@@ -80,6 +81,16 @@ def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return dtype  # type: ignore[return-value]
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+class Gather(NamedTuple):
+    """Entry ``l`` of a view along ``axis`` is entry ``sources[l]`` of its buffer.
+
+    What :meth:`Transform.gathers` returns (the axis counted from 0).
+    """
+
+    axis: int
+    sources: tuple[int, ...]
 
 
 def _ours(cls: type) -> bool:
@@ -182,6 +193,14 @@ class Transform:
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         """The names of the view's axes from the buffer's, or ``None`` if they are not its axes."""
+        return None
+
+    def gathers(self, aval: jax.ShapeDtypeStruct) -> Gather | None:
+        """The entries of the buffer the view reads, one per entry of an axis, or ``None``.
+
+        ``st.grad_by_use`` splits a view that gathers (``take``: ``L`` passes drawn
+        from ``K`` stacked blocks) into one use per entry.
+        """
         return None
 
     def inverse(self) -> Transform | None:

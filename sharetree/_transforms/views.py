@@ -21,7 +21,7 @@ from jax.typing import ArrayLike
 
 from sharetree._errors import error, short, wrong_type
 from sharetree._transforms.builtins import Moves, set_fields
-from sharetree._transforms.protocol import Names, Transform, canonical_dtype, is_int
+from sharetree._transforms.protocol import Gather, Names, Transform, canonical_dtype, is_int
 
 __all__ = ["index", "slice", "take"]
 
@@ -213,6 +213,10 @@ class _Take(Moves, name="take"):
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         return tuple(names) if len(names) == len(aval.shape) else None
+
+    def gathers(self, aval: jax.ShapeDtypeStruct) -> Gather:
+        axis, where = self._where(tuple(aval.shape))
+        return Gather(axis, tuple(int(i) for i in where))
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
         axis, where = self._where(np.shape(x))
