@@ -1200,3 +1200,51 @@ def test_261_ties_that_contradict_the_files_recorded_tie(tmp_path):
     save_file({"model.embed.weight": np.ones((3, 2), np.float32)}, path, metadata=meta)
     with raises("E261", "'lm_head.weight' <- 'model.embed.weight'", "scale(2.0)"):
         st.load(path, ties={"lm_head.weight": st.Tied("model.embed.weight", st.scale(2.0))})
+
+
+def test_320_st_tie_of_an_nnx_modules_variable():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class AE(nnx.Module):
+        def __init__(self):
+            self.enc = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.dec = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+
+    with raises("E320", "'dec/kernel'", "Param", "sharetree.nnx.tie", "'dec/kernel/value'"):
+        st.tie(AE(), {"dec/kernel": "enc/kernel"})
+
+
+def test_321_a_tied_inside_a_variable_naming_a_variable():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class AE(nnx.Module):
+        def __init__(self):
+            self.enc = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.dec = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+
+    model = AE()
+    model.dec.kernel = nnx.Param(st.Tied("enc/kernel"))
+    with raises("E321", "'dec/kernel/value'", "Param", "'enc/kernel/value'"):
+        st.materialize(model)
+
+
+def test_322_share_blocks_of_layers_of_different_depths():
+    tree = {"layers": {"w": np.ones((4, 2, 2)), "b": np.ones((3, 2))}}
+    with raises("E322", "'layers/w': 4", "'layers/b': 3"):
+        st.share_blocks(tree, "layers", 2)
+
+
+def test_323_share_blocks_with_more_blocks_than_layers():
+    with raises("E323", "5", "from 1 to 4"):
+        st.share_blocks({"layers": np.ones((4, 2))}, "layers", 5)
+
+
+def test_324_share_blocks_with_an_unknown_init():
+    with raises("E324", "'upper'", "'stepwise'"):
+        st.share_blocks({"layers": np.ones((4, 2))}, "layers", 2, init="upper")
+
+
+def test_325_share_blocks_never_overwrites_a_node():
+    tree = {"layers": np.ones((4, 2)), "shared": np.zeros(3)}
+    with raises("E325", "'shared'", "exists"):
+        st.share_blocks(tree, "layers", 2, blocks="shared")
