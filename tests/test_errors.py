@@ -1248,3 +1248,12 @@ def test_325_share_blocks_never_overwrites_a_node():
     tree = {"layers": np.ones((4, 2)), "shared": np.zeros(3)}
     with raises("E325", "'shared'", "exists"):
         st.share_blocks(tree, "layers", 2, blocks="shared")
+
+
+def test_326_untie_state_of_a_state_made_before_the_views_were_added():
+    optax = pytest.importorskip("optax")
+    dense = {"ffn": jnp.ones((3, 4))}
+    state = optax.adam(1e-2).init(dense)
+    moe = {**dense, "experts": st.Tied("ffn", st.reshape(1, 3, 4) >> st.take((0, 0)))}
+    with raises("E326", "'experts'", "2 array(s)"):
+        st.untie_state(state, moe, "experts")
