@@ -120,34 +120,33 @@ def _add(uses: dict[str | Path, Any], key: str | Path, g: Any) -> None:
 def by_entry(t: Transform | None, x: Any, g: Any) -> list[tuple[str | None, Any]]:
     """The cotangent ``g`` of the view ``t(x)`` pulled back into ``x``, one part per pass.
 
-    A view whose first step gathers entries (``take``) gives one part per entry it
-    reads, labelled by its position in the view (``"0"``, ``"1"``, ...); any other view
-    one part labelled ``None``. The parts sum to the view's VJP.
+    A view with a step that gathers entries (``take``, after a ``reshape`` too) gives
+    one part per entry it reads, labelled by its position in the view (``"0"``,
+    ``"1"``, ...); any other view one part labelled ``None``. The parts sum to the
+    view's VJP.
     """
     if t is None or t == identity:
         return [(None, g)]
     x = jnp.asarray(x)
-    first, *rest = parts_of(t)
-    gather = first.gathers(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    parts, y, k = parts_of(t), x, 0
+    gather = parts[0].gathers(jax.ShapeDtypeStruct(y.shape, y.dtype))
+    while gather is None and k + 1 < len(parts):  # the first step that gathers, its input y
+        y, k = parts[k](y), k + 1
+        gather = parts[k].gathers(jax.ShapeDtypeStruct(y.shape, y.dtype))
     if gather is None:
         _, vjp = jax.vjp(t, x)
         return [(None, vjp(g)[0])]
-    if rest:  # back through the steps after the gather, once
-        _, vjp = jax.vjp(chain(*rest), first(x))
-        (g,) = vjp(g)
-    zero = jnp.zeros_like(x)
-    return [
-        (
-            str(k),
-            jax.lax.dynamic_update_slice_in_dim(
-                zero,
-                jax.lax.slice_in_dim(g, k, k + 1, axis=gather.axis).astype(x.dtype),
-                i,
-                gather.axis,
-            ),
-        )
-        for k, i in enumerate(gather.sources)
-    ]
+    if k + 1 < len(parts):  # back through the steps after the gather, once
+        _, vjp_after = jax.vjp(chain(*parts[k + 1 :]), parts[k](y))
+        (g,) = vjp_after(g)
+    _, vjp_before = jax.vjp(chain(*parts[:k]), x)  # identity when the gather is first
+    zero = jnp.zeros_like(y)
+    out: list[tuple[str | None, Any]] = []
+    for e, i in enumerate(gather.sources):
+        entry = jax.lax.slice_in_dim(g, e, e + 1, axis=gather.axis).astype(y.dtype)
+        placed = jax.lax.dynamic_update_slice_in_dim(zero, entry, i, gather.axis)
+        out.append((str(e), placed if k == 0 else vjp_before(placed)[0]))
+    return out
 
 
 def _join_uses(

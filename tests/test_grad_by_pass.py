@@ -138,3 +138,17 @@ def test_report_shows_each_pass():
     for p, u in enumerate(uses[1:]):
         np.testing.assert_allclose(u.norm, np.linalg.norm(unrolled[p]["w"]), rtol=1e-5)
     assert "layers/w[5]" in str(report)
+
+
+def test_a_gather_after_a_reshape_splits_each_copy_of_one_array():
+    w = jax.random.normal(jax.random.key(10), (3, 2))
+    tree = {"w": w, "copies": st.Tied("w", st.reshape(1, 3, 2) >> st.take((0, 0, 0, 0)))}
+    scales = jnp.arange(1.0, 5.0)[:, None, None]
+
+    def loss(m):
+        return jnp.sum(scales * m["copies"] ** 2)
+
+    by_use = st.grad_by_use(loss)(tree)
+    assert set(by_use["w"]) == {"w", *(f"copies[{e}]" for e in range(4))}
+    for e in range(4):  # by hand: copy e contributes 2 * (e + 1) * w
+        np.testing.assert_allclose(by_use["w"][f"copies[{e}]"], 2.0 * (e + 1) * w, rtol=1e-6)
