@@ -237,3 +237,19 @@ def test_default_results_path_never_overwrites(tmp_path):
     assert bench.default_path(tmp_path, now).name == "2026-12-01-0905-2.json"
     assert json.loads(first.read_text()) == {"run": 1}  # the first run is kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-12-01-0905.json", "2026-12-01.json"]
+
+
+def test_looped_benchmark_checks_its_gradients_and_records_the_machine(tmp_path):
+    from benchmarks import looped
+
+    out = tmp_path / "looped.json"
+    assert looped.main(["--quick", "--out", str(out)]) == 0  # every check passed
+    saved = json.loads(out.read_text())
+    assert saved["machine"]["versions"]["jax"] and saved["machine"]["device"]
+    assert all(saved["checks"].values()) and len(saved["checks"]) == 4
+    methods = {r["method"] for r in saved["rows"]}
+    assert {"st.grad_by_use (per pass)", looped.LOOPED} <= methods
+    assert {t["target"] for t in saved["targets"]} == {
+        "tree: looped / by hand <= 1.05",
+        "flat: looped / by hand <= 1.05",
+    }
