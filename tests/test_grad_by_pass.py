@@ -8,6 +8,9 @@ copy used by pass ``p`` is what pass ``p`` contributes to its block.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _examples import examples
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 import sharetree as st
 
@@ -152,3 +155,32 @@ def test_a_gather_after_a_reshape_splits_each_copy_of_one_array():
     assert set(by_use["w"]) == {"w", *(f"copies[{e}]" for e in range(4))}
     for e in range(4):  # by hand: copy e contributes 2 * (e + 1) * w
         np.testing.assert_allclose(by_use["w"][f"copies[{e}]"], 2.0 * (e + 1) * w, rtol=1e-6)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    hs.integers(1, 3).flatmap(
+        lambda k: hs.tuples(
+            hs.just(k), hs.lists(hs.integers(-k, k - 1), min_size=1, max_size=5), hs.integers(0, 2)
+        )
+    )
+)
+def test_each_pass_of_a_take_on_any_axis_is_its_entry_of_the_cotangent_placed_by_numpy(case):
+    k, order, axis = case
+    shape = [2, 3, 2]
+    shape[axis] = k
+    w = jnp.asarray(np.random.default_rng(k).standard_normal(shape), jnp.float32)
+    out_shape = list(shape)
+    out_shape[axis] = len(order)
+    weights = jnp.asarray(np.random.default_rng(len(order)).standard_normal(out_shape), jnp.float32)
+    tree = {"w": w, "v": st.Tied("w", st.take(order, axis=axis))}
+    by_use = st.grad_by_use(lambda m: jnp.sum(weights * m["v"]))(tree)
+    g = np.asarray(weights)  # the cotangent of v
+    for p, i in enumerate(order):  # by hand: entry p of g, at entry i (mod k) of w
+        want = np.zeros(shape, np.float32)
+        index = [slice(None)] * 3
+        index[axis] = i % k
+        src = [slice(None)] * 3
+        src[axis] = p
+        want[tuple(index)] = g[tuple(src)]
+        np.testing.assert_array_equal(by_use["w"][f"v[{p}]"], want)
