@@ -142,9 +142,10 @@ def by_entry(t: Transform | None, x: Any, g: Any) -> list[tuple[str | None, Any]
     _, vjp_before = jax.vjp(chain(*parts[:k]), x)  # identity when the gather is first
     zero = jnp.zeros_like(y)
     out: list[tuple[str | None, Any]] = []
-    for e, i in enumerate(gather.sources):
-        entry = jax.lax.slice_in_dim(g, e, e + 1, axis=gather.axis).astype(y.dtype)
-        placed = jax.lax.dynamic_update_slice_in_dim(zero, entry, i, gather.axis)
+    axis, sources = gather  # entry e of the view is entry sources[e] of y, along axis
+    for e, i in enumerate(sources):
+        entry = jax.lax.slice_in_dim(g, e, e + 1, axis=axis).astype(y.dtype)
+        placed = jax.lax.dynamic_update_slice_in_dim(zero, entry, i, axis)
         out.append((str(e), placed if k == 0 else vjp_before(placed)[0]))
     return out
 

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import numpy as np
@@ -25,7 +25,6 @@ __all__ = [
     "REGISTRY",
     "SPEC_FIX",
     "ArrayFn",
-    "Gather",
     "Names",
     "Resolve",
     "Transform",
@@ -81,16 +80,6 @@ def canonical_dtype(dtype: DTypeLike) -> np.dtype[Any]:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return dtype  # type: ignore[return-value]
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-
-
-class Gather(NamedTuple):
-    """Entry ``l`` of a view along ``axis`` is entry ``sources[l]`` of its buffer.
-
-    What :meth:`Transform.gathers` returns (the axis counted from 0).
-    """
-
-    axis: int
-    sources: tuple[int, ...]
 
 
 def _ours(cls: type) -> bool:
@@ -195,13 +184,8 @@ class Transform:
         """The names of the view's axes from the buffer's, or ``None`` if they are not its axes."""
         return None
 
-    def gathers(self, aval: jax.ShapeDtypeStruct) -> Gather | None:
-        """The entries of the buffer the view reads, one per entry of an axis, or ``None``.
-
-        ``st.grad_by_use`` splits a view that gathers (``take``: ``L`` passes drawn
-        from ``K`` stacked blocks) into one use per entry.
-        """
-        return None
+    def gathers(self, aval: jax.ShapeDtypeStruct) -> tuple[int, tuple[int, ...]] | None:
+        """A ``Gather(axis, sources)`` (``take``): ``st.grad_by_use`` gives a use per entry."""
 
     def inverse(self) -> Transform | None:
         """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``."""

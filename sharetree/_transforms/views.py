@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +21,19 @@ from jax.typing import ArrayLike
 
 from sharetree._errors import error, short, wrong_type
 from sharetree._transforms.builtins import Moves, set_fields
-from sharetree._transforms.protocol import Gather, Names, Transform, canonical_dtype, is_int
+from sharetree._transforms.protocol import Names, Transform, canonical_dtype, is_int
 
-__all__ = ["index", "slice", "take"]
+__all__ = ["index", "slice", "take", "Gather"]
+
+
+class Gather(NamedTuple):
+    """Entry ``l`` of a view along ``axis`` is entry ``sources[l]`` of its buffer.
+
+    What :meth:`~sharetree.Transform.gathers` returns (the axis counted from 0).
+    """
+
+    axis: int
+    sources: tuple[int, ...]
 
 
 def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
