@@ -99,7 +99,8 @@ def share_blocks(
     stack = _stack(tree, at, where)
     n = next(iter(stack.values())).shape[0]
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
-        raise wrong_type("E323", f"{where}: num_blocks", f"an int from 1 to {n}", num_blocks)
+        fix = f"pass num_blocks=2 (an int from 1 to {n})"
+        raise wrong_type("E323", f"{where}: num_blocks", f"an int from 1 to {n}", num_blocks, fix)
     if not 1 <= num_blocks <= n:
         fix = f"pass num_blocks from 1 to {n} (the number of layers)"
         raise error("E323", f"{where}: num_blocks", found=str(num_blocks), fix=fix)
@@ -110,7 +111,11 @@ def share_blocks(
     if lora_rank is not None and (
         isinstance(lora_rank, bool) or not isinstance(lora_rank, (int, np.integer)) or lora_rank < 1
     ):
-        raise wrong_type("E324", f"{where}: lora_rank", "None or an int >= 1", lora_rank)
+        fix = "pass lora_rank=8, or None for no adapters"
+        raise wrong_type("E324", f"{where}: lora_rank", "None or an int >= 1", lora_rank, fix)
+    if isinstance(lora_scale, bool) or not isinstance(lora_scale, (int, float)) or not lora_scale:
+        fix = "pass lora_scale=1.0 (LoRA's alpha / rank)"
+        raise wrong_type("E324", f"{where}: lora_scale", "a number other than 0", lora_scale, fix)
     dest = at[:-1] + (f"{at[-1]}_blocks",) if blocks is None else to_path(blocks, "blocks")
     order = tuple(i % num_blocks for i in range(n))
     values = {p: block_init(x, int(num_blocks), init) for p, x in stack.items()}
@@ -122,7 +127,7 @@ def share_blocks(
     matrices = [p for p, x in stack.items() if x.ndim >= 3]
     if not matrices:
         fix = "pass lora_rank=None, or choose layers that hold matrices"
-        found = ", ".join(f"{path_str(p)!r} {x.shape}" for p, x in stack.items())
+        found = ", ".join(f"{path_str(at + p)!r} {x.shape}" for p, x in stack.items())
         problem = "holds no stack of matrices for adapters"
         raise error("E324", f"{where}: lora_rank", problem, found=found, fix=fix)
     chosen = [path_str(at + p) for p in matrices]

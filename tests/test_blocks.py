@@ -128,3 +128,21 @@ def test_blocks_elsewhere_and_a_single_leaf():
     )
     np.testing.assert_array_equal(out["shared"]["w"], w[:2])
     np.testing.assert_array_equal(st.materialize(out)["model"]["w"], w[[0, 1, 0, 1]])
+
+
+def test_bad_arguments_name_what_was_given():
+    from _raises import raises
+
+    tree = {"layers": _stack(4)}
+    with raises("E323", "num_blocks", "2.0", cls=st.TieTypeError):
+        st.share_blocks(tree, "layers", 2.0)
+    with raises("E324", "lora_rank", "0", cls=st.TieTypeError):
+        st.share_blocks(tree, "layers", 2, lora_rank=0)
+    with raises("E324", "lora_scale", "0.0", cls=st.TieTypeError):
+        st.share_blocks(tree, "layers", 2, lora_rank=1, lora_scale=0.0)
+    with raises("E324", "'layers/b'", "(4, 3)"):
+        st.share_blocks({"layers": {"b": np.ones((4, 3))}}, "layers", 2, lora_rank=1)
+    with raises("E322", "'nope'"):
+        st.share_blocks(tree, "nope", 2)
+    with raises("E322", "'layers/w'", "Tied"):
+        st.share_blocks({"x": np.ones(3), "layers": {"w": st.Tied("x")}}, "layers", 1)
