@@ -1,6 +1,7 @@
 """sharetree: explicit parameter sharing (tied weights) in JAX pytrees (a tour: README.md)."""
 
 from sharetree._adapters import add_lora, merge_lora
+from sharetree._blocks import share_blocks
 from sharetree._detect import find_ties, tie_identical
 from sharetree._display import summary
 from sharetree._errors import TieError, TieTypeError
@@ -91,6 +92,7 @@ __all__ = [
     "combine",
     "Partition",
     "scale",
+    "share_blocks",
     "shardings_by_path",
     "slice",
     "summary",

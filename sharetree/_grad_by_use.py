@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from sharetree._errors import error, wrong_type
 from sharetree._materialize import expand_leaves, expanded_tree, leaf_aval, leaves_and_structure
 from sharetree._paths import Path, format_aval, path_key, path_str
-from sharetree._resolve import Structure
-from sharetree._transforms import Transform, identity
+from sharetree._resolve import Leaf, Structure
+from sharetree._transforms import Transform, chain, identity, parts_of
 
-__all__ = ["grad_by_use", "join_view", "ByUse"]
+__all__ = ["grad_by_use", "join_view", "by_entry", "ByUse"]
 
 _ONE_INT = "one non-negative int, the position of the tied tree among the arguments"
 _FIX_ARGNUMS = "pass argnums=0 (or the tree's index); put trees that share buffers in one dict"
@@ -38,6 +40,12 @@ def grad_by_use(
     the view's transform by its VJP; they sum to the buffer's ``jax.grad``. A view
     computed from several buffers (``Tied({name: ref}, st.lora())``, or a view of
     one) is a use of each of them: the VJP of its whole path gives each its part.
+
+    A view that gathers entries (``Tied("blocks", st.take(order))``: the passes of a
+    looped model) is one use per pass, keyed ``"layers/w[3]"`` (pass 3), each the
+    buffer-shaped contribution of that pass alone; an input of a several-input view
+    that reads a buffer another of its inputs reads too is keyed by its name
+    (``"v[base]"``). Still one backward pass of ``fun``; then one pull-back per view.
 
     Raises:
         TieError: bad ``argnums``, too few positional arguments, a leaf with
@@ -85,21 +93,94 @@ def grad_by_use(
         by_use: ByUse = {path_key(p): {} for p in structure.buffer_paths}
         n = len(structure.buffer_paths)
         for leaf, g in zip(structure.expanded, grads, strict=True):
-            t = leaf.transform
             if leaf.buffer >= n:  # computed from a join: a contribution to each buffer it reads
-                parents = structure.parents[leaf.buffer]
-                use = functools.partial(join_view, structure, leaf.buffer, t or identity)
-                _, vjp = jax.vjp(use, {b: leaves[b] for b in parents})
-                for b, gb in vjp(g)[0].items():
-                    by_use[path_key(structure.buffer_paths[b])][path_key(leaf.path)] = gb
-                continue
-            if t is not None and t != identity:
-                _, vjp = jax.vjp(t, leaves[leaf.buffer])
-                (g,) = vjp(g)
-            by_use[path_key(structure.buffer_paths[leaf.buffer])][path_key(leaf.path)] = g
+                parts = _join_uses(structure, leaves, leaf, g)
+            else:  # one per pass where the view gathers entries
+                pulled = by_entry(leaf.transform, leaves[leaf.buffer], g)
+                parts = [(leaf.buffer, _key(path_key(leaf.path), e), gb) for e, gb in pulled]
+            for b, key, gb in parts:
+                _add(by_use[path_key(structure.buffer_paths[b])], key, gb)
         return (by_use, aux) if has_aux else by_use
 
     return by_use_fun
+
+
+def _key(key: str | Path, *labels: str | None) -> str | Path:
+    """``key`` with ``[label]`` appended for each label given (the input, the pass)."""
+    tail = "".join(f"[{x}]" for x in labels if x is not None)
+    if not tail:
+        return key
+    return f"{key}{tail}" if isinstance(key, str) else (*key[:-1], f"{key[-1]}{tail}")
+
+
+def _add(uses: dict[str | Path, Any], key: str | Path, g: Any) -> None:
+    uses[key] = uses[key] + g if key in uses else g
+
+
+def by_entry(t: Transform | None, x: Any, g: Any) -> list[tuple[str | None, Any]]:
+    """The cotangent ``g`` of the view ``t(x)`` pulled back into ``x``, one part per pass.
+
+    A view with a step that gathers entries (``take``, after a ``reshape`` too) gives
+    one part per entry it reads, labelled by its position in the view (``"0"``,
+    ``"1"``, ...); any other view one part labelled ``None``. The parts sum to the
+    view's VJP.
+    """
+    if t is None or t == identity:
+        return [(None, g)]
+    x = jnp.asarray(x)
+    parts, y, k = parts_of(t), x, 0
+    gather = parts[0].gathers(jax.ShapeDtypeStruct(y.shape, y.dtype))
+    while gather is None and k + 1 < len(parts):  # the first step that gathers, its input y
+        y, k = parts[k](y), k + 1
+        gather = parts[k].gathers(jax.ShapeDtypeStruct(y.shape, y.dtype))
+    if gather is None:
+        _, vjp = jax.vjp(t, x)
+        return [(None, vjp(g)[0])]
+    if k + 1 < len(parts):  # back through the steps after the gather, once
+        _, vjp_after = jax.vjp(chain(*parts[k + 1 :]), parts[k](y))
+        (g,) = vjp_after(g)
+    _, vjp_before = jax.vjp(chain(*parts[:k]), x)  # identity when the gather is first
+    zero = jnp.zeros_like(y)
+    out: list[tuple[str | None, Any]] = []
+    axis, sources = gather  # entry e of the view is entry sources[e] of y, along axis
+    for e, i in enumerate(sources):
+        entry = jax.lax.slice_in_dim(g, e, e + 1, axis=axis).astype(y.dtype)
+        placed = jax.lax.dynamic_update_slice_in_dim(zero, entry, i, axis)
+        out.append((str(e), placed if k == 0 else vjp_before(placed)[0]))
+    return out
+
+
+def _join_uses(
+    structure: Structure, leaves: list[Any], leaf: Leaf, g: Any
+) -> list[tuple[int, str | Path, Any]]:
+    """``(buffer, use key, contribution)`` of a leaf computed from a join, per input and pass.
+
+    An input that reads a buffer another input of the join reads too is keyed by its
+    name (``path[base]``); an input that gathers by pass too (``path[3]``).
+    """
+    n = len(structure.buffer_paths)
+    join = structure.joins[leaf.buffer - n]
+    reads = collections.Counter(b for _, x in join.inputs for b in structure.parents[x.source])
+
+    def source_value(src: int, buffers: dict[int, Any]) -> Any:
+        return buffers[src] if src < n else join_view(structure, src, identity, buffers)
+
+    every = {b: leaves[b] for b in structure.parents[leaf.buffer]}
+    values = {name: x.transform(source_value(x.source, every)) for name, x in join.inputs}
+    _, vjp = jax.vjp(lambda v: (leaf.transform or identity)(join.transform(v)), values)
+    (cotangents,) = vjp(g)
+    out: list[tuple[int, str | Path, Any]] = []
+    for name, x in join.inputs:
+        label = name if any(reads[b] > 1 for b in structure.parents[x.source]) else None
+        key = _key(path_key(leaf.path), label)
+        if x.source < n:
+            for entry, gb in by_entry(x.transform, leaves[x.source], cotangents[name]):
+                out.append((x.source, _key(key, entry), gb))
+            continue
+        parents = {b: leaves[b] for b in structure.parents[x.source]}
+        _, vjp_in = jax.vjp(lambda bs, x=x: x.transform(source_value(x.source, bs)), parents)
+        out += [(b, key, gb) for b, gb in vjp_in(cotangents[name])[0].items()]
+    return out
 
 
 def join_view(structure: Structure, source: int, t: Transform, buffers: dict[int, Any]) -> Any:

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import difflib
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
@@ -266,6 +267,16 @@ def prefixes(path: Path) -> list[Path]:
 def node_paths(positions: Iterable[Path]) -> set[Path]:
     """The paths of every node at or above the given positions (the root excluded)."""
     return {p for position in positions for p in prefixes(position)}
+
+
+def nnx_variable(x: Any, base: str = "Variable") -> str | None:
+    """The class name of ``x`` if it is a Flax NNX ``Variable`` (``"Param"``), else ``None``.
+
+    ``base="Module"``: the same for an NNX module. Flax is never imported here: a tree
+    holds no NNX object unless ``flax.nnx`` is loaded.
+    """
+    cls = getattr(sys.modules.get("flax.nnx"), base, None)
+    return type(x).__name__ if cls is not None and isinstance(x, cls) else None
 
 
 def is_array_leaf(x: Any) -> bool:

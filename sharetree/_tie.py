@@ -21,7 +21,7 @@ from sharetree._compare import (
     kind,
     kinds_differ,
 )
-from sharetree._errors import check_bool, check_mapping, error, short
+from sharetree._errors import TieError, check_bool, check_mapping, error, short
 from sharetree._grad_by_use import join_view
 from sharetree._materialize import (
     abstract_expanded,
@@ -37,6 +37,7 @@ from sharetree._paths import (
     closest,
     keypath_to_path,
     leaves_with_paths,
+    nnx_variable,
     node_paths,
     path_str,
     prefixes,
@@ -50,6 +51,7 @@ from sharetree._resolve import (
     skeleton,
     structure_of,
     treedef_nodes,
+    written,
 )
 from sharetree._tied import Tied, is_tied
 from sharetree._transforms import chain, identity
@@ -105,9 +107,16 @@ def tie(
             raise error("E6", where, "overlap", fix=f"keep only {path_str(a)!r}")
 
     seen: set[Path] = set()  # every node looked at; a target stops the walk where it is
+    modules: set[Path] = set()  # NNX modules (graph mode): their Variables keep their kind
+    variables: dict[Path, str] = {}  # targets that are Variables of a module: their kinds
 
     def stop(kp: Any, x: Any) -> bool:
         seen.add(path := keypath_to_path(kp))
+        if nnx_variable(x, "Module") is not None:
+            modules.add(path)
+        kind_ = nnx_variable(x) if path in new else None
+        if kind_ is not None and any(p in modules for p in [(), *prefixes(path)]):
+            variables[path] = kind_
         return path in new
 
     new = _from_the_root(tree, new)  # checks first that the tree flattens
@@ -118,12 +127,27 @@ def tie(
         hint = closest(missing[0], {path_str(p) for p in seen if p})
         gone = f"does not exist in the tree; {hint}"
         raise error("E5", f"tie target {missing[0]!r}", gone, fix=_MISSING)
+    if variables:
+        raise _variable_target(variables, new)
     structure_of(jtu.tree_structure(out))  # dangling refs, cycles, self-references
     if check:
         _check(tree, out, new)
     if atol is not None:
         _check_values(tree, out, new, atol)
     return out
+
+
+def _variable_target(variables: dict[Path, str], new: dict[Path, Tied]) -> TieError:
+    """E320: targets that are NNX Variables, which a bare ``Tied`` would replace."""
+    target, kind_ = next(iter(variables.items()))
+    plain = lambda t: t.inputs is None and t.transform == identity  # noqa: E731
+    ties = {path_str(p): written(t) if plain(t := new[p]) else t for p in variables}
+    values = {f"{t}/value": f"{r}/value" for t, r in ties.items() if isinstance(r, str)}
+    problem = f"is an NNX {kind_}: a bare Tied in its place would drop its kind and metadata"
+    fix = f"sharetree.nnx.tie(model, {ties!r}) keeps each Variable and ties its value"
+    fix += f" (st.tie of the values, {values!r}, does the same)" if values else ""
+    fix += "; for an nnx.State, sharetree.nnx.split(model, ties=...)"
+    return error("E320", f"tie target {path_str(target)!r}", problem, fix=fix)
 
 
 def _from_the_root(tree: Any, new: dict[Path, Tied]) -> dict[Path, Tied]:

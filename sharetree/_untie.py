@@ -256,4 +256,23 @@ def untie_state(
         return _untie_positions(x, at, "untie_state", moved_tree)
 
     check_flattens(opt_state)  # too deep, or unsortable dict keys: before a flatten with a callback
-    return jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)
+    out = jtu.tree_map_with_path(visit, opt_state, is_leaf=params_like)
+    found = jtu.tree_leaves(opt_state, is_leaf=params_like)
+    if not any(map(params_like, found)):  # nothing to untie: a state for another tree?
+        _check_some_part(found, leaves, at)
+    return out
+
+
+def _check_some_part(found: list[Any], leaves: list[Any], at: set[Path]) -> None:
+    """E326: a state with buffer-shaped arrays but no part shaped like the tree (silent else)."""
+    shapes = {np.shape(b) for b in leaves if np.ndim(b) > 0}
+    like = [x for x in found if np.ndim(x) > 0 and np.shape(x) in shapes]
+    if like:
+        views = ", ".join(repr(path_str(p)) for p in sorted(at)[:4])
+        problem = "has no part shaped like the tree, so the views would get no state"
+        found_ = f"{len(like)} array(s) of the buffers' shapes in parts of another structure"
+        fix = (
+            "make the state from the tree with its Tied nodes (optimizer.init(tree)): ties add "
+            "no leaves, so put the views in the tree before training and the state fits it"
+        )
+        raise error("E326", f"untie_state of {views}", problem, found=found_, fix=fix)

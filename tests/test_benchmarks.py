@@ -259,3 +259,19 @@ def test_flat_sharded_benchmark_checks_hold_at_tiny_size(tmp_path):
     tree, flat = facts["collectives"]["tree"], facts["collectives"]["flat"]
     assert flat.get("all-gather", 0) <= tree.get("all-gather", 0) + 1
     assert flat.get("all-reduce", 0) <= tree.get("all-reduce", 0)
+
+
+def test_looped_benchmark_checks_its_gradients_and_records_the_machine(tmp_path):
+    from benchmarks import looped
+
+    out = tmp_path / "looped.json"
+    assert looped.main(["--quick", "--out", str(out)]) == 0  # every check passed
+    saved = json.loads(out.read_text())
+    assert saved["machine"]["versions"]["jax"] and saved["machine"]["device"]
+    assert all(saved["checks"].values()) and len(saved["checks"]) == 4
+    methods = {r["method"] for r in saved["rows"]}
+    assert {"st.grad_by_use (per pass)", looped.LOOPED} <= methods
+    assert {t["target"] for t in saved["targets"]} == {
+        "tree: looped / by hand <= 1.05",
+        "flat: looped / by hand <= 1.05",
+    }

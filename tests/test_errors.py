@@ -1383,3 +1383,60 @@ def test_347_save_adapter_of_a_tree_without_adapters(tmp_path):
     with raises("E347", "save_adapter", "add_lora", "['w.weight']"):
         st.save_adapter(tmp_path / "out", PEFT_BASE)
     assert not (tmp_path / "out").exists()
+
+
+def test_320_st_tie_of_an_nnx_modules_variable():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class AE(nnx.Module):
+        def __init__(self):
+            self.enc = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.dec = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+
+    with raises("E320", "'dec/kernel'", "Param", "sharetree.nnx.tie", "'dec/kernel/value'"):
+        st.tie(AE(), {"dec/kernel": "enc/kernel"})
+
+
+def test_321_a_tied_inside_a_variable_naming_a_variable():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class AE(nnx.Module):
+        def __init__(self):
+            self.enc = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.dec = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+
+    model = AE()
+    model.dec.kernel = nnx.Param(st.Tied("enc/kernel"))
+    with raises("E321", "'dec/kernel/value'", "Param", "'enc/kernel/value'"):
+        st.materialize(model)
+
+
+def test_322_share_blocks_of_layers_of_different_depths():
+    tree = {"layers": {"w": np.ones((4, 2, 2)), "b": np.ones((3, 2))}}
+    with raises("E322", "'layers/w': 4", "'layers/b': 3"):
+        st.share_blocks(tree, "layers", 2)
+
+
+def test_323_share_blocks_with_more_blocks_than_layers():
+    with raises("E323", "5", "from 1 to 4"):
+        st.share_blocks({"layers": np.ones((4, 2))}, "layers", 5)
+
+
+def test_324_share_blocks_with_an_unknown_init():
+    with raises("E324", "'upper'", "'stepwise'"):
+        st.share_blocks({"layers": np.ones((4, 2))}, "layers", 2, init="upper")
+
+
+def test_325_share_blocks_never_overwrites_a_node():
+    tree = {"layers": np.ones((4, 2)), "shared": np.zeros(3)}
+    with raises("E325", "'shared'", "exists"):
+        st.share_blocks(tree, "layers", 2, blocks="shared")
+
+
+def test_326_untie_state_of_a_state_made_before_the_views_were_added():
+    optax = pytest.importorskip("optax")
+    dense = {"ffn": jnp.ones((3, 4))}
+    state = optax.adam(1e-2).init(dense)
+    moe = {**dense, "experts": st.Tied("ffn", st.reshape(1, 3, 4) >> st.take((0, 0)))}
+    with raises("E326", "'experts'", "2 array(s)"):
+        st.untie_state(state, moe, "experts")

@@ -342,3 +342,37 @@ def test_a_variable_tied_to_one_of_another_kind_keeps_its_own_kind_through_merge
     _, untied = nnx.split(merged)
     assert type(untied["bn"]["mean"]) is nnx.BatchStat
     np.testing.assert_array_equal(untied["bn"]["mean"][...], model.lin.bias[...])
+
+
+def test_st_tie_of_a_modules_variable_is_refused_and_the_model_is_left_as_it_was():
+    model = AE(rngs=nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    with raises("E320", "'dec/kernel'", "Param", "sharetree.nnx.tie"):
+        st.tie(model, TIES)
+    assert isinstance(model.dec.kernel, nnx.Param)  # nothing replaced
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_st_tie_of_the_values_keeps_each_variables_kind_and_metadata_as_nnx_tie_does():
+    model = AE(rngs=nnx.Rngs(0))
+    model.dec.kernel = nnx.LoRAParam(model.dec.kernel[...], tag="decoder")  # kind, metadata
+    by_st = st.tie(model, {"dec/kernel/value": st.Tied("enc/kernel/value", st.T)})
+    by_nnx = stnnx.tie(model, {"dec/kernel": st.Tied("enc/kernel", st.T)})
+    for tied in (by_st, by_nnx):
+        assert type(tied.dec.kernel) is nnx.LoRAParam
+        assert tied.dec.kernel.get_metadata()["tag"] == "decoder"
+    assert jax.tree.structure(by_st) == jax.tree.structure(by_nnx)
+    m = st.materialize(by_st)
+    np.testing.assert_array_equal(m.dec.kernel[...], np.asarray(m.enc.kernel[...]).T)
+
+
+def test_a_tied_inside_a_variable_that_names_a_variable_is_refused_with_its_value_path():
+    model = AE(rngs=nnx.Rngs(0))
+    model.dec.kernel = nnx.Param(st.Tied("enc/kernel", st.T))
+    with raises("E321", "'dec/kernel/value'", "'enc/kernel/value'"):
+        st.materialize(model)
+    model.dec.kernel = nnx.Param(st.Tied("enc/kernel/value", st.T))  # the fix: its value
+    m = st.materialize(model)
+    assert type(m.dec.kernel) is nnx.Param and not isinstance(m.dec.kernel[...], nnx.Variable)
+    np.testing.assert_array_equal(m.dec.kernel[...], np.asarray(m.enc.kernel[...]).T)

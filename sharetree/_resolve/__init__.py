@@ -6,7 +6,7 @@ tree (the nodes at a path, the ref that reads a path); ``resolver`` the lookup o
 """
 
 from sharetree._resolve.records import Input, Join, Leaf, Structure, ViewLeaf
-from sharetree._resolve.refs import nodes_at, ref_to, skeleton, treedef_nodes
+from sharetree._resolve.refs import nodes_at, ref_to, skeleton, treedef_nodes, written
 from sharetree._resolve.resolver import STRUCTURE_CACHE_SIZE, structure_of
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "ref_to",
     "skeleton",
     "treedef_nodes",
+    "written",
     "STRUCTURE_CACHE_SIZE",
 ]

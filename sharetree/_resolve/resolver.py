@@ -22,6 +22,7 @@ from sharetree._paths import (
     key_str,
     keypath_to_path,
     leaves_with_paths,
+    nnx_variable,
     node_paths,
     path_str,
     plural,
@@ -279,6 +280,13 @@ class _Resolver:
             if len(found) != 1:
                 where = f"path {path_str(path)!r}"
                 raise error("E16", where, f"names {len(found)} nodes", expected="one", fix=_FIX_KEY)
+            kind = nnx_variable(found[0])
+            if kind is not None and self._in_variable(at):  # a Variable copied into another
+                value = f"{path_str(path)}/value"
+                where = f"the Tied at {path_str(at)!r}"
+                problem = f"names the NNX {kind} at {path_str(path)!r}, not its value"
+                fix = f"refer to {value!r} (sharetree.nnx.tie writes its refs so)"
+                raise error("E321", where, problem, fix=fix)
 
             def visit(kp: Any, x: Any) -> Any:
                 return self.memo[path + keypath_to_path(kp)] if isinstance(x, Tied) else x
@@ -290,6 +298,11 @@ class _Resolver:
         if len(found) != 1:
             raise self._missing(at, name, path, None)
         return _compose(found[0], t)
+
+    def _in_variable(self, at: Path) -> bool:
+        """Whether the ``Tied`` at ``at`` is the value of an NNX Variable."""
+        parent = nodes_at(self.placeholder, at[:-1]) if at else []
+        return len(parent) == 1 and nnx_variable(parent[0]) is not None
 
     def build(self, at: Path) -> Any:
         t = self.tied_at[at]

@@ -186,6 +186,9 @@ class Transform:
         """The names of the view's axes from the buffer's, or ``None`` if they are not its axes."""
         return None
 
+    def gathers(self, aval: jax.ShapeDtypeStruct) -> tuple[int, tuple[int, ...]] | None:
+        """A ``Gather(axis, sources)`` (``take``): ``st.grad_by_use`` gives a use per entry."""
+
     def inverse(self) -> Transform | None:
         """A transform ``u`` with ``u(self(x))`` equal to ``x`` bit for bit, or ``None``."""
         return None

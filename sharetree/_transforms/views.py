@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,17 @@ from sharetree._errors import error, short, wrong_type
 from sharetree._transforms.builtins import Moves, set_fields
 from sharetree._transforms.protocol import Names, Transform, canonical_dtype, is_int
 
-__all__ = ["index", "slice", "take"]
+__all__ = ["index", "slice", "take", "Gather"]
+
+
+class Gather(NamedTuple):
+    """Entry ``l`` of a view along ``axis`` is entry ``sources[l]`` of its buffer.
+
+    What :meth:`~sharetree.Transform.gathers` returns (the axis counted from 0).
+    """
+
+    axis: int
+    sources: tuple[int, ...]
 
 
 def _axis(t: Transform, axis: int, shape: tuple[int, ...]) -> int:
@@ -213,6 +223,10 @@ class _Take(Moves, name="take"):
 
     def axis_names(self, names: Names, aval: jax.ShapeDtypeStruct) -> Names | None:
         return tuple(names) if len(names) == len(aval.shape) else None
+
+    def gathers(self, aval: jax.ShapeDtypeStruct) -> Gather:
+        axis, where = self._where(tuple(aval.shape))
+        return Gather(axis, tuple(int(i) for i in where))
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
         axis, where = self._where(np.shape(x))
