@@ -102,7 +102,7 @@ def save_adapter(
     """
     directory = adapter_dir_path(adapter_dir, "save_adapter")
     if base_model_name_or_path is not None and not isinstance(base_model_name_or_path, str):
-        raise wrong_type("E347", "save_adapter: base_model_name_or_path=", "a str or None",
+        raise wrong_type("E347", "save_adapter(base_model_name_or_path=...)", "a str or None",
                          base_model_name_or_path, "pass the model's name")  # fmt: skip
     kinds = set(EMBEDDINGS if embeddings is None else embeddings)
     check_mapping(tree, "E347", "save_adapter", "the dict add_lora returns")
