@@ -33,6 +33,8 @@ def run_block(page: str, i: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         importlib.util.find_spec(m) for m in ("torch", "transformers")
     ):
         pytest.skip("needs torch and transformers")
+    if "nnx.set_graph_mode" in code and not _has_tree_mode():
+        pytest.skip("NNX tree mode (nnx.set_graph_mode) needs flax >= 0.12.6")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # tempfile.mkdtemp lands in pytest's tmp dir
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = io.StringIO()
@@ -41,3 +43,9 @@ def run_block(page: str, i: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
     if "print(" in code:
         assert out.getvalue() == shown, f"docs/{page} block {i}: the text after it is stale"
+
+
+def _has_tree_mode() -> bool:
+    from flax import nnx
+
+    return hasattr(nnx, "set_graph_mode")

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 CONFIG = (ROOT / "mkdocs.yml").read_text()
 # pages whose ```python blocks are tested elsewhere: integrations.md by test_examples.py,
-# saving_and_scaling.md by test_docs.py, views.md by test_views_doc.py; README sections by
-# test_readme.py
-TESTED_ELSEWHERE = {"integrations.md", "saving_and_scaling.md", "views.md"}
+# saving_and_scaling.md by test_docs.py, views.md by test_views_doc.py, looped.md by
+# test_looped_doc.py; README sections by test_readme.py
+TESTED_ELSEWHERE = {"integrations.md", "saving_and_scaling.md", "views.md", "looped.md"}
 
 
 def _api_entries() -> list[str]:

@@ -9,6 +9,7 @@ one-device flat vector.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import _multihost_launcher as launcher
+import jax
 import pytest
 
 WORKER = Path(__file__).with_name("_flat_sharded_worker.py")
@@ -62,16 +64,22 @@ def _check_layout(facts: dict, processes: int) -> None:
     assert facts["grad_error"] <= 1e-6 * max(1.0, facts["grad_scale"])
     assert facts["padding_grad"] == 0.0
     # the flat client runs equal the one-device runs, moved the parameters, not the padding
-    for client in CLIENTS:
+    # every client ran, but lineax where it cannot run on these versions (see _lineax_runs)
+    assert set(facts["clients"]) == set(CLIENTS) - ({"cg"} if "cg_unavailable" in facts else set())
+    for client in facts["clients"]:
         assert facts[f"{client}_error"] <= 1e-5, client
         assert facts[f"{client}_moved"] > 1e-2, client
         assert facts[f"{client}_padding"] == 0.0, client
-    assert facts["cg_steps"][0] == facts["cg_steps"][1] < 200  # converged, in as many steps
+    if "cg" in facts["clients"]:
+        assert facts["cg_steps"][0] == facts["cg_steps"][1] < 200  # converged, in as many steps
 
 
 def _check_collectives(facts: dict) -> None:
     plain, flat = facts["plain_collectives"], facts["flat_collectives"]
     replicated = facts["replicated_buffers"]
+    if replicated and "to" not in inspect.signature(jax.lax.all_gather).parameters:
+        # jax < 0.10: the untyped all_gather, whose gradient reduce-scatters (docs/flat.md)
+        pytest.skip("this jax's all_gather has no to=: a replicated buffer's VJP reduce-scatters")
     # restructure: one gather per replicated buffer, nothing in its VJP
     assert facts["unpack_collectives"] == ({"all-gather": replicated} if replicated else {})
     assert facts["unpack_vjp_collectives"] == {}
@@ -105,3 +113,14 @@ def test_two_processes_four_devices_each(two_processes: list[dict], layout: str)
         assert facts["processes"] == 2
         _check_layout(facts["layouts"][layout], processes=2)
         _check_collectives(facts["layouts"][layout])
+
+
+def test_lineax_cg_ran_where_lineax_runs(one_process: dict) -> None:
+    """lineax 0.1.0 (the newest beside jax 0.8.1) fails in its own primitive binding with
+    jax 0.8.1 and equinox 0.12.2 (the lowest-versions job), on one device as on eight:
+    the CG client is then skipped, never silently passed."""
+    for layout in LAYOUTS:
+        facts = one_process["layouts"][layout]
+        if "cg_unavailable" in facts:
+            pytest.skip(facts["cg_unavailable"][:200])
+        assert "cg" in facts["clients"]
