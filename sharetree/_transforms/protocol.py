@@ -122,15 +122,14 @@ class Transform:
             raise wrong_type("E100", where, "no built-in as base", built_in.__qualname__, fix)
         if name is None:
             return  # an abstract intermediate class: not readable from a spec
+        where = f"{cls.__qualname__}(name=...)"
         if not isinstance(name, str) or not name:
             example = f"class {cls.__name__}(st.Transform, name='mylib_{cls.__name__.lower()}')"
-            raise wrong_type(
-                "E100", f"{cls.__qualname__}(name=...)", "a non-empty str", name, example
-            )
+            raise wrong_type("E100", where, "a non-empty str", name, example)
         old = REGISTRY.get(name, cls)
         if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             fix = f"choose another name (prefixed with your package's): {old.__qualname__} has it"
-            raise wrong_type("E100", f"{cls.__qualname__}(name=...)", "a free name", name, fix)
+            raise wrong_type("E100", where, "a free name", name, fix)
         cls.spec_name = name
         REGISTRY[name] = cls
 
@@ -389,10 +388,8 @@ def check_inputs(t: Transform, names: tuple[str | None, ...], tied: str) -> None
     missing = sorted(set(takes) - set(names))
     extra = sorted(set(names) - set(takes))  # type: ignore[type-var]
     if missing or extra:
-        found = "; ".join(
-            [f"missing {', '.join(map(repr, missing))}"] * bool(missing)
-            + [f"not taken: {', '.join(map(repr, extra))}"] * bool(extra)
-        )
+        said = [f"missing {', '.join(map(repr, missing))}"] * bool(missing)
+        found = "; ".join(said + [f"not taken: {', '.join(map(repr, extra))}"] * bool(extra))
         expected = f"the inputs {', '.join(map(repr, takes))}"
         fix = "name the refs as the transform takes them"
         raise error("E103", where, expected=expected, found=found, fix=fix)
