@@ -240,6 +240,9 @@ def check(layout: str, mesh: Mesh) -> dict:
     facts["unpack_collectives"] = collectives(flat_text, "(_unpack_local)")
     facts["unpack_vjp_collectives"] = collectives(flat_text, "transpose(jvp(jit(_unpack_local")
     facts["replicated_buffers"] = sum(r > 1 for r in layout_.replicas)
+    facts["replicated_axes"] = sum(
+        len(axes) for axes, r in zip(layout_.gather_axes, layout_.replicas) if r > 1
+    )
     # the clients, against the same runs on the one-device flat vector
     flat1, re1 = st.destructure(ref_tree)
     ours, theirs = run_clients(flat, re), run_clients(flat1, re1)
