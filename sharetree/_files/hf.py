@@ -22,7 +22,6 @@ __all__ = [
     "checkpoint_readers",
     "config_entry",
     "head_of",
-    "ties_word_embeddings",
 ]
 
 
@@ -171,13 +170,3 @@ def config_entry(name: str, config: Mapping[str, Any]) -> tuple[str, Any]:
     if isinstance(text, dict) and name in text:
         return f"text_config.{name}", text[name]
     return name, None
-
-
-def ties_word_embeddings(config: Mapping[str, Any]) -> bool | None:
-    """What a ``config.json`` says of ``tie_word_embeddings`` (or its ``text_config``'s).
-
-    ``None``: it does not say (transformers' default then ties, where no head is stored);
-    a value that is not a bool is ``None`` too (nothing a reader could act on).
-    """
-    said = config_entry("tie_word_embeddings", config)[1]
-    return said if isinstance(said, bool) else None
